@@ -1,0 +1,67 @@
+"""Orbax export / import of model params (plus the config they belong to).
+
+Layout of an exported directory: `config.json` (the HF-style config, see config.to_hf_config) and `params/`
+(an orbax StandardCheckpointer tree). Restores go straight to the requested shardings. The whole directory is
+built under a temporary name and renamed into place, so it is either complete or absent.
+Training checkpoints (optimizer, data iterator, RNG) are managed by train/loop.py with a CheckpointManager.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh
+
+from orl_jax import params as P
+from orl_jax.config import ModelConfig, from_hf_config, to_hf_config
+from orl_jax.model import qwen3
+
+
+def save_params(directory: str | os.PathLike, cfg: ModelConfig, params: dict, *, overwrite: bool = False) -> Path:
+    directory = Path(directory).absolute()
+    if directory.exists() and any(directory.iterdir()) and not overwrite:
+        raise ValueError(f"output directory {str(directory)!r} exists and is not empty (pass overwrite=True)")
+    P.check_tree(params, qwen3.param_specs(cfg))
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(tmp / "params", params)
+            ckptr.wait_until_finished()
+        (tmp / "config.json").write_text(json.dumps(to_hf_config(cfg) | {"dtype": cfg.dtype}, indent=2))
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def load_params(directory: str | os.PathLike, *, dtype: str | None = None,
+                mesh: Mesh | None = None) -> tuple[ModelConfig, dict]:
+    """Restore (config, params); `dtype` overrides the saved dtype, `mesh` shards the restored arrays."""
+    directory = Path(directory).absolute()
+    cfg_file = directory / "config.json"
+    if not cfg_file.exists() or not (directory / "params").exists():
+        raise ValueError(f"{str(directory)!r} is not an orl_jax params export (needs config.json and params/)")
+    hf = json.loads(cfg_file.read_text())
+    cfg = from_hf_config(hf, dtype=dtype or hf.get("dtype", "bfloat16"))
+    specs = qwen3.param_specs(cfg)
+    target = P.abstract(specs)
+    if mesh is not None:
+        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                              target, P.shardings(specs, mesh))
+    else:
+        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev), target)
+    with ocp.StandardCheckpointer() as ckptr:
+        params = ckptr.restore(directory / "params", target)
+    P.check_tree(params, specs, where=str(directory))
+    return cfg, params

@@ -1,0 +1,72 @@
+"""Grouped-query attention over [cache | current tokens], and the visibility masks of block diffusion.
+
+Every pass attends to the concatenation of the KV cache (committed prefix) and the tokens of the pass itself.
+Which keys a query sees is a boolean mask [B, L, S + L] built here:
+
+- cache part: a slot is visible when it holds a committed token of this row (start[b] <= slot < length);
+- self part: `seg_start` gives each current token the index of the first token of its visibility segment, and
+  query q sees key k iff seg_start[k] <= seg_start[q]. Per-token segments give a causal mask, one segment a fully
+  bidirectional canvas, and prompt-tokens-causal + answer-blocks gives block-causal (block diffusion training);
+- staircase (ORL replay) masks are built by the trainer and passed in whole.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked row (left padding) stays NaN-free
+
+
+def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.Array:
+    """q [B, L, N, H]; parts: (k [B, S, K, H], v [B, S, K, H], mask [B, L, S]) -> [B, L, N, H].
+
+    The parts (cache, self) share one softmax: their scores are concatenated, never their K/V, so a long cache is
+    read once and not copied. Scores and softmax run in float32 (as HF's eager attention does).
+    """
+    b, l, n, h = q.shape
+    kv = parts[0][0].shape[2]
+    qg = q.reshape(b, l, kv, n // kv, h)  # [B, L, K, G, H]
+    scores = []
+    for k, _, mask in parts:
+        s = jnp.einsum("blkgh,bskh->bkgls", qg, k, preferred_element_type=jnp.float32) * (h ** -0.5)
+        scores.append(jnp.where(mask[:, None, None], s, _NEG))  # [B, K, G, L, S]
+    p = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    o, at = 0.0, 0
+    for k, v, _ in parts:
+        o = o + jnp.einsum("bkgls,bskh->blkgh", p[..., at:at + k.shape[1]].astype(v.dtype), v,
+                           preferred_element_type=jnp.float32)
+        at += k.shape[1]
+    return o.astype(q.dtype).reshape(b, l, n, h)  # [B, L, N, H]
+
+
+# --- segment starts for the self part ------------------------------------------------------------------------
+
+def causal_segments(batch: int, length: int) -> jax.Array:
+    """Each token its own segment: a causal mask."""
+    return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+
+
+def full_segments(batch: int, length: int) -> jax.Array:
+    """One segment: every token sees every other (a diffusion canvas)."""
+    return jnp.zeros((batch, length), jnp.int32)
+
+
+def block_segments(batch: int, length: int, prompt_length: int, block_length: int) -> jax.Array:
+    """Block-causal: prompt tokens causal, then blocks of `block_length` bidirectional inside, causal across."""
+    i = jnp.arange(length, dtype=jnp.int32)
+    blk = prompt_length + (i - prompt_length) // block_length * block_length
+    return jnp.broadcast_to(jnp.where(i < prompt_length, i, blk), (batch, length))
+
+
+def self_mask(seg_start: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+    """[B, L] segment starts (+ optional [B, L] key validity) -> [B, L, L] visibility."""
+    m = seg_start[:, None, :] <= seg_start[:, :, None]
+    return m if valid is None else m & valid[:, None, :]
+
+
+def cache_mask(start: jax.Array, length: jax.Array, cache_size: int, num_queries: int) -> jax.Array:
+    """[B, L, S]: slot j of row b is visible iff start[b] <= j < length."""
+    j = jnp.arange(cache_size, dtype=jnp.int32)
+    m = (j[None] >= start[:, None]) & (j[None] < length)  # [B, S]
+    return jnp.broadcast_to(m[:, None, :], (start.shape[0], num_queries, cache_size))

@@ -1,0 +1,40 @@
+"""Static-size KV cache of the committed prefix.
+
+Prompts are left-padded so every row writes the same slots: a block is committed at slot `length` for the whole
+batch with one dynamic_update_slice, and the shapes never depend on the prompt. Row b's tokens live in slots
+[start[b], length); the RoPE position of slot j is j - start[b].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class KVCache:
+    k: jax.Array  # [layers, B, S, K, H]
+    v: jax.Array  # [layers, B, S, K, H]
+    start: jax.Array  # [B] int32: first real (non-pad) slot of each row
+    length: jax.Array  # [] int32: slots filled so far (shared by all rows)
+
+    @property
+    def size(self) -> int:
+        return self.k.shape[2]
+
+    @classmethod
+    def empty(cls, num_layers: int, batch: int, size: int, num_kv_heads: int, head_dim: int, dtype) -> KVCache:
+        z = jnp.zeros((num_layers, batch, size, num_kv_heads, head_dim), dtype)
+        return cls(k=z, v=z, start=jnp.zeros((batch,), jnp.int32), length=jnp.zeros((), jnp.int32))
+
+    def positions(self, num_tokens: int) -> jax.Array:
+        """[B, L] RoPE positions of `num_tokens` tokens placed right after the filled slots."""
+        return self.length - self.start[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None]
+
+    def write(self, k_new: jax.Array, v_new: jax.Array) -> KVCache:
+        """Append [layers, B, L, K, H] at slot `length` (the commit)."""
+        at = (0, 0, self.length, 0, 0)
+        return self.replace(k=jax.lax.dynamic_update_slice(self.k, k_new.astype(self.k.dtype), at),
+                            v=jax.lax.dynamic_update_slice(self.v, v_new.astype(self.v.dtype), at),
+                            length=self.length + k_new.shape[2])

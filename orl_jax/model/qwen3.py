@@ -1,0 +1,154 @@
+"""Qwen3 decoder as a pure function of (params, tokens).
+
+Architecture (matches transformers' Qwen3ForCausalLM): token embedding; per layer pre-RMSNorm -> GQA attention
+with RMSNorm on each q and k head before RoPE (rotate-half layout, theta from config), no biases -> residual;
+pre-RMSNorm -> SwiGLU MLP -> residual; final RMSNorm; LM head tied to the embedding or separate.
+
+Differences from the HF reference, all layout-only: projections are stored as [D, N, H] / [N, H, D] / [D, F]
+einsum operands instead of nn.Linear [out, in]; the layers are stacked along a leading axis and run under
+`lax.scan` (one compiled layer body, so compile time does not grow with depth); attention reads the KV cache and
+the current tokens as two parts of one softmax, with visibility masks from model/attention.py (causal,
+block-causal, canvas over a cached prefix) instead of HF's causal-only mask. Sliding-window layers and
+attention biases (absent in Qwen3) are not supported.
+
+The adapter g_phi of QwenDLM (RMSNorm -> gated MLP -> added to the token embedding) is declared here so that
+one param tree covers the backbone and its adapter; model/qwendlm.py uses it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from orl_jax.config import ModelConfig
+from orl_jax.model.attention import attention, cache_mask, causal_segments, self_mask
+from orl_jax.model.cache import KVCache
+from orl_jax.model.layers import apply_rope, einsum, gated_mlp, rms_norm, rope_angles
+from orl_jax.params import ParamSpec, ones, zeros
+
+
+def param_specs(cfg: ModelConfig) -> dict:
+    V, D, N, K, H, F, Ly = (cfg.vocab_size, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                            cfg.intermediate_size, cfg.num_layers)
+    dt = cfg.jnp_dtype
+    specs = {
+        "embed": ParamSpec((V, D), dt, ("vocab", "embed")),
+        "layers": {
+            "attn_norm": ParamSpec((Ly, D), dt, ("layers", "embed"), ones),
+            "q": ParamSpec((Ly, D, N, H), dt, ("layers", "embed", "heads", "head_dim")),
+            "k": ParamSpec((Ly, D, K, H), dt, ("layers", "embed", "kv_heads", "head_dim")),
+            "v": ParamSpec((Ly, D, K, H), dt, ("layers", "embed", "kv_heads", "head_dim")),
+            "o": ParamSpec((Ly, N, H, D), dt, ("layers", "heads", "head_dim", "embed")),
+            "q_norm": ParamSpec((Ly, H), dt, ("layers", "head_dim"), ones),
+            "k_norm": ParamSpec((Ly, H), dt, ("layers", "head_dim"), ones),
+            "mlp_norm": ParamSpec((Ly, D), dt, ("layers", "embed"), ones),
+            "gate": ParamSpec((Ly, D, F), dt, ("layers", "embed", "mlp")),
+            "up": ParamSpec((Ly, D, F), dt, ("layers", "embed", "mlp")),
+            "down": ParamSpec((Ly, F, D), dt, ("layers", "mlp", "embed")),
+        },
+        "final_norm": ParamSpec((D,), dt, ("embed",), ones),
+    }
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = ParamSpec((V, D), dt, ("vocab", "embed"))
+    if cfg.has_adapter:
+        A = cfg.adapter_hidden
+        specs["adapter"] = {
+            "norm": ParamSpec((D,), dt, ("embed",), ones),
+            "gate": ParamSpec((D, A), dt, ("embed", "adapter")),
+            "up": ParamSpec((D, A), dt, ("embed", "adapter")),
+            "down": ParamSpec((A, D), dt, ("adapter", "embed"), zeros),  # zero: starts as the AR model
+        }
+    return specs
+
+
+def check_tokens(tokens, cfg: ModelConfig, name: str = "tokens") -> None:
+    """Rank, dtype and (for concrete arrays) vocabulary range of a [B, L] token array."""
+    if not hasattr(tokens, "shape") or not hasattr(tokens, "dtype"):
+        raise TypeError(f"{name} must be an integer array of shape [batch, length], got {type(tokens).__name__}")
+    if tokens.ndim != 2:
+        raise ValueError(f"{name} must have shape [batch, length], got shape {tuple(tokens.shape)}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"{name} must have an integer dtype, got {tokens.dtype}")
+    if tokens.shape[0] == 0 or tokens.shape[1] == 0:
+        raise ValueError(f"{name} must be non-empty, got shape {tuple(tokens.shape)}")
+    if not isinstance(tokens, jax.core.Tracer):
+        t = np.asarray(tokens)
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0 or hi >= cfg.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{name} contains id {bad}, outside the vocabulary [0, {cfg.vocab_size})")
+
+
+def adapter(params: dict, cfg: ModelConfig, z: jax.Array) -> jax.Array:
+    """g_phi(z): RMSNorm -> gated MLP; z [B, L, D] (the pre-adapter residual) -> [B, L, D]."""
+    h = rms_norm(z.astype(cfg.jnp_dtype), params["norm"], cfg.rms_norm_eps)
+    return gated_mlp(h, params["gate"], params["up"], params["down"], cfg.adapter_act)
+
+
+def embed(params: dict, cfg: ModelConfig, tokens: jax.Array, residual: jax.Array | None = None) -> jax.Array:
+    """Token embedding [B, L, D], plus g_phi(residual) when a residual is given."""
+    x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.jnp_dtype)  # [B, L, D]
+    if residual is not None:
+        if not cfg.has_adapter:
+            raise ValueError("residual was given but the model has no adapter (ModelConfig.adapter_hidden=0)")
+        x = x + adapter(params["adapter"], cfg, residual)
+    return x
+
+
+def _layer(cfg: ModelConfig, x, w, cos, sin, self_vis, cache_part):
+    eps = cfg.rms_norm_eps
+    h = rms_norm(x, w["attn_norm"], eps)
+    q = rms_norm(einsum("bld,dnh->blnh", h, w["q"]), w["q_norm"], eps)  # [B, L, N, H]
+    k = rms_norm(einsum("bld,dkh->blkh", h, w["k"]), w["k_norm"], eps)  # [B, L, K, H]
+    v = einsum("bld,dkh->blkh", h, w["v"])
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
+    x = x + einsum("blnh,nhd->bld", attention(q, parts), w["o"])
+    x = x + gated_mlp(rms_norm(x, w["mlp_norm"], eps), w["gate"], w["up"], w["down"])
+    return x, k, v
+
+
+def backbone(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, self_vis: jax.Array,
+             cache: KVCache | None = None, remat: bool = False):
+    """Run all layers. x [B, L, D]; positions [B, L]; self_vis [B, L, L] visibility among the current tokens.
+
+    With a cache, the tokens also see its filled slots (start <= slot < length). Returns (hidden after the final
+    norm [B, L, D], k, v of the current tokens [layers, B, L, K, H]); the cache itself is not written here.
+    """
+    cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
+    cvis = None if cache is None else cache_mask(cache.start, cache.length, cache.size, x.shape[1])
+
+    def body(x, xs):
+        w, ck, cv = xs
+        cache_part = None if ck is None else (ck, cv, cvis)
+        x, k, v = _layer(cfg, x, w, cos, sin, self_vis, cache_part)
+        return x, (k, v)
+
+    if remat:
+        body = jax.checkpoint(body, prevent_cse=False)
+    xs = (params["layers"], None, None) if cache is None else (params["layers"], cache.k, cache.v)
+    x, (k, v) = jax.lax.scan(body, x, xs)
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), k, v
+
+
+def logits(params: dict, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+    """[B, L, D] -> float32 logits [B, L, V]."""
+    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.einsum("bld,vd->blv", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
+
+
+def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, *, seg_start: jax.Array | None = None,
+            positions: jax.Array | None = None, residual: jax.Array | None = None,
+            remat: bool = False) -> jax.Array:
+    """Cache-free pass over whole sequences -> float32 logits [B, L, V].
+
+    seg_start [B, L] selects visibility (model/attention.py; default causal); positions default to 0..L-1.
+    """
+    check_tokens(tokens, cfg)
+    b, l = tokens.shape
+    seg_start = causal_segments(b, l) if seg_start is None else seg_start
+    positions = causal_segments(b, l) if positions is None else positions
+    h, _, _ = backbone(params, cfg, embed(params, cfg, tokens, residual), positions, self_mask(seg_start),
+                       remat=remat)
+    return logits(params, cfg, h)

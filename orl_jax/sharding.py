@@ -1,0 +1,79 @@
+"""Logical axis names -> mesh axes, in one table.
+
+Weights and activations are annotated with logical names ("embed", "heads", ...); RULES says which mesh axis, if
+any, each one is split over. The mesh has three axes: data (pure data parallel), fsdp (data parallel whose
+parameters and optimizer state are split too) and tensor (heads / MLP hidden / vocab split across devices).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": ("data", "fsdp"),
+    "length": None,
+    "layers": None,  # the scanned layer axis is never split
+    "embed": "fsdp",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "mlp": "tensor",
+    "vocab": "tensor",
+    "adapter": "tensor",
+}
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A (data, fsdp, tensor) mesh; one axis may be -1 to take the remaining devices."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = [data, fsdp, tensor]
+    if shape.count(-1) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got data={data}, fsdp={fsdp}, tensor={tensor}")
+    known = int(np.prod([s for s in shape if s != -1]))
+    if -1 in shape:
+        if len(devices) % known:
+            raise ValueError(f"{len(devices)} devices do not divide into data={data}, fsdp={fsdp}, tensor={tensor}")
+        shape[shape.index(-1)] = len(devices) // known
+    if int(np.prod(shape)) != len(devices):
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, shape))} needs {int(np.prod(shape))} devices, "
+                         f"have {len(devices)}")
+    return Mesh(np.array(devices).reshape(shape), MESH_AXES)
+
+
+def logical_to_spec(axes: Sequence[str | None], mesh: Mesh | None = None) -> PartitionSpec:
+    """PartitionSpec for logical axes; mesh axes of size 1 or already used by an earlier dim are dropped."""
+    used: set[str] = set()
+    out = []
+    for name in axes:
+        rule = RULES.get(name) if name is not None else None
+        if name is not None and name not in RULES:
+            raise ValueError(f"logical axis {name!r} has no sharding rule; known: {sorted(RULES)}")
+        targets = (rule,) if isinstance(rule, str) else tuple(rule or ())
+        targets = tuple(t for t in targets if t not in used and (mesh is None or mesh.shape[t] > 1))
+        used.update(targets)
+        out.append(None if not targets else targets[0] if len(targets) == 1 else targets)
+    return PartitionSpec(*out)
+
+
+def named_sharding(mesh: Mesh, axes: Sequence[str | None], shape: Sequence[int] | None = None) -> NamedSharding:
+    """NamedSharding for logical axes; a dim that does not divide by its mesh axes stays replicated."""
+    spec = list(logical_to_spec(axes, mesh))
+    if shape is not None:
+        for i, (p, n) in enumerate(zip(spec, shape)):
+            size = int(np.prod([mesh.shape[a] for a in ((p,) if isinstance(p, str) else (p or ()))]))
+            if n % size:
+                spec[i] = None
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None], mesh: Mesh | None) -> jax.Array:
+    """with_sharding_constraint by logical axes; a no-op without a mesh (single device)."""
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, named_sharding(mesh, axes, x.shape))
