@@ -140,15 +140,17 @@ def logits(params: dict, cfg: ModelConfig, h: jax.Array) -> jax.Array:
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, *, seg_start: jax.Array | None = None,
             positions: jax.Array | None = None, residual: jax.Array | None = None,
-            remat: bool = False) -> jax.Array:
+            embeds: jax.Array | None = None, mask: jax.Array | None = None, remat: bool = False) -> jax.Array:
     """Cache-free pass over whole sequences -> float32 logits [B, L, V].
 
-    seg_start [B, L] selects visibility (model/attention.py; default causal); positions default to 0..L-1.
+    Visibility: seg_start [B, L] (model/attention.py; default causal), or a whole boolean mask [B, L, L].
+    positions default to 0..L-1; embeds [B, L, D] replaces the token embedding (residual forms build it).
     """
     check_tokens(tokens, cfg)
     b, l = tokens.shape
-    seg_start = causal_segments(b, l) if seg_start is None else seg_start
+    if mask is None:
+        mask = self_mask(causal_segments(b, l) if seg_start is None else seg_start)
     positions = causal_segments(b, l) if positions is None else positions
-    h, _, _ = backbone(params, cfg, embed(params, cfg, tokens, residual), positions, self_mask(seg_start),
-                       remat=remat)
+    x = embed(params, cfg, tokens, residual) if embeds is None else embeds.astype(cfg.jnp_dtype)
+    h, _, _ = backbone(params, cfg, x, positions, mask, remat=remat)
     return logits(params, cfg, h)

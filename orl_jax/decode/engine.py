@@ -1,0 +1,318 @@
+"""generate(): the whole block-diffusion generation as one jitted, device-side `lax.while_loop`.
+
+One loop iteration = one denoising forward over the active block's canvas (reading the KV cache of the committed
+prefix) + the sampler's decision. When every active row has finished the block (or the step cap is reached),
+the same iteration finalizes the block, writes it to the output, marks rows that produced EOS, and — if another
+block will follow — runs the commit forward that writes the block's K/V into the cache (under `lax.cond`, so
+only when needed). Nothing returns to the host until the loop ends; prompts are left-padded to a bucket length
+so a new prompt length inside a bucket reuses the compiled program.
+
+Capture mode (static flag, a separate compiled program; the plain path carries no buffers) also records every
+step's input canvas, the residual (z, a) it consumed, the step's normalized entropies and resolved positions:
+what the ORL trainer replays.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from orl_jax.config import ModelConfig
+from orl_jax.decode.residual import NoResidual, ORLResidual, RCDResidual, Residual, soft_embed
+from orl_jax.decode.samplers import MaskSampler, Sampler, UniformSampler
+from orl_jax.decode.state import DecodeState, GenerateOutput
+from orl_jax.model import qwendlm
+
+MIN_BUCKET = 16
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Static decoding settings (hashable: part of the compiled program's identity)."""
+
+    sampler: Sampler
+    residual: Residual
+    block_length: int
+    num_blocks: int
+    max_steps: int  # cap on denoising steps per block
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+    capture: bool = False
+    stream: bool = False
+
+
+# --- streaming: a host callback per finished block ------------------------------------------------------------
+_stream_lock = threading.Lock()
+_stream_fn: list[Callable | None] = [None]
+
+
+def _emit(block_tokens, block_index):
+    fn = _stream_fn[0]
+    if fn is not None:
+        fn(np.asarray(block_tokens), int(block_index))
+
+
+# --- the device-side loop --------------------------------------------------------------------------------------
+
+def _select(pred, a, b):
+    return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
+
+
+def _finalize_block(dcfg: DecodeConfig, tokens_block, seq_done):
+    """Pad rows already finished and everything after a row's first EOS; report which rows hit EOS."""
+    pad = dcfg.pad_token_id
+    tokens_block = jnp.where(seq_done[:, None], pad, tokens_block)
+    if not dcfg.eos_token_ids:
+        return tokens_block, jnp.zeros_like(seq_done)
+    is_eos = jnp.isin(tokens_block, jnp.asarray(dcfg.eos_token_ids, jnp.int32)) & ~seq_done[:, None]
+    before = jnp.cumsum(is_eos, axis=-1) - is_eos  # EOS strictly before this position
+    return jnp.where(before > 0, pad, tokens_block), jnp.any(is_eos, axis=-1)
+
+
+@partial(jax.jit, static_argnames=("cfg", "dcfg"))
+def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeConfig) -> GenerateOutput:
+    b, p = prompt.shape
+    L, nb, sampler = dcfg.block_length, dcfg.num_blocks, dcfg.sampler
+    _, cache = qwendlm.prefill(params, cfg, prompt, lengths, p + nb * L)
+    key, k_init = jax.random.split(key)
+    canvas, sstate = sampler.init(k_init, b, L, cfg)
+    d = cfg.hidden_size
+    capture = None
+    if dcfg.capture:
+        n = nb * dcfg.max_steps
+        capture = {
+            "canvas": jnp.zeros((n, b, L), jnp.int32),
+            "z": jnp.zeros((n, b, L, d), cfg.jnp_dtype),
+            "a": jnp.zeros((n, b, L), jnp.float32),
+            "entropy": jnp.zeros((n, b, L), jnp.float32),
+            "resolved": jnp.zeros((n, b, L), bool),
+            "active": jnp.zeros((n, b), bool),
+            "block": jnp.zeros((n,), jnp.int32),
+            "step": jnp.zeros((n,), jnp.int32),
+        }
+    state = DecodeState(
+        tokens=jnp.full((b, nb * L), dcfg.pad_token_id, jnp.int32), canvas=canvas, sampler=sstate,
+        z=jnp.zeros((b, L, d), cfg.jnp_dtype), a=jnp.zeros((b, L), jnp.float32), cache=cache,
+        block=jnp.zeros((), jnp.int32), step=jnp.zeros((), jnp.int32),
+        block_done=jnp.zeros((b,), bool), seq_done=jnp.zeros((b,), bool), key=key,
+        forwards=jnp.zeros((b,), jnp.int32), total_forwards=jnp.zeros((), jnp.int32),
+        commits=jnp.zeros((), jnp.int32), steps_per_block=jnp.zeros((nb,), jnp.int32), capture=capture)
+
+    def cond(s: DecodeState):
+        return (s.block < nb) & ~jnp.all(s.seq_done)
+
+    def body(s: DecodeState) -> DecodeState:
+        key, k_step, k_init = jax.random.split(s.key, 3)
+        active = ~(s.block_done | s.seq_done)
+        x = dcfg.residual.embed(params, cfg, s.canvas, s.z, s.a)
+        logits = qwendlm.decode(params, cfg, s.canvas, s.cache, embeds=x)  # [B, L, V]
+        out = sampler.step(logits, s.canvas, s.sampler, k_step, s.step, active)
+        keep = active[:, None]
+        if isinstance(dcfg.residual, NoResidual):
+            z, a = s.z, s.a
+        else:
+            z = jnp.where(keep[..., None], soft_embed(params, cfg, out.probs), s.z)
+            a = jnp.where(keep, out.entropy, s.a)
+        cap = s.capture
+        if cap is not None:
+            i = s.total_forwards
+            rec = {"canvas": s.canvas, "z": s.z, "a": s.a, "entropy": out.entropy, "resolved": out.resolved,
+                   "active": active, "block": s.block, "step": s.step}
+            cap = {k: cap[k].at[i].set(rec[k]) for k in cap}
+        block_done = s.block_done | (out.done & active)
+        step = s.step + 1
+        finish = jnp.all(block_done | s.seq_done) | (step >= dcfg.max_steps)
+
+        final, eos = _finalize_block(dcfg, sampler.finalize(out.canvas, out.state), s.seq_done)
+        seq_done = jnp.where(finish, s.seq_done | eos, s.seq_done)
+        tokens = jnp.where(finish, jax.lax.dynamic_update_slice(s.tokens, final, (0, s.block * L)), s.tokens)
+        need_commit = finish & (s.block + 1 < nb) & ~jnp.all(seq_done)
+        cache = jax.lax.cond(need_commit, lambda c: qwendlm.commit(params, cfg, final, c), lambda c: c, s.cache)
+        if dcfg.stream:
+            jax.lax.cond(finish, lambda: jax.debug.callback(_emit, final, s.block, ordered=True), lambda: None)
+
+        canvas0, sstate0 = sampler.init(k_init, b, L, cfg)
+        return DecodeState(
+            tokens=tokens,
+            canvas=jnp.where(finish, canvas0, out.canvas),
+            sampler=_select(finish, sstate0, out.state),
+            z=jnp.where(finish, jnp.zeros_like(z), z),
+            a=jnp.where(finish, jnp.zeros_like(a), a),
+            cache=cache,
+            block=s.block + finish.astype(jnp.int32),
+            step=jnp.where(finish, 0, step),
+            block_done=jnp.where(finish, jnp.zeros_like(block_done), block_done),
+            seq_done=seq_done,
+            key=key,
+            forwards=s.forwards + active.astype(jnp.int32),
+            total_forwards=s.total_forwards + 1,
+            commits=s.commits + need_commit.astype(jnp.int32),
+            steps_per_block=jnp.where(finish, s.steps_per_block.at[s.block].set(step), s.steps_per_block),
+            capture=cap,
+        )
+
+    s = jax.lax.while_loop(cond, body, state)
+    lengths_out = _valid_lengths(s.tokens, dcfg)
+    tpf = lengths_out / jnp.maximum(s.forwards + s.commits, 1)
+    return GenerateOutput(tokens=s.tokens, lengths=lengths_out, forwards=s.forwards, total_forwards=s.total_forwards,
+                          commits=s.commits, steps_per_block=s.steps_per_block, tpf=tpf, capture=s.capture)
+
+
+def _valid_lengths(tokens, dcfg: DecodeConfig):
+    """Valid new tokens run through the first EOS (or are all of them)."""
+    if not dcfg.eos_token_ids:
+        return jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
+    is_eos = jnp.isin(tokens, jnp.asarray(dcfg.eos_token_ids, jnp.int32))
+    first = jnp.argmax(is_eos, axis=-1)
+    return jnp.where(jnp.any(is_eos, axis=-1), first + 1, tokens.shape[1])
+
+
+# --- the public entry point: validation happens here, before any tracing ---------------------------------------
+
+_MASK_OPTIONS = {"threshold", "tokens_per_step", "edit_threshold", "max_edit_steps", "temperature"}
+_UNIFORM_OPTIONS = {"t_max", "t_min", "max_denoising_steps", "entropy_bound", "stability", "confidence", "greedy"}
+
+
+def _positive_int(name, v):
+    if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return int(v)
+
+
+def _prompts(prompt_ids, cfg: ModelConfig) -> list[np.ndarray]:
+    if isinstance(prompt_ids, (list, tuple)):
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty")
+        rows = prompt_ids if isinstance(prompt_ids[0], (list, tuple, np.ndarray, jax.Array)) else [prompt_ids]
+        rows = [np.asarray(r) for r in rows]
+    elif hasattr(prompt_ids, "shape") and hasattr(prompt_ids, "dtype"):
+        arr = np.asarray(prompt_ids)
+        if arr.ndim == 1:
+            arr = arr[None]
+        if arr.ndim != 2:
+            raise ValueError(f"prompt_ids must have shape [batch, length] or [length], got {arr.shape}")
+        rows = list(arr)
+    else:
+        raise TypeError(f"prompt_ids must be an int array or a list of token lists, got {type(prompt_ids).__name__}")
+    for i, r in enumerate(rows):
+        if r.ndim != 1:
+            raise ValueError(f"prompt_ids[{i}] must be a 1-D token list, got shape {r.shape}")
+        if r.size == 0:
+            raise ValueError(f"prompt_ids[{i}] is empty; every prompt needs at least one token")
+        if not np.issubdtype(r.dtype, np.integer):
+            raise TypeError(f"prompt_ids must hold integer token ids, got dtype {r.dtype}")
+        if r.min() < 0 or r.max() >= cfg.vocab_size:
+            bad = int(r.min()) if r.min() < 0 else int(r.max())
+            raise ValueError(f"prompt_ids[{i}] contains id {bad}, outside the vocabulary [0, {cfg.vocab_size})")
+    return rows
+
+
+def bucket_length(n: int, limit: int) -> int:
+    """Prompt lengths are padded to powers of two (>= 16) so nearby lengths share one compiled program."""
+    b = max(MIN_BUCKET, 1 << (n - 1).bit_length())
+    return b if b <= limit else n
+
+
+def make_sampler(cfg: ModelConfig, **options) -> Sampler:
+    """The default sampler of the model's family, with HF/dLLM-named options."""
+    allowed = _MASK_OPTIONS if cfg.noise == "mask" else _UNIFORM_OPTIONS
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise TypeError(f"unknown sampler option(s) {unknown} for noise={cfg.noise!r}; valid: {sorted(allowed)}")
+    if cfg.noise == "mask":
+        if options.get("tokens_per_step") is not None and "threshold" not in options:
+            options["threshold"] = None
+        return MaskSampler(mask_token_id=cfg.mask_token_id, **options)
+    return UniformSampler(**options)
+
+
+def generate(params: dict, cfg: ModelConfig, prompt_ids, *, key: jax.Array, max_new_tokens: int = 256,
+             block_length: int | None = None, sampler: Sampler | None = None, residual: Residual | None = None,
+             max_steps: int | None = None, eos_token_id: int | Sequence[int] | None = None,
+             pad_token_id: int | None = None, streamer: Callable[[np.ndarray, int], None] | None = None,
+             capture: bool = False, **sampler_options) -> GenerateOutput:
+    """Generate with a block-diffusion model; the whole generation is one device-side loop.
+
+    prompt_ids: [B, P] int array, or a list of token lists of different lengths (left-padded internally).
+    max_new_tokens is rounded up to whole blocks of `block_length` (default cfg.block_length).
+    sampler: a MaskSampler / UniformSampler, or None for the model family's default built from sampler_options
+    (mask: threshold, tokens_per_step, edit_threshold, max_edit_steps, temperature; uniform: t_max, t_min,
+    max_denoising_steps, entropy_bound, stability, confidence, greedy).
+    residual: NoResidual() (default), RCDResidual() or ORLResidual().
+    streamer(block_tokens [B, L], block_index) is called on the host as each block is finished.
+    Returns GenerateOutput (tokens [B, T] with pad after EOS, lengths, forwards, commits, steps, TPF).
+    """
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    if not isinstance(params, dict) or "embed" not in params:
+        raise TypeError("params must be the model's parameter dict (with an 'embed' entry)")
+    if not (isinstance(key, jax.Array) and (jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+                                           or (key.dtype == jnp.uint32 and key.shape == (2,)))):
+        raise TypeError(f"key must be a PRNG key (jax.random.key(seed)), got {type(key).__name__}")
+    rows = _prompts(prompt_ids, cfg)
+    max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
+    L = _positive_int("block_length", cfg.block_length if block_length is None else block_length)
+    if sampler is None:
+        sampler = make_sampler(cfg, **sampler_options)
+    elif sampler_options:
+        raise ValueError(f"pass sampler options {sorted(sampler_options)} either inside `sampler` or without it, "
+                         "not both")
+    if not isinstance(sampler, (MaskSampler, UniformSampler)):
+        raise TypeError(f"sampler must be a MaskSampler or UniformSampler, got {type(sampler).__name__}")
+    sampler.check_length(L)
+    if isinstance(sampler, MaskSampler) and cfg.noise != "mask":
+        raise ValueError("a MaskSampler needs a noise='mask' model (ModelConfig.noise)")
+    if isinstance(sampler, UniformSampler) and cfg.noise != "uniform":
+        raise ValueError("a UniformSampler needs a noise='uniform' model (ModelConfig.noise)")
+    residual = NoResidual() if residual is None else residual
+    if not isinstance(residual, (NoResidual, RCDResidual, ORLResidual)):
+        raise TypeError(f"residual must be NoResidual, RCDResidual or ORLResidual, got {type(residual).__name__}")
+    if isinstance(residual, RCDResidual) and cfg.noise != "mask":
+        raise ValueError("RCDResidual injects at [MASK] positions: it needs a noise='mask' model")
+    if isinstance(residual, ORLResidual) and not cfg.has_adapter:
+        raise ValueError("ORLResidual needs the adapter g_phi (ModelConfig.adapter_hidden > 0)")
+    max_steps = _positive_int("max_steps", sampler.max_steps(L) if max_steps is None else max_steps)
+    eos = cfg.eos_token_ids if eos_token_id is None else (
+        (eos_token_id,) if isinstance(eos_token_id, (int, np.integer)) else tuple(eos_token_id))
+    for t in eos:
+        if not isinstance(t, (int, np.integer)) or not 0 <= t < cfg.vocab_size:
+            raise ValueError(f"eos_token_id {t!r} is outside the vocabulary [0, {cfg.vocab_size})")
+    pad = pad_token_id if pad_token_id is not None else cfg.pad_token_id
+    pad = pad if pad is not None else (eos[0] if eos else 0)
+    if not isinstance(pad, (int, np.integer)) or not 0 <= pad < cfg.vocab_size:
+        raise ValueError(f"pad_token_id {pad!r} is outside the vocabulary [0, {cfg.vocab_size})")
+    if streamer is not None and not callable(streamer):
+        raise TypeError(f"streamer must be callable(block_tokens, block_index), got {type(streamer).__name__}")
+
+    nb = math.ceil(max_new_tokens / L)
+    longest = max(len(r) for r in rows)
+    room = cfg.max_position_embeddings - nb * L
+    if longest > room:
+        raise ValueError(f"prompt of {longest} tokens + {nb * L} new tokens exceeds max_position_embeddings="
+                         f"{cfg.max_position_embeddings}")
+    p = bucket_length(longest, room)
+    prompt = np.full((len(rows), p), pad, np.int32)
+    for i, r in enumerate(rows):
+        prompt[i, p - len(r):] = r
+    lengths = np.array([len(r) for r in rows], np.int32)
+    dcfg = DecodeConfig(sampler=sampler, residual=residual, block_length=L, num_blocks=nb, max_steps=max_steps,
+                        eos_token_ids=tuple(int(t) for t in eos), pad_token_id=int(pad), capture=bool(capture),
+                        stream=streamer is not None)
+    if streamer is None:
+        return _generate(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
+    with _stream_lock:
+        _stream_fn[0] = streamer
+        try:
+            out = _generate(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
+            jax.block_until_ready(out)
+            jax.effects_barrier()
+        finally:
+            _stream_fn[0] = None
+    return out

@@ -1,0 +1,197 @@
+"""Samplers of the two block-diffusion families (METHOD.md §1), as small frozen dataclasses.
+
+A sampler is static under jit (hashable). Its methods work on the whole batch:
+- `init(key, batch, length, cfg) -> (canvas [B, L], state)`: the canvas a new block starts from;
+- `step(logits, canvas, state, key, step, active) -> StepOut`: one denoising decision from float32 logits;
+- `finalize(canvas, state) -> [B, L]`: the tokens committed when the block is done;
+- `max_steps(length)`: the default step cap per block.
+Rows with `active=False` (finished block or finished sequence) come out unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from orl_jax.config import ModelConfig
+
+
+@struct.dataclass
+class StepOut:
+    canvas: jax.Array  # [B, L] next canvas
+    state: dict  # sampler-specific carry
+    done: jax.Array  # [B] this row's block is finished
+    probs: jax.Array  # [B, L, V] the step's (temperature-processed) distribution: the residual's source
+    entropy: jax.Array  # [B, L] normalized entropy of probs, in [0, 1]
+    resolved: jax.Array  # [B, L] positions decided by this step (filled/accepted)
+
+
+def _entropy(logp: jax.Array) -> jax.Array:
+    return jnp.maximum(-jnp.sum(jnp.exp(logp) * logp, axis=-1), 0.0)  # [B, L] nats; rounding can dip below 0
+
+
+def _check_unit(name: str, v: float | None, allow_none: bool = False) -> None:
+    if v is None and allow_none:
+        return
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) or not 0.0 < v <= 1.0:
+        raise ValueError(f"{name} must be a number in (0, 1], got {v!r}")
+
+
+def _check_temperature(name: str, v: float, allow_zero: bool) -> None:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) or v < 0 or (v == 0 and not allow_zero):
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'} and not NaN, got {v!r}")
+
+
+@dataclass(frozen=True)
+class MaskSampler:
+    """Mask family (LLaDA 2.x): fill masked positions above `threshold` (at least one per step), or exactly
+    `tokens_per_step` lowest-uncertainty ones (LLaDA low-confidence remasking); optionally edit filled tokens whose
+    prediction changed with confidence above `edit_threshold`, for up to `max_edit_steps` steps after the block is
+    full (LLaDA 2.1). temperature 0 = greedy."""
+
+    mask_token_id: int
+    threshold: float | None = 0.9
+    tokens_per_step: int | None = None
+    edit_threshold: float | None = None
+    max_edit_steps: int = 16
+    temperature: float = 0.0
+
+    def __post_init__(self):
+        if (self.threshold is None) == (self.tokens_per_step is None):
+            raise ValueError("MaskSampler needs exactly one of threshold or tokens_per_step, got "
+                             f"threshold={self.threshold!r}, tokens_per_step={self.tokens_per_step!r}")
+        _check_unit("threshold", self.threshold, allow_none=True)
+        _check_unit("edit_threshold", self.edit_threshold, allow_none=True)
+        _check_temperature("temperature", self.temperature, allow_zero=True)
+        if self.tokens_per_step is not None and (not isinstance(self.tokens_per_step, int) or self.tokens_per_step <= 0):
+            raise ValueError(f"tokens_per_step must be a positive int, got {self.tokens_per_step!r}")
+        if not isinstance(self.max_edit_steps, int) or self.max_edit_steps < 0:
+            raise ValueError(f"max_edit_steps must be an int >= 0, got {self.max_edit_steps!r}")
+
+    def check_length(self, length: int) -> None:
+        if self.tokens_per_step is not None and length % self.tokens_per_step:
+            raise ValueError(f"tokens_per_step={self.tokens_per_step} must divide block_length={length}")
+
+    def max_steps(self, length: int) -> int:
+        fill = length if self.tokens_per_step is None else length // self.tokens_per_step
+        return fill + (self.max_edit_steps if self.edit_threshold is not None else 0)
+
+    def init(self, key, batch: int, length: int, cfg: ModelConfig):
+        canvas = jnp.full((batch, length), self.mask_token_id, jnp.int32)
+        return canvas, {"edit_steps": jnp.zeros((batch,), jnp.int32)}
+
+    def finalize(self, canvas, state):
+        return canvas
+
+    def step(self, logits, canvas, state, key, step, active) -> StepOut:
+        # [MASK] is never a prediction: a filled position must leave the masked state.
+        logits = logits.at[..., self.mask_token_id].set(-jnp.inf)
+        logp = jax.nn.log_softmax(logits if self.temperature == 0 else logits / self.temperature, axis=-1)
+        if self.temperature == 0:
+            x0 = jnp.argmax(logp, axis=-1).astype(jnp.int32)
+        else:
+            x0 = jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
+        conf = jnp.exp(jnp.take_along_axis(logp, x0[..., None], axis=-1)[..., 0])  # [B, L]
+        masked = canvas == self.mask_token_id
+        mconf = jnp.where(masked, conf, -1.0)
+        if self.tokens_per_step is not None:
+            # the k most confident masked positions (ties: lowest index), never more than are masked
+            rank = jnp.argsort(jnp.argsort(-mconf, axis=-1, stable=True), axis=-1, stable=True)
+            fill = masked & (rank < self.tokens_per_step)
+        else:
+            best = jnp.argmax(mconf, axis=-1)  # at-least-one fallback
+            fill = masked & ((conf > self.threshold) | (jnp.arange(canvas.shape[1])[None] == best[:, None]))
+        edit = jnp.zeros_like(masked)
+        if self.edit_threshold is not None:
+            edit = ~masked & (x0 != canvas) & (conf > self.edit_threshold)
+        new = jnp.where(fill | edit, x0, canvas)
+        still_masked = jnp.any(new == self.mask_token_id, axis=-1)
+        edit_steps = state["edit_steps"] + (~jnp.any(masked, axis=-1)).astype(jnp.int32)  # steps run on a full block
+        if self.edit_threshold is None:
+            done = ~still_masked
+        else:
+            done = ~still_masked & (~jnp.any(edit, axis=-1) | (edit_steps >= self.max_edit_steps))
+        new = jnp.where(active[:, None], new, canvas)
+        edit_steps = jnp.where(active, edit_steps, state["edit_steps"])
+        ent = _entropy(jnp.where(jnp.isinf(logp), 0.0, logp)) / math.log(logits.shape[-1])
+        return StepOut(canvas=new, state={"edit_steps": edit_steps}, done=done, probs=jnp.exp(logp),
+                       entropy=ent, resolved=(fill | edit) & active[:, None])
+
+
+@dataclass(frozen=True)
+class UniformSampler:
+    """Uniform-state family (DiffusionGemma; QwenDLM by our reading), following transformers'
+    EntropyBoundSampler + StableAndConfidentStoppingCriteria + LinearTemperatureScheduleLogitsProcessor:
+    temperature t_min + (t_max - t_min) * r / K at the step with r steps remaining (r = K .. 1); sample a canvas;
+    accept the lowest-entropy positions whose entropy sum minus its largest term is <= entropy_bound; re-noise the
+    rest with uniform random tokens; stop when the argmax canvas equals the last `stability` argmax canvases and
+    the mean entropy is < `confidence`; the block commits its argmax canvas. greedy=True takes the argmax instead of
+    sampling the proposal (the temperature still shapes entropies and the residual)."""
+
+    t_max: float = 0.8
+    t_min: float = 0.4
+    max_denoising_steps: int = 48
+    entropy_bound: float = 0.1
+    stability: int = 1
+    confidence: float = 0.005
+    greedy: bool = False
+
+    def __post_init__(self):
+        _check_temperature("t_max (temperature)", self.t_max, allow_zero=False)
+        _check_temperature("t_min", self.t_min, allow_zero=False)
+        if not isinstance(self.max_denoising_steps, int) or self.max_denoising_steps <= 0:
+            raise ValueError(f"max_denoising_steps must be a positive int, got {self.max_denoising_steps!r}")
+        if not isinstance(self.entropy_bound, (int, float)) or math.isnan(self.entropy_bound) or self.entropy_bound <= 0:
+            raise ValueError(f"entropy_bound must be > 0, got {self.entropy_bound!r}")
+        if not isinstance(self.stability, int) or self.stability < 0:
+            raise ValueError(f"stability must be an int >= 0, got {self.stability!r}")
+        if not isinstance(self.confidence, (int, float)) or math.isnan(self.confidence) or self.confidence < 0:
+            raise ValueError(f"confidence must be >= 0, got {self.confidence!r}")
+
+    def check_length(self, length: int) -> None:
+        pass
+
+    def max_steps(self, length: int) -> int:
+        return self.max_denoising_steps
+
+    def temperature(self, step):
+        remaining = self.max_denoising_steps - step  # HF counts steps down: K .. 1
+        return self.t_min + (self.t_max - self.t_min) * remaining / self.max_denoising_steps
+
+    def init(self, key, batch: int, length: int, cfg: ModelConfig):
+        canvas = jax.random.randint(key, (batch, length), 0, cfg.vocab_size, jnp.int32)
+        state = {"argmax": canvas, "history": jnp.full((max(self.stability, 1), batch, length), -1, jnp.int32)}
+        return canvas, state
+
+    def finalize(self, canvas, state):
+        return state["argmax"]
+
+    def step(self, logits, canvas, state, key, step, active) -> StepOut:
+        k_sample, k_noise = jax.random.split(key)
+        logp = jax.nn.log_softmax(logits / self.temperature(step), axis=-1)  # [B, L, V]
+        argmax = jnp.argmax(logp, axis=-1).astype(jnp.int32)
+        proposal = argmax if self.greedy else jax.random.categorical(k_sample, logp, axis=-1).astype(jnp.int32)
+        ent = _entropy(logp)  # [B, L]
+        order = jnp.argsort(ent, axis=-1, stable=True)
+        sorted_ent = jnp.take_along_axis(ent, order, axis=-1)
+        keep_sorted = jnp.cumsum(sorted_ent, axis=-1) - sorted_ent <= self.entropy_bound
+        accept = jnp.zeros_like(keep_sorted).at[jnp.arange(ent.shape[0])[:, None], order].set(keep_sorted)
+        noise = jax.random.randint(k_noise, canvas.shape, 0, logits.shape[-1], jnp.int32)
+        new = jnp.where(accept, proposal, noise)
+        hist = state["history"]
+        stable = jnp.ones_like(active) if self.stability == 0 else jnp.all(hist == argmax[None], axis=(0, 2))
+        confident = jnp.mean(ent, axis=-1) < self.confidence
+        if self.stability > 0:
+            hist = jnp.concatenate([hist[1:], argmax[None]], axis=0)
+        keep = active[:, None]
+        new_state = {"argmax": jnp.where(keep, argmax, state["argmax"]),
+                     "history": jnp.where(keep[None], hist, state["history"])}
+        return StepOut(canvas=jnp.where(keep, new, canvas), state=new_state, done=stable & confident,
+                       probs=jnp.exp(logp), entropy=ent / math.log(logits.shape[-1]), resolved=accept & keep)
+
+
+Sampler = MaskSampler | UniformSampler
