@@ -72,12 +72,14 @@ def check_tokens(tokens, cfg: ModelConfig, name: str = "tokens") -> None:
         raise TypeError(f"{name} must have an integer dtype, got {tokens.dtype}")
     if tokens.shape[0] == 0 or tokens.shape[1] == 0:
         raise ValueError(f"{name} must be non-empty, got shape {tuple(tokens.shape)}")
-    if not isinstance(tokens, jax.core.Tracer):
+    try:
         t = np.asarray(tokens)
-        lo, hi = int(t.min()), int(t.max())
-        if lo < 0 or hi >= cfg.vocab_size:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"{name} contains id {bad}, outside the vocabulary [0, {cfg.vocab_size})")
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return  # traced: values are checked by the un-jitted entry points
+    lo, hi = int(t.min()), int(t.max())
+    if lo < 0 or hi >= cfg.vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"{name} contains id {bad}, outside the vocabulary [0, {cfg.vocab_size})")
 
 
 def adapter(params: dict, cfg: ModelConfig, z: jax.Array) -> jax.Array:

@@ -1,0 +1,156 @@
+"""Engine speed on one GPU: Qwen3-4B shape, random bf16 weights, batch 1, prompt 512.
+
+  python benchmarks/engine_step.py --phase step       # ms per denoising forward (block 32, canvas 256) + loop overhead
+  python benchmarks/engine_step.py --phase generate   # whole generate(): compile time, tokens/s at a forced TPF
+
+Run side by side (same machine, same session) with ../shared/peers/torch_graph_step.py and hf_qwen3_eager_step.py;
+benchmarks/run_engine_bench.sh does all of it. Writes a JSON line per measurement to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from orl_jax import runtime  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--phase", choices=["step", "generate"], required=True)
+ap.add_argument("--blocks", default="32,256")
+ap.add_argument("--xla-default", action="store_true", help="do not apply orl_jax's XLA flags (for comparison)")
+ap.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/orl_jax/xla"))
+ap.add_argument("--out", default="engine_bench.jsonl")
+ap.add_argument("--prompt", type=int, default=512)
+ap.add_argument("--preset", default="qwen3-4b", help="model shape (tiny-qwen3 for a CPU smoke run)")
+args = ap.parse_args()
+runtime.configure(args.cache_dir, xla_flags=() if args.xla_default else runtime.DEFAULT_XLA_FLAGS)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from orl_jax import params as P  # noqa: E402
+from orl_jax.config import preset  # noqa: E402
+from orl_jax.decode.engine import generate  # noqa: E402
+from orl_jax.decode.samplers import MaskSampler, UniformSampler  # noqa: E402
+from orl_jax.model import qwen3, qwendlm  # noqa: E402
+from orl_jax.model.cache import KVCache  # noqa: E402
+
+T0 = time.perf_counter()
+
+
+def log(**kw):
+    kw |= {"phase": args.phase, "xla_flags": os.environ.get("XLA_FLAGS", ""), "device": jax.devices()[0].device_kind,
+           "jax": jax.__version__, "t": round(time.perf_counter() - T0, 1)}
+    print(json.dumps(kw), flush=True)
+    with open(args.out, "a") as f:
+        f.write(json.dumps(kw) + "\n")
+
+
+def median_time(fn, reps=10):
+    jax.block_until_ready(fn())
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def ceilings():
+    x = jnp.ones((512 * 2**20,), jnp.int32)  # 2 GiB
+    f = jax.jit(lambda x: x + 1)
+    t = median_time(lambda: f(x))
+    bw = 2 * x.size * 4 / t
+    a = jax.random.normal(jax.random.key(0), (8192, 8192), jnp.bfloat16)
+    g = jax.jit(lambda a: a @ a)
+    tg = median_time(lambda: g(a))
+    log(what="ceilings", copy_tb_s=bw / 1e12, gemm_tflop_s=2 * 8192**3 / tg / 1e12)
+    del x, a
+    return bw
+
+
+cfg = preset(args.preset).replace(noise="mask", mask_token_id=preset(args.preset).vocab_size - 1)
+specs = qwen3.param_specs(cfg)
+nbytes = sum(int(np.prod(s.shape)) * 2 for s in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P.ParamSpec)))
+
+
+def sampler_for(L):
+    if L == 32:
+        return MaskSampler(mask_token_id=cfg.mask_token_id, threshold=None, tokens_per_step=4), cfg
+    return UniformSampler(max_denoising_steps=48, confidence=0.0), cfg.replace(noise="uniform")
+
+
+def step_phase(params, bw):
+    for L in map(int, args.blocks.split(",")):
+        sampler, c = sampler_for(L)
+        S = args.prompt + L
+        k = jax.random.normal(jax.random.key(1), (c.num_layers, 1, S, c.num_kv_heads, c.head_dim), jnp.bfloat16)
+        cache = KVCache(k=k, v=k * 0.5, start=jnp.zeros((1,), jnp.int32), length=jnp.asarray(args.prompt, jnp.int32))
+        canvas, sstate = sampler.init(jax.random.key(2), 1, L, c)
+
+        def run(params, cache, canvas, n, key, fixed):
+            def body(carry):
+                i, canvas, st, key, done = carry
+                key, ks = jax.random.split(key)
+                logits = qwendlm.decode(params, c, canvas, cache)
+                out = sampler.step(logits, canvas, st, ks, i % 8, jnp.ones((1,), bool))
+                return i + 1, out.canvas, out.state, key, done + out.done.sum()
+            init = (jnp.int32(0), canvas, sstate, key, jnp.int32(0))
+            if fixed:
+                return jax.lax.fori_loop(0, 16, lambda i, cr: body(cr), init)
+            return jax.lax.while_loop(lambda cr: (cr[0] < n) & (cr[4] < 10**9), body, init)
+
+        for mode in ("while", "fori"):
+            f = jax.jit(run, static_argnames="fixed")
+            t = time.perf_counter()
+            jax.block_until_ready(f(params, cache, canvas, 16, jax.random.key(3), mode == "fori"))
+            compile_s = time.perf_counter() - t
+            per = median_time(lambda: f(params, cache, canvas, 16, jax.random.key(3), mode == "fori"), reps=5) / 16
+            flops = 2 * (nbytes / 2) * L
+            roof = max(nbytes / bw, flops / 790e12)
+            log(what="denoise_step", block=L, loop=mode, ms_per_forward=per * 1e3, roofline_ms=roof * 1e3,
+                pct_of_roofline=100 * roof / per, compile_s=compile_s)
+
+    # loop overhead: a tiny body (one [32,4096]x[4096,4096] matmul) in a dynamic while_loop vs a fori_loop
+    w = jax.random.normal(jax.random.key(0), (4096, 4096), jnp.bfloat16) * 0.01
+    x0 = jax.random.normal(jax.random.key(1), (32, 4096), jnp.bfloat16)
+    n = 2000
+    wl = jax.jit(lambda x, n: jax.lax.while_loop(lambda c: (c[0] < n) & (c[1][0, 0] < 1e9),
+                                                 lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, x))[1])
+    fl = jax.jit(lambda x: jax.lax.fori_loop(0, n, lambda i, x: jnp.tanh(x @ w), x))
+    tw = median_time(lambda: wl(x0, n), reps=5) / n
+    tf = median_time(lambda: fl(x0), reps=5) / n
+    log(what="loop_overhead", while_us=tw * 1e6, fori_us=tf * 1e6, dynamic_predicate_cost_us=(tw - tf) * 1e6)
+
+
+def generate_phase(params):
+    prompt = np.random.default_rng(0).integers(0, 150000, (1, args.prompt)).astype(np.int32)
+    for L in map(int, args.blocks.split(",")):
+        sampler, c = sampler_for(L)
+        kw = dict(key=jax.random.key(0), max_new_tokens=256, block_length=L, sampler=sampler, eos_token_id=())
+        t = time.perf_counter()
+        out = generate(params, c, prompt, **kw)
+        jax.block_until_ready(out)
+        first = time.perf_counter() - t
+        per = median_time(lambda: generate(params, c, prompt, **kw), reps=5)
+        fwd, com = int(out.total_forwards), int(out.commits)
+        log(what="generate", block=L, first_call_s=first, seconds=per, new_tokens=256, denoise_forwards=fwd,
+            commits=com, forced_tpf=256 / (fwd + com), tokens_per_s=256 / per,
+            ms_per_forward_incl_prefill=per * 1e3 / (fwd + com))
+
+
+bw = ceilings()
+t = time.perf_counter()
+params = P.init(specs, jax.random.key(0))
+jax.block_until_ready(params)
+log(what="init", params_gb=nbytes / 1e9, seconds=time.perf_counter() - t)
+if args.phase == "step":
+    step_phase(params, bw)
+else:
+    generate_phase(params)

@@ -1,0 +1,40 @@
+"""The one place orl_jax sets XLA flags and JAX settings.
+
+Called by the CLI, the recipes and the benchmarks before JAX starts its backends (a library user calls it
+themselves, first thing, or sets the same things by hand):
+
+- `--xla_gpu_enable_triton_gemm=false`: XLA's autotuned Triton GEMMs reach ~26% of HBM bandwidth on the small-M
+  (batch-1 decoding) GEMMs of a 4B model on an H200; cuBLAS reaches ~57% (../shared/REFERENCE.md: a Qwen3-4B
+  block-32 step costs 7.8 ms vs 4.5 ms). Only the GPU backend reads it.
+- a persistent compilation cache, so a second process reuses compiled programs (generate() on a 4B model takes
+  minutes to compile cold).
+
+Loop mode: the engine's while_loop has a data-dependent predicate, which XLA copies to the host each iteration
+unless WHILE/CONDITIONAL command buffers are on; those made a step slower in our probe, so they stay off
+(measured in benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DEFAULT_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false",)
+
+
+def configure(compilation_cache_dir: str | os.PathLike | None = "~/.cache/orl_jax/xla",
+              xla_flags: tuple[str, ...] = DEFAULT_XLA_FLAGS) -> None:
+    """Set orl_jax's XLA flags (unless the user already set the same flag) and the compilation cache."""
+    current = os.environ.get("XLA_FLAGS", "")
+    have = {f.split("=")[0] for f in current.split()}
+    add = [f for f in xla_flags if f.split("=")[0] not in have]
+    if add:
+        os.environ["XLA_FLAGS"] = " ".join([current, *add]).strip()
+    import jax
+
+    if compilation_cache_dir is not None:
+        path = Path(compilation_cache_dir).expanduser()
+        path.mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", str(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
