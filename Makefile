@@ -1,5 +1,5 @@
 # `make demo` and `make test` set everything up on first use (.venv + editable install), then run.
-PY ?= python3.11
+PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch==2.13.0 first: on the CI machine it is a CPU wheel on disk; any other torch pulls a CUDA build.
-	$(BIN)/pip install -q "torch==2.13.0" || $(BIN)/pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+	$(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 

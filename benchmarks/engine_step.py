@@ -71,7 +71,6 @@ def ceilings():
     g = jax.jit(lambda a: a @ a)
     tg = median_time(lambda: g(a))
     log(what="ceilings", copy_tb_s=bw / 1e12, gemm_tflop_s=2 * 8192**3 / tg / 1e12)
-    del x, a
     return bw
 
 

@@ -2,12 +2,14 @@
 
   orl-jax convert --hf DIR --out DIR [--dtype bfloat16]     HF checkpoint -> orbax params export
   orl-jax convert --orbax DIR --out DIR [--tokenizer DIR]   orbax params export -> HF checkpoint
+  orl-jax generate --model DIR --prompt TEXT [...]           stream a block-diffusion generation
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _convert(args) -> int:
@@ -27,6 +29,49 @@ def _convert(args) -> int:
     return 0
 
 
+def _generate(args) -> int:
+    from orl_jax import runtime
+
+    runtime.configure()
+    import jax
+
+    from orl_jax import checkpoint
+    from orl_jax.convert import hf
+    from orl_jax.data.tokenizer import load_tokenizer
+    from orl_jax.decode.engine import generate
+    from orl_jax.decode.residual import NoResidual, ORLResidual, RCDResidual
+
+    model = args.model
+    if (Path(model) / "params").exists():
+        cfg, params = checkpoint.load_params(model, dtype=args.dtype)
+    else:
+        cfg, params = hf.load_hf(model, dtype=args.dtype or "bfloat16")
+    tok = load_tokenizer(args.tokenizer or model)
+    if getattr(tok, "chat_template", None) and not args.raw:
+        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                      tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    else:
+        ids = tok.encode(args.prompt)
+    if args.noise:
+        cfg = cfg.replace(noise=args.noise, mask_token_id=cfg.mask_token_id or tok.mask_token_id)
+    options = {k: v for k, v in (("threshold", args.threshold), ("edit_threshold", args.edit_threshold),
+                                 ("temperature", args.temperature)) if v is not None}
+    if cfg.noise == "uniform" and "temperature" in options:
+        options["t_max"] = options.pop("temperature")
+    residual = {"none": NoResidual(), "rcd": RCDResidual(), "orl": ORLResidual()}[args.residual]
+    eos = tok.eos_token_id if tok.eos_token_id is not None else None
+    out = generate(params, cfg, [list(ids)], key=jax.random.key(args.seed), max_new_tokens=args.max_new_tokens,
+                   block_length=args.block_length, residual=residual,
+                   eos_token_id=eos if eos is not None else cfg.eos_token_ids,
+                   streamer=lambda block, i: print(tok.decode(block[0], skip_special_tokens=True), end="",
+                                                   flush=True),
+                   **options)
+    print(f"\n[{int(out.lengths[0])} tokens, {int(out.forwards[0])} denoising + {int(out.commits)} commit forwards,"
+          f" TPF {float(out.tpf[0]):.2f}]", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="orl-jax", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -40,6 +85,21 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--allow-pickle", action="store_true", help="allow reading pickle .bin checkpoints")
     c.add_argument("--overwrite", action="store_true")
     c.set_defaults(fn=_convert)
+    g = sub.add_parser("generate", help="generate text with a block-diffusion model, streaming each block")
+    g.add_argument("--model", required=True, help="HF checkpoint directory or orbax params export")
+    g.add_argument("--tokenizer", help="tokenizer directory (default: --model)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--block-length", type=int, default=None)
+    g.add_argument("--noise", choices=["uniform", "mask"], default=None, help="override the model's noise mode")
+    g.add_argument("--threshold", type=float, default=None, help="mask family: fill threshold")
+    g.add_argument("--edit-threshold", type=float, default=None, help="mask family: edit threshold (LLaDA 2.1)")
+    g.add_argument("--temperature", type=float, default=None)
+    g.add_argument("--residual", choices=["none", "rcd", "orl"], default="none")
+    g.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(fn=_generate)
     args = ap.parse_args(argv)
     if args.cmd == "convert" and args.hf and args.dtype is None:
         args.dtype = "bfloat16"

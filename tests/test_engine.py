@@ -1,7 +1,6 @@
 """generate() against the literal Python-loop oracle (decode/reference.py), plus loop mechanics."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -28,7 +28,7 @@ def _row_logits(params, cfg: ModelConfig, prompt, blocks, canvas, emb_canvas):
     seq = list(prompt) + [t for blk in blocks for t in blk] + list(canvas)
     n_p, L = len(prompt), len(canvas)
     seg = list(range(n_p))
-    for j, blk in enumerate(blocks):
+    for j in range(len(blocks)):
         s0 = n_p + j * L
         seg += list(range(s0, s0 + L)) if cfg.prefix_attention == "causal" else [s0] * L
     seg += [len(seq) - L] * L
@@ -68,9 +68,10 @@ def _log_softmax(x):
 
 
 def reference_generate(params, cfg: ModelConfig, prompts: list[list[int]], *, key, max_new_tokens: int,
-                       sampler, residual=NoResidual(), block_length: int | None = None, max_steps: int | None = None,
+                       sampler, residual=None, block_length: int | None = None, max_steps: int | None = None,
                        eos_token_ids: tuple[int, ...] = (), pad_token_id: int = 0):
     """Returns (tokens [B, T], forwards [B], steps_per_block)."""
+    residual = NoResidual() if residual is None else residual
     B, L, V = len(prompts), block_length or cfg.block_length, cfg.vocab_size
     nb = math.ceil(max_new_tokens / L)
     max_steps = max_steps or sampler.max_steps(L)

@@ -67,7 +67,8 @@ class MaskSampler:
         _check_unit("threshold", self.threshold, allow_none=True)
         _check_unit("edit_threshold", self.edit_threshold, allow_none=True)
         _check_temperature("temperature", self.temperature, allow_zero=True)
-        if self.tokens_per_step is not None and (not isinstance(self.tokens_per_step, int) or self.tokens_per_step <= 0):
+        tps = self.tokens_per_step
+        if tps is not None and (not isinstance(tps, int) or tps <= 0):
             raise ValueError(f"tokens_per_step must be a positive int, got {self.tokens_per_step!r}")
         if not isinstance(self.max_edit_steps, int) or self.max_edit_steps < 0:
             raise ValueError(f"max_edit_steps must be an int >= 0, got {self.max_edit_steps!r}")
@@ -145,7 +146,8 @@ class UniformSampler:
         _check_temperature("t_min", self.t_min, allow_zero=False)
         if not isinstance(self.max_denoising_steps, int) or self.max_denoising_steps <= 0:
             raise ValueError(f"max_denoising_steps must be a positive int, got {self.max_denoising_steps!r}")
-        if not isinstance(self.entropy_bound, (int, float)) or math.isnan(self.entropy_bound) or self.entropy_bound <= 0:
+        eb = self.entropy_bound
+        if not isinstance(eb, (int, float)) or math.isnan(eb) or eb <= 0:
             raise ValueError(f"entropy_bound must be > 0, got {self.entropy_bound!r}")
         if not isinstance(self.stability, int) or self.stability < 0:
             raise ValueError(f"stability must be an int >= 0, got {self.stability!r}")

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 def rms_norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     y = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-    return y if w is None else w.astype(x.dtype) * y
+    return y if w is None else jnp.broadcast_to(w.astype(x.dtype), y.shape) * y
 
 
 def einsum(spec: str, x: jax.Array, w) -> jax.Array:
@@ -26,7 +26,7 @@ def einsum(spec: str, x: jax.Array, w) -> jax.Array:
 def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
     """cos, sin of shape [B, L, H] (the two halves repeated, HF's rotate_half layout), in float32."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, L, H/2]
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq[None, None]  # [B, L, H/2]
     ang = jnp.concatenate([ang, ang], axis=-1)  # [B, L, H]
     return jnp.cos(ang), jnp.sin(ang)
 

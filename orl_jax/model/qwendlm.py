@@ -58,6 +58,7 @@ def decode(params: dict, cfg: ModelConfig, canvas: jax.Array, cache: KVCache, *,
     residual [B, L, D]: z fed to the adapter g_phi (None = no residual, e.g. the first step of a block).
     embeds [B, L, D]: replaces the token embedding (RCD-style interpolation built by decode/residual.py).
     """
+    qwen3.check_tokens(canvas, cfg, "canvas")
     b, l = canvas.shape
     x = qwen3.embed(params, cfg, canvas, residual) if embeds is None else embeds.astype(cfg.jnp_dtype)
     h, _, _ = qwen3.backbone(params, cfg, x, cache.positions(l), self_mask(full_segments(b, l)), cache)
@@ -67,6 +68,7 @@ def decode(params: dict, cfg: ModelConfig, canvas: jax.Array, cache: KVCache, *,
 
 def commit(params: dict, cfg: ModelConfig, block: jax.Array, cache: KVCache) -> KVCache:
     """Write the finished block [B, L] into the cache (one forward; its logits are not needed)."""
+    qwen3.check_tokens(block, cfg, "block")
     b, l = block.shape
     seg = causal_segments(b, l) if cfg.prefix_attention == "causal" else full_segments(b, l)
     _, k, v = qwen3.backbone(params, cfg, qwen3.embed(params, cfg, block), cache.positions(l), self_mask(seg),
