@@ -28,7 +28,7 @@ from orl_jax.config import ModelConfig
 from orl_jax.decode.residual import NoResidual, ORLResidual, RCDResidual, Residual, soft_embed
 from orl_jax.decode.samplers import MaskSampler, Sampler, UniformSampler
 from orl_jax.decode.state import DecodeState, GenerateOutput
-from orl_jax.model import qwendlm
+from orl_jax.model.registry import model_module
 
 MIN_BUCKET = 16
 
@@ -80,7 +80,8 @@ def _finalize_block(dcfg: DecodeConfig, tokens_block, seq_done):
 def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeConfig) -> GenerateOutput:
     b, p = prompt.shape
     L, nb, sampler = dcfg.block_length, dcfg.num_blocks, dcfg.sampler
-    _, cache = qwendlm.prefill(params, cfg, prompt, lengths, p + nb * L)
+    model = model_module(cfg)
+    _, cache = model.prefill(params, cfg, prompt, lengths, p + nb * L)
     key, k_init = jax.random.split(key)
     canvas, sstate = sampler.init(k_init, b, L, cfg)
     d = cfg.hidden_size
@@ -112,7 +113,7 @@ def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeCon
         key, k_step, k_init = jax.random.split(s.key, 3)
         active = ~(s.block_done | s.seq_done)
         x = dcfg.residual.embed(params, cfg, s.canvas, s.z, s.a)
-        logits = qwendlm.decode(params, cfg, s.canvas, s.cache, embeds=x)  # [B, L, V]
+        logits = model.decode(params, cfg, s.canvas, s.cache, embeds=x)  # [B, L, V]
         out = sampler.step(logits, s.canvas, s.sampler, k_step, s.step, active)
         keep = active[:, None]
         if isinstance(dcfg.residual, NoResidual):
@@ -134,7 +135,7 @@ def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeCon
         seq_done = jnp.where(finish, s.seq_done | eos, s.seq_done)
         tokens = jnp.where(finish, jax.lax.dynamic_update_slice(s.tokens, final, (0, s.block * L)), s.tokens)
         need_commit = finish & (s.block + 1 < nb) & ~jnp.all(seq_done)
-        cache = jax.lax.cond(need_commit, lambda c: qwendlm.commit(params, cfg, final, c), lambda c: c, s.cache)
+        cache = jax.lax.cond(need_commit, lambda c: model.commit(params, cfg, final, c), lambda c: c, s.cache)
         if dcfg.stream:
             jax.lax.cond(finish, lambda: jax.debug.callback(_emit, final, s.block, ordered=True), lambda: None)
 
@@ -249,8 +250,9 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, *, key: jax.Array, max_
     streamer(block_tokens [B, L], block_index) is called on the host as each block is finished.
     Returns GenerateOutput (tokens [B, T] with pad after EOS, lengths, forwards, commits, steps, TPF).
     """
-    if not isinstance(cfg, ModelConfig):
-        raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    if not isinstance(cfg, ModelConfig) and not hasattr(cfg, "noise"):
+        raise TypeError(f"cfg must be a model config (ModelConfig, ...), got {type(cfg).__name__}")
+    model_module(cfg)  # raises TypeError for a config type no model is registered for
     if not isinstance(params, dict) or "embed" not in params:
         raise TypeError("params must be the model's parameter dict (with an 'embed' entry)")
     if not (isinstance(key, jax.Array) and (jnp.issubdtype(key.dtype, jax.dtypes.prng_key)

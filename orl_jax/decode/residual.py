@@ -18,42 +18,39 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from orl_jax.config import ModelConfig
-from orl_jax.model import qwen3
+from orl_jax.model.registry import model_module
 
 
-def soft_embed(params: dict, cfg: ModelConfig, probs: jax.Array) -> jax.Array:
-    """z = p @ E: [B, L, V] -> [B, L, D] in the model dtype."""
-    e = params["embed"]
-    return jnp.einsum("blv,vd->bld", probs.astype(e.dtype), e, preferred_element_type=jnp.float32).astype(e.dtype)
+def soft_embed(params: dict, cfg, probs: jax.Array) -> jax.Array:
+    """z = p @ E (times the model's embedding scale): [B, L, V] -> [B, L, D]."""
+    return model_module(cfg).soft_embed(params, cfg, probs)
+
+
+def _masked(cfg, canvas, a):
+    return jnp.where(canvas == cfg.mask_token_id, a, 0.0)
 
 
 @dataclass(frozen=True)
 class NoResidual:
-    def embed(self, params, cfg: ModelConfig, canvas, z, a):
-        return qwen3.embed(params, cfg, canvas)
+    def embed(self, params, cfg, canvas, z, a):
+        return model_module(cfg).embed(params, cfg, canvas)
 
 
 @dataclass(frozen=True)
 class RCDResidual:
-    def embed(self, params, cfg: ModelConfig, canvas, z, a):
+    def embed(self, params, cfg, canvas, z, a):
         if cfg.mask_token_id is None:
-            raise ValueError("RCDResidual needs a mask-token model (ModelConfig.mask_token_id)")
-        x = qwen3.embed(params, cfg, canvas)  # [B, L, D]
-        w = jnp.where(canvas == cfg.mask_token_id, a, 0.0)[..., None].astype(x.dtype)
+            raise ValueError("RCDResidual needs a mask-token model (mask_token_id)")
+        x = model_module(cfg).embed(params, cfg, canvas)  # [B, L, D]
+        w = _masked(cfg, canvas, a)[..., None].astype(x.dtype)
         return x + w * (z.astype(x.dtype) - x)  # (1 - a) E[MASK] + a z at masked positions
 
 
 @dataclass(frozen=True)
 class ORLResidual:
-    def embed(self, params, cfg: ModelConfig, canvas, z, a):
-        if not cfg.has_adapter:
-            raise ValueError("ORLResidual needs a model with the adapter g_phi (ModelConfig.adapter_hidden > 0)")
-        x = qwen3.embed(params, cfg, canvas)
-        g = qwen3.adapter(params["adapter"], cfg, jax.lax.stop_gradient(z))
-        if cfg.noise == "mask":
-            g = g * jnp.where(canvas == cfg.mask_token_id, a, 0.0)[..., None].astype(g.dtype)
-        return x + g
+    def embed(self, params, cfg, canvas, z, a):
+        w = _masked(cfg, canvas, a) if cfg.noise == "mask" else jnp.ones(canvas.shape, jnp.float32)
+        return model_module(cfg).residual_embed(params, cfg, canvas, jax.lax.stop_gradient(z), w)
 
 
 Residual = NoResidual | RCDResidual | ORLResidual

@@ -25,6 +25,21 @@ from orl_jax.model.attention import causal_segments, full_segments, self_mask
 from orl_jax.model.cache import KVCache
 
 param_specs = qwen3.param_specs
+embed = qwen3.embed
+
+
+def residual_embed(params: dict, cfg: ModelConfig, tokens: jax.Array, z: jax.Array, w: jax.Array) -> jax.Array:
+    """E[x] + w * g_phi(z): the ORL residual input (w = 1 everywhere for the uniform family)."""
+    if not cfg.has_adapter:
+        raise ValueError("the residual adapter needs ModelConfig.adapter_hidden > 0")
+    g = qwen3.adapter(params["adapter"], cfg, z)
+    return qwen3.embed(params, cfg, tokens) + w[..., None].astype(g.dtype) * g
+
+
+def soft_embed(params: dict, cfg: ModelConfig, probs: jax.Array) -> jax.Array:
+    """z = p @ E: [B, L, V] -> [B, L, D] in the model dtype."""
+    e = params["embed"]
+    return jnp.einsum("blv,vd->bld", probs.astype(e.dtype), e, preferred_element_type=jnp.float32).astype(e.dtype)
 
 
 def init_cache(cfg: ModelConfig, batch: int, size: int) -> KVCache:

@@ -1,0 +1,26 @@
+"""Which model module runs a config. The engine and the residual forms talk to a model only through this
+interface (a module with these functions), so a new architecture plugs into generate() without a second loop:
+
+  param_specs(cfg)                                  -> ParamSpec tree
+  prefill(params, cfg, tokens, lengths, cache_size) -> (last logits [B, V], KVCache)
+  decode(params, cfg, canvas, cache, *, embeds)     -> logits [B, L, V]   (reads the cache)
+  commit(params, cfg, block, cache)                 -> KVCache            (writes the block's K/V)
+  embed(params, cfg, tokens)                        -> [B, L, D] input embeddings of tokens
+  residual_embed(params, cfg, tokens, z, w)         -> [B, L, D] embeddings with the adapter applied to z,
+                                                       weighted per position by w [B, L]
+  soft_embed(params, cfg, probs)                    -> z [B, L, D]: the residual a step hands to the next
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from orl_jax.config import ModelConfig
+
+
+def model_module(cfg) -> ModuleType:
+    if isinstance(cfg, ModelConfig):
+        from orl_jax.model import qwendlm
+
+        return qwendlm
+    raise TypeError(f"no model registered for config type {type(cfg).__name__}")
