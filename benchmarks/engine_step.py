@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from orl_jax import runtime  # noqa: E402
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--phase", choices=["step", "generate"], required=True)
+ap.add_argument("--phase", choices=["step", "generate", "breakdown"], required=True)
 ap.add_argument("--blocks", default="32,256")
 ap.add_argument("--xla-default", action="store_true", help="do not apply orl_jax's XLA flags (for comparison)")
 ap.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/orl_jax/xla"))
@@ -144,6 +144,24 @@ def generate_phase(params):
             ms_per_forward_incl_prefill=per * 1e3 / (fwd + com))
 
 
+def breakdown_phase(params):
+    """Where a step's time goes: the forward alone, the sampler alone, the forward minus its LM head."""
+    for L in map(int, args.blocks.split(",")):
+        sampler, c = sampler_for(L)
+        S = args.prompt + L
+        k = jax.random.normal(jax.random.key(1), (c.num_layers, 1, S, c.num_kv_heads, c.head_dim), jnp.bfloat16)
+        cache = KVCache(k=k, v=k * 0.5, start=jnp.zeros((1,), jnp.int32), length=jnp.asarray(args.prompt, jnp.int32))
+        canvas, sstate = sampler.init(jax.random.key(2), 1, L, c)
+        fwd = jax.jit(lambda p, cache, canvas: qwendlm.decode(p, c, canvas, cache))
+        hidden = jax.jit(lambda p, cache, canvas: qwendlm.decode(p, c, canvas, cache, return_hidden=True)[1])
+        logits = fwd(params, cache, canvas)
+        samp = jax.jit(lambda lg, canvas, st, key: sampler.step(lg, canvas, st, key, 0, jnp.ones((1,), bool)))
+        for name, fn in [("forward_with_head", lambda: fwd(params, cache, canvas)),
+                         ("forward_hidden_only", lambda: hidden(params, cache, canvas)),
+                         ("sampler_only", lambda: samp(logits, canvas, sstate, jax.random.key(0)))]:
+            log(what="breakdown", block=L, part=name, ms=median_time(fn, reps=20) * 1e3)
+
+
 bw = ceilings()
 t = time.perf_counter()
 params = P.init(specs, jax.random.key(0))
@@ -151,5 +169,7 @@ jax.block_until_ready(params)
 log(what="init", params_gb=nbytes / 1e9, seconds=time.perf_counter() - t)
 if args.phase == "step":
     step_phase(params, bw)
+elif args.phase == "breakdown":
+    breakdown_phase(params)
 else:
     generate_phase(params)

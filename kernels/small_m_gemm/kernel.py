@@ -1,0 +1,78 @@
+"""Split-K weight-streaming GEMM for small M (batch-1 decoding: M = block length <= 64).
+
+At M = 32 a GEMM with a 2560 x 6144 bf16 weight reads 31 MB and does 1 GFLOP: it is bound by reading the weight
+once. cuBLAS reaches 35-55% of HBM bandwidth on these shapes (../shared/REFERENCE.md) because it launches too
+few blocks. Here every program owns one BN-wide column tile of the weight and every S-th BK-deep chunk of the
+contraction (split-K), streams those tiles through tensor-core dots into a float32 accumulator, and writes a
+partial sum; the S partials ([S, M, N] float32, a few % of the weight's bytes) are summed by XLA.
+
+Pallas, Triton lowering (pallas.triton). Runs in interpret mode on CPU for tests.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+
+@dataclass(frozen=True)
+class Blocks:
+    bn: int = 128  # output columns per program
+    bk: int = 256  # contraction rows per chunk
+    splits: int = 4  # programs sharing one column tile (split-K)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _kernel(x_ref, w_ref, o_ref, *, bk: int, n_chunks: int):
+    s = pl.program_id(1)
+    n_splits = pl.num_programs(1)
+    m, bn = x_ref.shape[0], w_ref.shape[1]
+
+    def body(j, acc):
+        k0 = pl.multiple_of((s + j * n_splits) * bk, bk)
+        xb = x_ref[:, pl.ds(k0, bk)]
+        wb = w_ref[pl.ds(k0, bk), :]
+        return acc + jnp.dot(xb, wb, preferred_element_type=jnp.float32)
+
+    trips = (n_chunks - s + n_splits - 1) // n_splits
+    o_ref[0] = jax.lax.fori_loop(0, trips, body, jnp.zeros((m, bn), jnp.float32))
+
+
+def supported(m: int, k: int, n: int, blocks: Blocks = Blocks()) -> bool:
+    return m <= 64 and k % blocks.bk == 0 and n % blocks.bn == 0
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "out_dtype"))
+def small_m_matmul(x: jax.Array, w: jax.Array, blocks: Blocks = Blocks(), interpret: bool = False,
+                   out_dtype=None) -> jax.Array:
+    """x [M, K] @ w [K, N] -> [M, N]; M <= 64, K % bk == 0, N % bn == 0 (see `supported`)."""
+    m, k = x.shape
+    n = w.shape[1]
+    if not supported(m, k, n, blocks):
+        raise ValueError(f"small_m_matmul: shape M={m}, K={k}, N={n} not supported with {blocks}")
+    mp = max(16, 1 << (m - 1).bit_length())  # tensor-core dots need M >= 16
+    xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
+    n_chunks = k // blocks.bk
+    splits = min(blocks.splits, n_chunks)
+    kwargs = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+
+        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=blocks.num_warps,
+                                                            num_stages=blocks.num_stages)
+    partial = pl.pallas_call(
+        functools.partial(_kernel, bk=blocks.bk, n_chunks=n_chunks),
+        out_shape=jax.ShapeDtypeStruct((splits, mp, n), jnp.float32),
+        grid=(n // blocks.bn, splits),
+        in_specs=[pl.BlockSpec((mp, k), lambda j, s: (0, 0)),
+                  pl.BlockSpec((k, blocks.bn), lambda j, s: (0, j))],
+        out_specs=pl.BlockSpec((1, mp, blocks.bn), lambda j, s: (s, 0, j)),
+        interpret=interpret,
+        **kwargs,
+    )(xp, w)
+    return partial.sum(axis=0)[:m].astype(out_dtype or x.dtype)
