@@ -23,9 +23,12 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "heads": "tensor",
     "kv_heads": "tensor",
     "head_dim": None,
+    "qkv": None,  # the q-heads-of-a-group + k + v axis of the fused projection
+    "gate_up": None,
     "mlp": "tensor",
     "vocab": "tensor",
     "adapter": "tensor",
+    "experts": None,  # MoE expert axis (DiffusionGemma); expert parallelism is not wired yet
 }
 
 

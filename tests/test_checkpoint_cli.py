@@ -84,11 +84,11 @@ def test_orbax_load_with_mesh_is_sharded(orbax_export):
     d, cfg, params = orbax_export
     mesh = sharding.make_mesh(data=1, fsdp=2, tensor=2)
     _, ps = checkpoint.load_params(d, mesh=mesh)
-    q, head = ps["layers"]["q"], ps["lm_head"]
-    assert q.sharding.spec == PS(None, "fsdp", "tensor", None)
+    q, head = ps["layers"]["qkv"], ps["lm_head"]
+    assert q.sharding.spec == PS(None, "fsdp", "tensor", None, None)
     assert head.sharding.spec == PS("tensor", "fsdp")
-    Ly, D, N, H = q.shape
-    assert {s.data.shape for s in q.addressable_shards} == {(Ly, D // 2, N // 2, H)}
+    Ly, D, K, T, H = q.shape
+    assert {s.data.shape for s in q.addressable_shards} == {(Ly, D // 2, K // 2, T, H)}
     assert len(q.sharding.device_set) == 4
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), ps, params)
 
@@ -96,7 +96,7 @@ def test_orbax_load_with_mesh_is_sharded(orbax_export):
 def test_load_hf_with_mesh_is_sharded(hf_untied):
     mesh = sharding.make_mesh(data=1, fsdp=2, tensor=2)
     _, ps = load_hf(hf_untied.dir, dtype="float32", mesh=mesh)
-    assert ps["layers"]["gate"].sharding.spec == PS(None, "fsdp", "tensor")
+    assert ps["layers"]["gate_up"].sharding.spec == PS(None, "fsdp", None, "tensor")
     assert len(ps["embed"].sharding.device_set) == 4
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), ps,
                  load_cached(hf_untied)[1])

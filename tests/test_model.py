@@ -91,8 +91,8 @@ def test_abstract_4b_does_not_allocate():
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
     assert all(x.dtype == jnp.bfloat16 for x in leaves)
     assert sum(math.prod(x.shape) for x in leaves) == QWEN3_4B_PARAMS
-    assert abstract["layers"]["q"].shape == (36, 2560, 32, 128)
-    assert abstract["layers"]["k"].shape == (36, 2560, 8, 128)
+    assert abstract["layers"]["qkv"].shape == (36, 2560, 8, 4 + 2, 128)  # q heads of a kv group, k, v
+    assert abstract["layers"]["gate_up"].shape == (36, 2560, 2, 9728)
     assert "lm_head" not in abstract
     # init traced abstractly has the same tree, and a whole forward pass traces on the 4B shapes
     init_shapes = jax.eval_shape(lambda k: P.init(specs, k), jax.random.key(0))
@@ -109,7 +109,7 @@ def test_4b_shardings():
     specs = qwen3.param_specs(preset("qwen3-4b"))
     mesh = sharding.make_mesh(data=1, fsdp=2, tensor=2)
     sh = P.shardings(specs, mesh)
-    assert sh["layers"]["q"].spec == PS(None, "fsdp", "tensor", None)
+    assert sh["layers"]["qkv"].spec == PS(None, "fsdp", "tensor", None, None)
     assert sh["layers"]["o"].spec == PS(None, "tensor", None, "fsdp")
     assert sh["layers"]["down"].spec == PS(None, "tensor", "fsdp")
     assert sh["embed"].spec == PS("tensor", "fsdp")
@@ -550,10 +550,10 @@ def test_sharded_init_matches_unsharded(dlm, dlm_init):
     mesh = sharding.make_mesh(data=1, fsdp=2, tensor=2)
     assert mesh.devices.size == 4
     sharded, plain = P.init(specs, INIT_KEY, mesh=mesh), dlm_init
-    q = sharded["layers"]["q"]
-    assert q.sharding.spec == PS(None, "fsdp", "tensor", None)
-    Ly, D, N, H = q.shape
-    assert {s.data.shape for s in q.addressable_shards} == {(Ly, D // 2, N // 2, H)}
+    q = sharded["layers"]["qkv"]
+    assert q.sharding.spec == PS(None, "fsdp", "tensor", None, None)
+    Ly, D, K, T, H = q.shape
+    assert {s.data.shape for s in q.addressable_shards} == {(Ly, D // 2, K // 2, T, H)}
     assert len({s.device for s in q.addressable_shards}) == 4
     assert sharded["adapter"]["down"].sharding.spec == PS("tensor", "fsdp")
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), sharded, plain)

@@ -50,3 +50,51 @@ def gated_mlp(x: jax.Array, gate, up, down, act: str = "silu") -> jax.Array:
     g = einsum("bld,df->blf", x, gate)  # [B, L, F]
     u = einsum("bld,df->blf", x, up)
     return einsum("blf,fd->bld", ACTIVATIONS[act](g) * u, down)  # [B, L, D]
+
+
+def fused_gated_mlp(x: jax.Array, gate_up, down, act: str = "silu") -> jax.Array:
+    """gated_mlp with gate and up stored as one [D, 2, F] weight: one GEMM streams both (XLA would otherwise
+    concatenate two separate weights on every call to merge the dots)."""
+    gu = einsum("bld,dtf->bltf", x, gate_up)  # [B, L, 2, F]
+    return einsum("blf,fd->bld", ACTIVATIONS[act](gu[:, :, 0]) * gu[:, :, 1], down)  # [B, L, D]
+
+
+def rms_norm_fp32(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
+    """RMSNorm whose weight multiplies in float32 before the cast back (Gemma 4 / DiffusionGemma order; `rms_norm`
+    casts first). The weight is used as is (no Gemma-1..3 style `1 + w`)."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if w is not None:
+        y = jnp.broadcast_to(w.astype(jnp.float32), y.shape) * y
+    return y.astype(x.dtype)
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap) in float32 (Gemma's logit soft-capping); cap None = identity."""
+    if cap is None:
+        return x
+    return jnp.tanh(x.astype(jnp.float32) / cap) * cap
+
+
+def rope_inv_freq(head_dim: int, theta: float, rope_type: str = "default", partial_rotary_factor: float = 1.0,
+                  factor: float = 1.0) -> jax.Array:
+    """Inverse frequencies [H/2] in float32, as transformers' ROPE_INIT_FUNCTIONS compute them.
+
+    "default": 1 / theta^(2i / H) for all H/2 pairs. "proportional" (Gemma 4 full-attention layers): only the first
+    int(partial * H / 2) pairs rotate, with exponents over the whole H; the rest get frequency 0 (cos 1, sin 0: left
+    unrotated), so the encoding keeps size H. `factor` divides all frequencies (proportional only).
+    """
+    if rope_type == "default":
+        return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if rope_type != "proportional":
+        raise ValueError(f"rope_type must be 'default' or 'proportional', got {rope_type!r}")
+    n_rot = int(partial_rotary_factor * head_dim // 2)
+    rot = 1.0 / (theta ** (jnp.arange(0, 2 * n_rot, 2, dtype=jnp.float32) / head_dim))
+    return jnp.concatenate([rot, jnp.zeros((head_dim // 2 - n_rot,), jnp.float32)]) / factor
+
+
+def rope_angles_inv_freq(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, L, H] from explicit inverse frequencies [H/2] (rotate_half layout, float32)."""
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq[None, None]  # [B, L, H/2]
+    ang = jnp.concatenate([ang, ang], axis=-1)  # [B, L, H]
+    return jnp.cos(ang), jnp.sin(ang)

@@ -4,12 +4,12 @@ Architecture (matches transformers' Qwen3ForCausalLM): token embedding; per laye
 with RMSNorm on each q and k head before RoPE (rotate-half layout, theta from config), no biases -> residual;
 pre-RMSNorm -> SwiGLU MLP -> residual; final RMSNorm; LM head tied to the embedding or separate.
 
-Differences from the HF reference, all layout-only: projections are stored as [D, N, H] / [N, H, D] / [D, F]
-einsum operands instead of nn.Linear [out, in]; the layers are stacked along a leading axis and run under
-`lax.scan` (one compiled layer body, so compile time does not grow with depth); attention reads the KV cache and
-the current tokens as two parts of one softmax, with visibility masks from model/attention.py (causal,
-block-causal, canvas over a cached prefix) instead of HF's causal-only mask. Sliding-window layers and
-attention biases (absent in Qwen3) are not supported.
+Differences from the HF reference, all layout-only: projections are stored as einsum operands instead of
+nn.Linear [out, in], with q/k/v fused into one [D, K, G+2, H] weight and gate/up into one [D, 2, F] weight; the
+layers are stacked along a leading axis and run under `lax.scan` (one compiled layer body, so compile time does
+not grow with depth); attention reads the KV cache and the current tokens as two parts of one softmax, with
+visibility masks from model/attention.py (causal, block-causal, canvas over a cached prefix) instead of HF's
+causal-only mask. Sliding-window layers and attention biases (absent in Qwen3) are not supported.
 
 The adapter g_phi of QwenDLM (RMSNorm -> gated MLP -> added to the token embedding) is declared here so that
 one param tree covers the backbone and its adapter; model/qwendlm.py uses it.
@@ -24,7 +24,7 @@ import numpy as np
 from orl_jax.config import ModelConfig
 from orl_jax.model.attention import attention, cache_mask, causal_segments, self_mask
 from orl_jax.model.cache import KVCache
-from orl_jax.model.layers import apply_rope, einsum, gated_mlp, rms_norm, rope_angles
+from orl_jax.model.layers import apply_rope, einsum, fused_gated_mlp, gated_mlp, rms_norm, rope_angles
 from orl_jax.params import ParamSpec, ones, zeros
 
 
@@ -36,15 +36,15 @@ def param_specs(cfg: ModelConfig) -> dict:
         "embed": ParamSpec((V, D), dt, ("vocab", "embed")),
         "layers": {
             "attn_norm": ParamSpec((Ly, D), dt, ("layers", "embed"), ones),
-            "q": ParamSpec((Ly, D, N, H), dt, ("layers", "embed", "heads", "head_dim")),
-            "k": ParamSpec((Ly, D, K, H), dt, ("layers", "embed", "kv_heads", "head_dim")),
-            "v": ParamSpec((Ly, D, K, H), dt, ("layers", "embed", "kv_heads", "head_dim")),
+            # q, k, v as one weight grouped by kv head: [.., k, t, h] holds q heads k*G .. k*G+G-1 at t < G, then
+            # k at t = G and v at t = G+1. One GEMM per layer, and a tensor-parallel split over kv heads keeps
+            # each group's q, k and v together.
+            "qkv": ParamSpec((Ly, D, K, N // K + 2, H), dt, ("layers", "embed", "kv_heads", "qkv", "head_dim")),
             "o": ParamSpec((Ly, N, H, D), dt, ("layers", "heads", "head_dim", "embed")),
             "q_norm": ParamSpec((Ly, H), dt, ("layers", "head_dim"), ones),
             "k_norm": ParamSpec((Ly, H), dt, ("layers", "head_dim"), ones),
             "mlp_norm": ParamSpec((Ly, D), dt, ("layers", "embed"), ones),
-            "gate": ParamSpec((Ly, D, F), dt, ("layers", "embed", "mlp")),
-            "up": ParamSpec((Ly, D, F), dt, ("layers", "embed", "mlp")),
+            "gate_up": ParamSpec((Ly, D, 2, F), dt, ("layers", "embed", "gate_up", "mlp")),
             "down": ParamSpec((Ly, F, D), dt, ("layers", "mlp", "embed")),
         },
         "final_norm": ParamSpec((D,), dt, ("embed",), ones),
@@ -101,13 +101,16 @@ def embed(params: dict, cfg: ModelConfig, tokens: jax.Array, residual: jax.Array
 def _layer(cfg: ModelConfig, x, w, cos, sin, self_vis, cache_part):
     eps = cfg.rms_norm_eps
     h = rms_norm(x, w["attn_norm"], eps)
-    q = rms_norm(einsum("bld,dnh->blnh", h, w["q"]), w["q_norm"], eps)  # [B, L, N, H]
-    k = rms_norm(einsum("bld,dkh->blkh", h, w["k"]), w["k_norm"], eps)  # [B, L, K, H]
-    v = einsum("bld,dkh->blkh", h, w["v"])
+    b, l, _ = x.shape
+    g = cfg.num_heads // cfg.num_kv_heads
+    qkv = einsum("bld,dkth->blkth", h, w["qkv"])  # [B, L, K, G+2, H]
+    q = rms_norm(qkv[:, :, :, :g].reshape(b, l, cfg.num_heads, cfg.head_dim), w["q_norm"], eps)  # [B, L, N, H]
+    k = rms_norm(qkv[:, :, :, g], w["k_norm"], eps)  # [B, L, K, H]
+    v = qkv[:, :, :, g + 1]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
     x = x + einsum("blnh,nhd->bld", attention(q, parts), w["o"])
-    x = x + gated_mlp(rms_norm(x, w["mlp_norm"], eps), w["gate"], w["up"], w["down"])
+    x = x + fused_gated_mlp(rms_norm(x, w["mlp_norm"], eps), w["gate_up"], w["down"])
     return x, k, v
 
 
