@@ -79,10 +79,13 @@ specs = qwen3.param_specs(cfg)
 nbytes = sum(int(np.prod(s.shape)) * 2 for s in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P.ParamSpec)))
 
 
+RNG = os.environ.get("ORL_BENCH_RNG", "threefry")  # benchmark-only switch, to compare the two generators
+
+
 def sampler_for(L):
     if L == 32:
         return MaskSampler(mask_token_id=cfg.mask_token_id, threshold=None, tokens_per_step=4), cfg
-    return UniformSampler(max_denoising_steps=48, confidence=0.0), cfg.replace(noise="uniform")
+    return UniformSampler(max_denoising_steps=48, confidence=0.0, rng=RNG), cfg.replace(noise="uniform")
 
 
 def step_phase(params, bw):

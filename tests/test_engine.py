@@ -54,6 +54,7 @@ UNIFORM_CASES = [
     ("sampled", UniformSampler(max_denoising_steps=5, entropy_bound=1.0, confidence=0.5), NoResidual()),
     ("greedy", UniformSampler(max_denoising_steps=5, entropy_bound=2.0, confidence=0.5, greedy=True), NoResidual()),
     ("orl", UniformSampler(max_denoising_steps=4, entropy_bound=1.0, stability=2, confidence=1.0), ORLResidual()),
+    ("rbg", UniformSampler(max_denoising_steps=4, entropy_bound=1.0, rng="rbg"), NoResidual()),
 ]
 
 
@@ -183,6 +184,7 @@ BAD = [
     (dict(sampler=MaskSampler(mask_token_id=255)), ValueError, "MaskSampler"),
     (dict(sampler=UniformSampler(), greedy=True), ValueError, "sampler options"),
     (dict(streamer=3), TypeError, "streamer"),
+    (dict(rng="mt19937"), ValueError, "rng"),
 ]
 
 MASK_BAD = [

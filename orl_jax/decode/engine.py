@@ -162,8 +162,11 @@ def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeCon
     s = jax.lax.while_loop(cond, body, state)
     lengths_out = _valid_lengths(s.tokens, dcfg)
     tpf = lengths_out / jnp.maximum(s.forwards + s.commits, 1)
+    # transformers' tokens_per_forward (DiffusionGemma generate): non-pad new tokens / denoising forwards
+    tpf_hf = jnp.sum(s.tokens != dcfg.pad_token_id, axis=-1) / jnp.maximum(s.forwards, 1)
     return GenerateOutput(tokens=s.tokens, lengths=lengths_out, forwards=s.forwards, total_forwards=s.total_forwards,
-                          commits=s.commits, steps_per_block=s.steps_per_block, tpf=tpf, capture=s.capture)
+                          commits=s.commits, steps_per_block=s.steps_per_block, tpf=tpf, tpf_hf=tpf_hf,
+                          capture=s.capture)
 
 
 def _valid_lengths(tokens, dcfg: DecodeConfig):
@@ -177,8 +180,9 @@ def _valid_lengths(tokens, dcfg: DecodeConfig):
 
 # --- the public entry point: validation happens here, before any tracing ---------------------------------------
 
-_MASK_OPTIONS = {"threshold", "tokens_per_step", "edit_threshold", "max_edit_steps", "temperature"}
-_UNIFORM_OPTIONS = {"t_max", "t_min", "max_denoising_steps", "entropy_bound", "stability", "confidence", "greedy"}
+_MASK_OPTIONS = {"threshold", "tokens_per_step", "edit_threshold", "max_edit_steps", "temperature", "rng"}
+_UNIFORM_OPTIONS = {"t_max", "t_min", "max_denoising_steps", "entropy_bound", "stability", "confidence", "greedy",
+                    "rng"}
 
 
 def _positive_int(name, v):
@@ -231,7 +235,9 @@ def make_sampler(cfg: ModelConfig, **options) -> Sampler:
         if options.get("tokens_per_step") is not None and "threshold" not in options:
             options["threshold"] = None
         return MaskSampler(mask_token_id=cfg.mask_token_id, **options)
-    return UniformSampler(**options)
+    # a config may carry its checkpoint's generation defaults (DiffusionGemma: generation_config.json)
+    defaults = cfg.sampler_options() if hasattr(cfg, "sampler_options") else {}
+    return UniformSampler(**{**defaults, **options})
 
 
 def generate(params: dict, cfg: ModelConfig, prompt_ids, *, key: jax.Array, max_new_tokens: int = 256,
@@ -246,19 +252,23 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, *, key: jax.Array, max_
     sampler: a MaskSampler / UniformSampler, or None for the model family's default built from sampler_options
     (mask: threshold, tokens_per_step, edit_threshold, max_edit_steps, temperature; uniform: t_max, t_min,
     max_denoising_steps, entropy_bound, stability, confidence, greedy).
-    residual: NoResidual() (default), RCDResidual() or ORLResidual().
+    residual: NoResidual(), RCDResidual() or ORLResidual(); default NoResidual(), or ORLResidual() for a
+    self-conditioning model (DiffusionGemma: its self-conditioning block is the adapter, w = 1).
     streamer(block_tokens [B, L], block_index) is called on the host as each block is finished.
-    Returns GenerateOutput (tokens [B, T] with pad after EOS, lengths, forwards, commits, steps, TPF).
+    Returns GenerateOutput (tokens [B, T] with pad after EOS, lengths, forwards, commits, steps, TPF with and
+    without the commit forwards).
     """
     if not isinstance(cfg, ModelConfig) and not hasattr(cfg, "noise"):
         raise TypeError(f"cfg must be a model config (ModelConfig, ...), got {type(cfg).__name__}")
-    model_module(cfg)  # raises TypeError for a config type no model is registered for
+    model = model_module(cfg)  # raises TypeError for a config type no model is registered for
     if not isinstance(params, dict) or "embed" not in params:
         raise TypeError("params must be the model's parameter dict (with an 'embed' entry)")
     if not (isinstance(key, jax.Array) and (jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
                                            or (key.dtype == jnp.uint32 and key.shape == (2,)))):
         raise TypeError(f"key must be a PRNG key (jax.random.key(seed)), got {type(key).__name__}")
     rows = _prompts(prompt_ids, cfg)
+    if hasattr(model, "check_prompt_ids"):  # model-specific refusals (DiffusionGemma: image placeholders)
+        model.check_prompt_ids(rows, cfg)
     max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
     L = _positive_int("block_length", cfg.block_length if block_length is None else block_length)
     if sampler is None:
@@ -273,7 +283,8 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, *, key: jax.Array, max_
         raise ValueError("a MaskSampler needs a noise='mask' model (ModelConfig.noise)")
     if isinstance(sampler, UniformSampler) and cfg.noise != "uniform":
         raise ValueError("a UniformSampler needs a noise='uniform' model (ModelConfig.noise)")
-    residual = NoResidual() if residual is None else residual
+    if residual is None:  # a self-conditioning model (DiffusionGemma) feeds each step's distribution forward
+        residual = ORLResidual() if getattr(cfg, "self_conditioning", False) else NoResidual()
     if not isinstance(residual, (NoResidual, RCDResidual, ORLResidual)):
         raise TypeError(f"residual must be NoResidual, RCDResidual or ORLResidual, got {type(residual).__name__}")
     if isinstance(residual, RCDResidual) and cfg.noise != "mask":

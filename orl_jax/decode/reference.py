@@ -3,7 +3,8 @@
 No KV cache, no while_loop, no padding tricks: every denoising step recomputes each row's whole sequence
 (prompt + committed blocks + canvas) with the cache-free model pass and the visibility the engine implies, and
 the sampler decisions are plain numpy loops over rows and positions. Random draws use the same jax.random calls
-on the same keys as the engine (that is the only thing shared), so with equal logits the outputs are equal token
+on the same keys as the engine (that, and `samplers.categorical`, the draw itself, is all that is shared), so
+with equal logits the outputs are equal token
 for token. For tests only: it is slow by design.
 """
 
@@ -18,7 +19,7 @@ import numpy as np
 
 from orl_jax.config import ModelConfig
 from orl_jax.decode.residual import NoResidual, ORLResidual, RCDResidual
-from orl_jax.decode.samplers import MaskSampler, UniformSampler
+from orl_jax.decode.samplers import MaskSampler, UniformSampler, categorical
 from orl_jax.model import qwen3
 
 
@@ -102,7 +103,7 @@ def reference_generate(params, cfg: ModelConfig, prompts: list[list[int]], *, ke
                 logp = _log_softmax(logits / T)
                 k_sample, k_noise = jax.random.split(k_step)
                 am = logp.argmax(-1)
-                prop = am if sampler.greedy else np.asarray(jax.random.categorical(k_sample, jnp.asarray(logp), -1))
+                prop = am if sampler.greedy else np.asarray(categorical(k_sample, jnp.asarray(logp), sampler.rng))
                 noise = np.asarray(jax.random.randint(k_noise, (B, L), 0, V, jnp.int32))
                 ent = np.maximum(-(np.exp(logp) * logp).sum(-1), 0.0)
                 for r in range(B):
@@ -128,7 +129,7 @@ def reference_generate(params, cfg: ModelConfig, prompts: list[list[int]], *, ke
                 if sampler.temperature == 0:
                     x0 = logp.argmax(-1)
                 else:
-                    x0 = np.asarray(jax.random.categorical(k_step, jnp.asarray(logp), -1))
+                    x0 = np.asarray(categorical(k_step, jnp.asarray(logp), sampler.rng))
                 conf = np.exp(np.take_along_axis(logp, x0[..., None], -1)[..., 0])
                 safe = np.where(np.isinf(logp), 0.0, logp)
                 ent = np.maximum(-(np.exp(safe) * safe).sum(-1), 0.0)

@@ -30,6 +30,22 @@ class StepOut:
     resolved: jax.Array  # [B, L] positions decided by this step (filled/accepted)
 
 
+def categorical(key: jax.Array, logp: jax.Array, rng: str) -> jax.Array:
+    """Sample token ids from log-probabilities [..., V] (Gumbel-max over the whole vocabulary).
+
+    rng="threefry": jax.random's default generator on `key`. rng="rbg": the Gumbel noise comes from XLA's
+    RngBitGenerator keyed by bits drawn from `key` — same distribution, much cheaper on GPUs for [L, 151936] noise,
+    and still a pure function of `key` (same key -> same sample)."""
+    if rng == "rbg":
+        key = jax.random.wrap_key_data(jax.random.bits(key, (4,), jnp.uint32), impl="rbg")
+    return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
+
+
+def _check_rng(rng) -> None:
+    if rng not in ("threefry", "rbg"):
+        raise ValueError(f"rng must be 'threefry' or 'rbg', got {rng!r}")
+
+
 def _entropy(logp: jax.Array) -> jax.Array:
     return jnp.maximum(-jnp.sum(jnp.exp(logp) * logp, axis=-1), 0.0)  # [B, L] nats; rounding can dip below 0
 
@@ -59,6 +75,7 @@ class MaskSampler:
     edit_threshold: float | None = None
     max_edit_steps: int = 16
     temperature: float = 0.0
+    rng: str = "threefry"  # see `categorical`
 
     def __post_init__(self):
         if (self.threshold is None) == (self.tokens_per_step is None):
@@ -67,6 +84,7 @@ class MaskSampler:
         _check_unit("threshold", self.threshold, allow_none=True)
         _check_unit("edit_threshold", self.edit_threshold, allow_none=True)
         _check_temperature("temperature", self.temperature, allow_zero=True)
+        _check_rng(self.rng)
         tps = self.tokens_per_step
         if tps is not None and (not isinstance(tps, int) or tps <= 0):
             raise ValueError(f"tokens_per_step must be a positive int, got {self.tokens_per_step!r}")
@@ -95,7 +113,7 @@ class MaskSampler:
         if self.temperature == 0:
             x0 = jnp.argmax(logp, axis=-1).astype(jnp.int32)
         else:
-            x0 = jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
+            x0 = categorical(key, logp, self.rng)
         conf = jnp.exp(jnp.take_along_axis(logp, x0[..., None], axis=-1)[..., 0])  # [B, L]
         masked = canvas == self.mask_token_id
         mconf = jnp.where(masked, conf, -1.0)
@@ -140,6 +158,7 @@ class UniformSampler:
     stability: int = 1
     confidence: float = 0.005
     greedy: bool = False
+    rng: str = "threefry"  # see `categorical`
 
     def __post_init__(self):
         _check_temperature("t_max (temperature)", self.t_max, allow_zero=False)
@@ -149,6 +168,7 @@ class UniformSampler:
         eb = self.entropy_bound
         if not isinstance(eb, (int, float)) or math.isnan(eb) or eb <= 0:
             raise ValueError(f"entropy_bound must be > 0, got {self.entropy_bound!r}")
+        _check_rng(self.rng)
         if not isinstance(self.stability, int) or self.stability < 0:
             raise ValueError(f"stability must be an int >= 0, got {self.stability!r}")
         if not isinstance(self.confidence, (int, float)) or math.isnan(self.confidence) or self.confidence < 0:
@@ -162,7 +182,8 @@ class UniformSampler:
 
     def temperature(self, step):
         remaining = self.max_denoising_steps - step  # HF counts steps down: K .. 1
-        return self.t_min + (self.t_max - self.t_min) * remaining / self.max_denoising_steps
+        # HF's order of operations, so the float32 temperature is bit-identical to LinearTemperatureSchedule's
+        return self.t_min + (self.t_max - self.t_min) * (remaining / self.max_denoising_steps)
 
     def init(self, key, batch: int, length: int, cfg: ModelConfig):
         canvas = jax.random.randint(key, (batch, length), 0, cfg.vocab_size, jnp.int32)
@@ -174,9 +195,10 @@ class UniformSampler:
 
     def step(self, logits, canvas, state, key, step, active) -> StepOut:
         k_sample, k_noise = jax.random.split(key)
-        logp = jax.nn.log_softmax(logits / self.temperature(step), axis=-1)  # [B, L, V]
-        argmax = jnp.argmax(logp, axis=-1).astype(jnp.int32)
-        proposal = argmax if self.greedy else jax.random.categorical(k_sample, logp, axis=-1).astype(jnp.int32)
+        scaled = logits / self.temperature(step)  # HF's processed logits
+        logp = jax.nn.log_softmax(scaled, axis=-1)  # [B, L, V]
+        argmax = jnp.argmax(scaled, axis=-1).astype(jnp.int32)  # of the processed logits, as HF (no rounding ties)
+        proposal = argmax if self.greedy else categorical(k_sample, logp, self.rng)
         ent = _entropy(logp)  # [B, L]
         order = jnp.argsort(ent, axis=-1, stable=True)
         sorted_ent = jnp.take_along_axis(ent, order, axis=-1)

@@ -37,4 +37,5 @@ class GenerateOutput:
     commits: jax.Array  # [] commit forwards run (one per block that later blocks read)
     steps_per_block: jax.Array  # [blocks]
     tpf: jax.Array  # [B] valid tokens / (denoising forwards + commit forwards)
+    tpf_hf: jax.Array  # [B] non-pad tokens / denoising forwards: transformers' DiffusionGemma tokens_per_forward
     capture: dict | None = None
