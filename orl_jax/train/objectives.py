@@ -1,0 +1,151 @@
+"""Training objectives: causal LM (stage 0) and the block-diffusion conversion losses (stage 1, METHOD.md §1).
+
+Conversion trains the AR backbone as QwenDLM in one forward over [clean sequence | noisy sequence] (2N tokens):
+- clean tokens see the clean tokens before them (cfg.prefix_attention: causal, or block-causal), exactly what
+  the engine's prefill and commits write into the cache;
+- a noisy response token of block b sees the clean prompt and clean blocks < b, and the noisy tokens of its own
+  block (bidirectionally) — what the engine's canvas sees at decode time; never its own clean block, later
+  blocks, or other noisy blocks;
+- every noisy block has its own noise level t ~ U(t_min, 1). Uniform family: each token is replaced by a uniform
+  random token with probability t, and the loss is cross-entropy to the clean token at every position of the
+  noisy block. Mask family: each token becomes [MASK] with probability t (at least one per block), loss on the
+  masked positions only.
+- Uniform family with the adapter: DiffusionGemma's two-pass self-conditioning. With probability `sc_prob` a first
+  pass (no residual, no gradient) produces the distribution p; the second pass gets z = p @ E through g_phi, as
+  the engine feeds the previous step's distribution. The loss is on the second pass.
+Logits are predicted at the token's own position (no AR shift): the engine reads a canvas position's logits
+as that position's token. Losses are means over supervised tokens of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from orl_jax.config import ModelConfig
+from orl_jax.model import qwen3, qwendlm
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array):
+    """Sum and count of token cross-entropies; logits [B, L, V] float32, targets/weights [B, L]."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum(nll * weights), jnp.sum(weights)
+
+
+def causal_lm_loss(params, cfg: ModelConfig, batch: dict, key=None, *, remat: bool = False):
+    """Stage 0: next-token cross-entropy. batch: tokens [B, N], loss_mask [B, N] (1 where token i+1 is a target
+    of position i), optional segment_ids/positions for packed rows."""
+    tokens = batch["tokens"]
+    mask = _packed_causal_mask(batch)
+    logits = qwen3.forward(params, cfg, tokens, mask=mask, positions=batch.get("positions"), remat=remat)
+    s, n = cross_entropy(logits[:, :-1], tokens[:, 1:], batch["loss_mask"][:, 1:].astype(jnp.float32))
+    loss = s / jnp.maximum(n, 1.0)
+    return loss, {"loss": loss, "tokens": n}
+
+
+def _packed_causal_mask(batch):
+    tokens = batch["tokens"]
+    b, n = tokens.shape
+    causal = jnp.tril(jnp.ones((n, n), bool))[None]
+    seg = batch.get("segment_ids")
+    if seg is None:
+        return jnp.broadcast_to(causal, (b, n, n))
+    return causal & (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)
+
+
+def diffusion_mask(prompt_lengths: jax.Array, lengths: jax.Array, n: int, block: int,
+                   prefix_attention: str = "causal") -> jax.Array:
+    """Visibility [B, 2N, 2N] for [clean | noisy] training rows (see the module docstring).
+
+    prompt_lengths, lengths [B]: prompt tokens and valid tokens of each row (right padding after `lengths`).
+    """
+    i = jnp.arange(n)
+    p, ln = prompt_lengths[:, None], lengths[:, None]
+    valid = i[None] < ln  # [B, N]
+    resp = (i[None] >= p) & valid
+    bstart = jnp.where(i[None] >= p, p + (i[None] - p) // block * block, i[None])  # [B, N] block start
+    if prefix_attention == "causal":
+        cc = i[None, None, :] <= i[None, :, None]
+    else:  # block-causal: prompt causal, response blocks bidirectional inside
+        cc = bstart[:, None, :] <= bstart[:, :, None]
+    cc = cc & valid[:, None, :]
+    nc = (i[None, None, :] < bstart[:, :, None]) & valid[:, None, :] & resp[:, :, None]
+    nn = (bstart[:, :, None] == bstart[:, None, :]) & resp[:, :, None] & resp[:, None, :]
+    eye = jnp.eye(n, dtype=bool)[None] & ~resp[:, :, None]  # non-response noisy slots see only themselves
+    top = jnp.concatenate([cc, jnp.zeros_like(cc)], axis=2)
+    bottom = jnp.concatenate([nc, nn | eye], axis=2)
+    return jnp.concatenate([top, bottom], axis=1)
+
+
+@dataclass(frozen=True)
+class DiffusionObjective:
+    """Stage-1 block-diffusion loss; static under jit."""
+
+    block_length: int
+    t_min: float = 0.05  # lowest noise level of a block (t ~ U(t_min, 1))
+    sc_prob: float = 0.5  # uniform family with adapter: share of batches trained with self-conditioning
+    remat: bool = False
+
+    def __post_init__(self):
+        if self.block_length <= 0:
+            raise ValueError(f"block_length must be positive, got {self.block_length}")
+        if not 0.0 <= self.t_min < 1.0:
+            raise ValueError(f"t_min must be in [0, 1), got {self.t_min}")
+        if not 0.0 <= self.sc_prob <= 1.0:
+            raise ValueError(f"sc_prob must be in [0, 1], got {self.sc_prob}")
+
+    def noise(self, cfg: ModelConfig, tokens, prompt_lengths, lengths, key):
+        """Noisy tokens [B, N] and the supervised-position weights [B, N]."""
+        b, n = tokens.shape
+        k_t, k_flip, k_tok = jax.random.split(key, 3)
+        i = jnp.arange(n)[None]
+        p, ln = prompt_lengths[:, None], lengths[:, None]
+        resp = (i >= p) & (i < ln)
+        blk = jnp.where(resp, (i - p) // self.block_length, 0)  # [B, N]
+        nblk = n // self.block_length + 2
+        t = jax.random.uniform(k_t, (b, nblk), minval=self.t_min, maxval=1.0)
+        t_tok = jnp.take_along_axis(t, blk, axis=1)  # [B, N]
+        flip = (jax.random.uniform(k_flip, (b, n)) < t_tok) & resp
+        if cfg.noise == "mask":
+            # at least one masked token per block: the first response token of a block with none masked
+            counts = jax.vmap(lambda f, bk: jnp.zeros((nblk,), jnp.int32).at[bk].add(f.astype(jnp.int32)))(flip, blk)
+            first = resp & ((i - p) % self.block_length == 0)
+            flip = flip | (first & (jnp.take_along_axis(counts, blk, axis=1) == 0))
+            noisy = jnp.where(flip, cfg.mask_token_id, tokens)
+            return noisy, flip.astype(jnp.float32)
+        rand = jax.random.randint(k_tok, (b, n), 0, cfg.vocab_size, tokens.dtype)
+        return jnp.where(flip, rand, tokens), resp.astype(jnp.float32)
+
+    def loss(self, params, cfg: ModelConfig, batch: dict, key):
+        """batch: tokens [B, N] (prompt + response, right-padded), prompt_lengths [B], lengths [B]."""
+        tokens, pl, ln = batch["tokens"], batch["prompt_lengths"], batch["lengths"]
+        b, n = tokens.shape
+        k_noise, k_sc = jax.random.split(key)
+        noisy, weights = self.noise(cfg, tokens, pl, ln, k_noise)
+        mask = diffusion_mask(pl, ln, n, self.block_length, cfg.prefix_attention)
+        pos = jnp.broadcast_to(jnp.arange(n), (b, n))
+        both = jnp.concatenate([tokens, noisy], axis=1)  # [B, 2N]
+        positions = jnp.concatenate([pos, pos], axis=1)
+
+        def run(z):
+            x = qwen3.embed(params, cfg, both)
+            if z is not None:
+                w = jnp.concatenate([jnp.zeros((b, n)), jnp.ones((b, n))], axis=1)
+                zz = jnp.concatenate([jnp.zeros_like(z), z], axis=1)
+                x = qwendlm.residual_embed(params, cfg, both, zz, w)
+            h, _, _ = qwen3.backbone(params, cfg, x, positions, mask, remat=self.remat)
+            return qwen3.logits(params, cfg, h[:, n:])  # [B, N, V] noisy half
+
+        logits = run(None)
+        if cfg.noise == "uniform" and cfg.has_adapter and self.sc_prob > 0:
+            use_sc = jax.random.uniform(k_sc) < self.sc_prob
+            z = qwendlm.soft_embed(params, cfg, jax.nn.softmax(jax.lax.stop_gradient(logits), axis=-1))
+            z = jax.lax.stop_gradient(z)
+            logits = jax.lax.cond(use_sc, lambda: run(z), lambda: logits)
+        s, cnt = cross_entropy(logits, tokens, weights)
+        loss = s / jnp.maximum(cnt, 1.0)
+        acc = jnp.sum((jnp.argmax(logits, -1) == tokens) * weights) / jnp.maximum(cnt, 1.0)
+        return loss, {"loss": loss, "tokens": cnt, "denoise_acc": acc}
