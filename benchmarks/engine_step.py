@@ -88,13 +88,19 @@ def sampler_for(L):
     return UniformSampler(max_denoising_steps=48, confidence=0.0, rng=RNG), cfg.replace(noise="uniform")
 
 
+def step_inputs(L):
+    """Sampler, config, a random KV cache holding `--prompt` committed tokens, and a fresh canvas of length L."""
+    sampler, c = sampler_for(L)
+    S = args.prompt + L
+    k = jax.random.normal(jax.random.key(1), (c.num_layers, 1, S, c.num_kv_heads, c.head_dim), jnp.bfloat16)
+    cache = KVCache(k=k, v=k * 0.5, start=jnp.zeros((1,), jnp.int32), length=jnp.asarray(args.prompt, jnp.int32))
+    canvas, sstate = sampler.init(jax.random.key(2), 1, L, c)
+    return sampler, c, cache, canvas, sstate
+
+
 def step_phase(params, bw):
     for L in map(int, args.blocks.split(",")):
-        sampler, c = sampler_for(L)
-        S = args.prompt + L
-        k = jax.random.normal(jax.random.key(1), (c.num_layers, 1, S, c.num_kv_heads, c.head_dim), jnp.bfloat16)
-        cache = KVCache(k=k, v=k * 0.5, start=jnp.zeros((1,), jnp.int32), length=jnp.asarray(args.prompt, jnp.int32))
-        canvas, sstate = sampler.init(jax.random.key(2), 1, L, c)
+        sampler, c, cache, canvas, sstate = step_inputs(L)
 
         def run(params, cache, canvas, n, key, fixed):
             def body(carry):
@@ -150,11 +156,7 @@ def generate_phase(params):
 def breakdown_phase(params):
     """Where a step's time goes: the forward alone, the sampler alone, the forward minus its LM head."""
     for L in map(int, args.blocks.split(",")):
-        sampler, c = sampler_for(L)
-        S = args.prompt + L
-        k = jax.random.normal(jax.random.key(1), (c.num_layers, 1, S, c.num_kv_heads, c.head_dim), jnp.bfloat16)
-        cache = KVCache(k=k, v=k * 0.5, start=jnp.zeros((1,), jnp.int32), length=jnp.asarray(args.prompt, jnp.int32))
-        canvas, sstate = sampler.init(jax.random.key(2), 1, L, c)
+        sampler, c, cache, canvas, sstate = step_inputs(L)
         fwd = jax.jit(lambda p, cache, canvas: qwendlm.decode(p, c, canvas, cache))
         hidden = jax.jit(lambda p, cache, canvas: qwendlm.decode(p, c, canvas, cache, return_hidden=True)[1])
         logits = fwd(params, cache, canvas)
