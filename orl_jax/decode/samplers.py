@@ -182,8 +182,7 @@ class UniformSampler:
 
     def temperature(self, step):
         remaining = self.max_denoising_steps - step  # HF counts steps down: K .. 1
-        # HF's order of operations, so the float32 temperature is bit-identical to LinearTemperatureSchedule's
-        return self.t_min + (self.t_max - self.t_min) * (remaining / self.max_denoising_steps)
+        return self.t_min + (self.t_max - self.t_min) * remaining / self.max_denoising_steps
 
     def init(self, key, batch: int, length: int, cfg: ModelConfig):
         canvas = jax.random.randint(key, (batch, length), 0, cfg.vocab_size, jnp.int32)

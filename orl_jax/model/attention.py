@@ -24,12 +24,17 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]])
     The parts (cache, self) share one softmax: their scores are concatenated, never their K/V, so a long cache is
     read once and not copied. Scores and softmax run in float32 (as HF's eager attention does).
     """
+    return scaled_attention(q, parts, q.shape[-1] ** -0.5)
+
+
+def scaled_attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]], scale: float) -> jax.Array:
+    """`attention` with an explicit score scale (Gemma 4 uses 1.0: its q/k RMSNorms set the scale)."""
     b, l, n, h = q.shape
     kv = parts[0][0].shape[2]
     qg = q.reshape(b, l, kv, n // kv, h)  # [B, L, K, G, H]
     scores = []
     for k, _, mask in parts:
-        s = jnp.einsum("blkgh,bskh->bkgls", qg, k, preferred_element_type=jnp.float32) * (h ** -0.5)
+        s = jnp.einsum("blkgh,bskh->bkgls", qg, k, preferred_element_type=jnp.float32) * scale
         scores.append(jnp.where(mask[:, None, None], s, _NEG))  # [B, K, G, L, S]
     p = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
     o, at = 0.0, 0
@@ -70,3 +75,11 @@ def cache_mask(start: jax.Array, length: jax.Array, cache_size: int, num_queries
     j = jnp.arange(cache_size, dtype=jnp.int32)
     m = (j[None] >= start[:, None]) & (j[None] < length)  # [B, S]
     return jnp.broadcast_to(m[:, None, :], (start.shape[0], num_queries, cache_size))
+
+
+def window_mask(q_slots: jax.Array, k_slots: jax.Array, window: int) -> jax.Array:
+    """Sliding-window visibility: key slot k is within `window` of query slot q iff q - k < window (the query
+    itself counts: `window` keys in all, transformers' sliding_window_overlay). q_slots [B, L], k_slots [B, S] or
+    [S] -> [B, L, S]. Combine with a causal / cache mask by `&`."""
+    k = k_slots if k_slots.ndim == 2 else k_slots[None]
+    return (q_slots[:, :, None] - k[:, None, :]) < window

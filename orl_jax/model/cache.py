@@ -38,3 +38,31 @@ class KVCache:
         return self.replace(k=jax.lax.dynamic_update_slice(self.k, k_new.astype(self.k.dtype), at),
                             v=jax.lax.dynamic_update_slice(self.v, v_new.astype(self.v.dtype), at),
                             length=self.length + k_new.shape[2])
+
+
+@struct.dataclass
+class HybridKVCache:
+    """Two KVCache stacks for a model whose layer types differ in K/V shape (DiffusionGemma: sliding layers
+    [K=8, H=256], full layers [K=2, H=512]). Both cover the same slots and share start / length."""
+
+    sliding: KVCache  # k, v: [sliding layers, B, S, K_s, H_s]
+    full: KVCache  # k, v: [full layers, B, S, K_f, H_f]
+
+    @property
+    def size(self) -> int:
+        return self.full.size
+
+    @property
+    def start(self) -> jax.Array:
+        return self.full.start
+
+    @property
+    def length(self) -> jax.Array:
+        return self.full.length
+
+    def positions(self, num_tokens: int) -> jax.Array:
+        return self.full.positions(num_tokens)
+
+    def write(self, sliding: tuple[jax.Array, jax.Array], full: tuple[jax.Array, jax.Array]) -> HybridKVCache:
+        """Append each stack's (k, v) [layers, B, L, K, H] at slot `length` (the commit)."""
+        return HybridKVCache(sliding=self.sliding.write(*sliding), full=self.full.write(*full))

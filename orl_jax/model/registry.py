@@ -1,5 +1,6 @@
 """Which model module runs a config. The engine and the residual forms talk to a model only through this
-interface (a module with these functions), so a new architecture plugs into generate() without a second loop:
+interface (a module with these functions), so a new architecture plugs into generate() without a second loop
+(ModelConfig -> model/qwendlm.py, DiffusionGemmaConfig -> model/diffusion_gemma.py):
 
   param_specs(cfg)                                  -> ParamSpec tree
   prefill(params, cfg, tokens, lengths, cache_size) -> (last logits [B, V], KVCache)
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from orl_jax.config import ModelConfig
+from orl_jax.config import DiffusionGemmaConfig, ModelConfig
 
 
 def model_module(cfg) -> ModuleType:
@@ -23,4 +24,8 @@ def model_module(cfg) -> ModuleType:
         from orl_jax.model import qwendlm
 
         return qwendlm
+    if isinstance(cfg, DiffusionGemmaConfig):
+        from orl_jax.model import diffusion_gemma
+
+        return diffusion_gemma
     raise TypeError(f"no model registered for config type {type(cfg).__name__}")

@@ -44,9 +44,12 @@ def evaluate(params, cfg, tokenizer, examples: Sequence, *, method: str, setting
         prompts = [format_prompt(tokenizer, ex.prompt) for ex in batch]
         rows = prompts + [prompts[-1]] * (batch_size - len(prompts))  # fixed batch: one compiled program
         key, k = jax.random.split(key)
-        run = (lambda: ar_generate(params, cfg, rows, max_new_tokens=max_new_tokens, eos_token_id=stops)) if ar \
-            else (lambda: generate(params, cfg, rows, key=k, max_new_tokens=max_new_tokens, eos_token_id=stops,
-                                   **generate_kwargs))
+        def run(rows=rows, k=k):
+            if ar:
+                return ar_generate(params, cfg, rows, max_new_tokens=max_new_tokens, eos_token_id=stops)
+            return generate(params, cfg, rows, key=k, max_new_tokens=max_new_tokens, eos_token_id=stops,
+                            **generate_kwargs)
+
         if seconds == 0.0:
             jax.block_until_ready(run())  # compile outside the timing
         t = time.perf_counter()

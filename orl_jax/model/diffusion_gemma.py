@@ -1,0 +1,374 @@
+"""DiffusionGemma (the Gemma 4 text backbone as a block-diffusion model) as pure functions of (params, tokens).
+
+Architecture (transformers' DiffusionGemmaForBlockDiffusion, text part; 26B-A4B sizes in brackets):
+- input: E[x] * sqrt(D), the scale cast to the weight dtype first (as HF);
+- layers [30] repeat k sliding-window layers then one full-attention layer [5:1]. Each layer:
+    x += post_attn_norm(attention(attn_norm(x)))
+    m  = post_mlp_norm(MLP(mlp_norm(x)))                  dense gelu_tanh MLP [F 2112]
+    e  = post_moe_norm(MoE(moe_norm(x); router(x)))        [128 experts, top 8, F 704] beside the dense MLP
+    x  = (x + post_ffw_norm(m + e)) * layer_scalar
+  RMSNorms scale in float32 and use their weight as is (Gemma 4, not Gemma 1-3's 1 + w);
+- attention: RMSNorm on q and k (weights) and on v (no weight), score scale 1.0, GQA, no biases.
+  Sliding layers [K 8, H 256]: own V projection, default RoPE [theta 1e4], window W [1024] keys.
+  Full layers [K 2, H 512]: V is the K projection (K = V; k gets k_norm + RoPE, v the weightless norm),
+  proportional RoPE [theta 1e6] rotating only the first quarter of the frequency pairs;
+- router: weightless RMSNorm * scale * D^-1/2 -> logits -> softmax (float32) -> top-k -> renormalize ->
+  * per-expert scale; experts only run on their routed tokens (model/moe.py, ragged_dot);
+- final RMSNorm, LM head tied to E, logits soft-capped: 30 * tanh(z / 30).
+
+Two modes over one set of weights (HF's encoder and decoder share every weight but two):
+- encoder (prefill, commit, `forward`): causal; writes K/V into the cache; uses the encoder's own layer_scalar
+  buffers (HF saves them separately: "model.encoder.language_model.layers.{i}.layer_scalar");
+- decoder (`decode`): the canvas, bidirectional inside itself and over the cached prefix; reads the cache, never
+  writes it. Its input is post_norm(E[x] sqrt(D) + SC(z)): the self-conditioning block
+  SC(z) = down(gelu_tanh(gate(n)) * up(n)), n = pre_norm(z), z = softmax(previous step's temperature-processed
+  logits) @ E * sqrt(D), and a weightless post_norm. A block's first step has z = 0 and SC(0) = 0 exactly, so
+  `embed` = post_norm(E[x] sqrt(D)) is HF's decoder input without self-conditioning logits.
+
+Sliding window: in the encoder, query slot q sees key slot j iff q - W < j <= q (HF's sliding_window_overlay). In
+the decoder every canvas token sees the last W - 1 committed tokens plus the whole canvas: what HF's decoder sees
+through the sliding layers of its DynamicCache, which keep the last W - 1 tokens, under no mask.
+
+Layer stacking: two stacks, params["sliding"] [G * k, ...] and params["full"] [G, ...] (G = 5 groups of 5 + 1),
+run as a `lax.scan` over the G groups whose body scans the group's k sliding layers and then runs its full layer.
+Why: the two types differ in parameter and cache shapes, so one stack per type is the natural layout (and the
+loader's), while the scan over groups keeps HF's layer order with exactly two layer bodies compiled, whatever the
+depth; scanning groups of 6 unrolled layers would compile 6 bodies. The KV cache is a HybridKVCache of the same two
+stacks.
+
+Differences from HF (layout, memory and scheduling only): projections are einsum operands [D, N, H] / [N, H, D] /
+[D, F]; experts are [E, D, 2F] (gate | up, HF's packing, transposed) and [E, F, D]; the sliding layers' cache holds
+every slot and the window is a mask (HF keeps a W - 1 ring: same values, more memory here); left-padded rows
+get positions from 0 (HF's generate shifts padded rows). Not supported: image inputs and the vision tower (prompts
+holding image_token_id are refused; the loader skips the vision weights by name), use_bidirectional_attention="all".
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from orl_jax.config import FULL, SLIDING, DiffusionGemmaConfig
+from orl_jax.model import qwen3
+from orl_jax.model.attention import causal_segments, full_segments, scaled_attention, self_mask, window_mask
+from orl_jax.model.cache import HybridKVCache, KVCache
+from orl_jax.model.layers import (
+    apply_rope,
+    einsum,
+    gated_mlp,
+    rms_norm_fp32,
+    rope_angles_inv_freq,
+    rope_inv_freq,
+    soft_cap,
+)
+from orl_jax.model.moe import experts_mlp, route
+from orl_jax.params import ParamSpec, ones
+
+ACT = "gelu_tanh"  # HF: gelu_pytorch_tanh
+
+
+def _layer_specs(cfg: DiffusionGemmaConfig, n: int, kv: int, hd: int, own_v: bool) -> dict:
+    D, N, F, E, Fe, dt = (cfg.hidden_size, cfg.num_heads, cfg.intermediate_size, cfg.num_experts,
+                          cfg.moe_intermediate_size, cfg.jnp_dtype)
+    norm = lambda size, axis: ParamSpec((n, size), dt, ("layers", axis), ones)
+    s = {
+        "attn_norm": norm(D, "embed"),
+        "q": ParamSpec((n, D, N, hd), dt, ("layers", "embed", "heads", "head_dim")),
+        "k": ParamSpec((n, D, kv, hd), dt, ("layers", "embed", "kv_heads", "head_dim")),
+        "o": ParamSpec((n, N, hd, D), dt, ("layers", "heads", "head_dim", "embed")),
+        "q_norm": norm(hd, "head_dim"),
+        "k_norm": norm(hd, "head_dim"),
+        "post_attn_norm": norm(D, "embed"),
+        "mlp_norm": norm(D, "embed"),
+        "gate": ParamSpec((n, D, F), dt, ("layers", "embed", "mlp")),
+        "up": ParamSpec((n, D, F), dt, ("layers", "embed", "mlp")),
+        "down": ParamSpec((n, F, D), dt, ("layers", "mlp", "embed")),
+        "post_mlp_norm": norm(D, "embed"),
+        "router_scale": norm(D, "embed"),
+        "router": ParamSpec((n, D, E), dt, ("layers", "embed", "experts")),
+        "expert_scale": norm(E, "experts"),
+        "moe_norm": norm(D, "embed"),
+        "experts_gate_up": ParamSpec((n, E, D, 2 * Fe), dt, ("layers", "experts", "embed", "mlp")),
+        "experts_down": ParamSpec((n, E, Fe, D), dt, ("layers", "experts", "mlp", "embed")),
+        "post_moe_norm": norm(D, "embed"),
+        "post_ffw_norm": norm(D, "embed"),
+        "layer_scalar": ParamSpec((n, 1), dt, ("layers", None), ones),  # decoder's
+        "encoder_layer_scalar": ParamSpec((n, 1), dt, ("layers", None), ones),  # encoder's (a separate HF buffer)
+    }
+    if own_v:
+        s["v"] = ParamSpec((n, D, kv, hd), dt, ("layers", "embed", "kv_heads", "head_dim"))
+    return s
+
+
+def param_specs(cfg: DiffusionGemmaConfig) -> dict:
+    V, D, F, dt = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.jnp_dtype
+    G, k = cfg.num_groups, cfg.sliding_per_group
+    specs = {
+        "embed": ParamSpec((V, D), dt, ("vocab", "embed")),
+        "sliding": _layer_specs(cfg, G * k, cfg.num_kv_heads, cfg.head_dim, own_v=True),
+        "full": _layer_specs(cfg, G, cfg.num_global_kv_heads, cfg.global_head_dim, own_v=False),
+        "final_norm": ParamSpec((D,), dt, ("embed",), ones),
+        "self_cond": {
+            "norm": ParamSpec((D,), dt, ("embed",), ones),
+            "gate": ParamSpec((D, F), dt, ("embed", "adapter")),
+            "up": ParamSpec((D, F), dt, ("embed", "adapter")),
+            "down": ParamSpec((F, D), dt, ("adapter", "embed")),
+        },
+    }
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = ParamSpec((V, D), dt, ("vocab", "embed"))
+    return specs
+
+
+# --- inputs ------------------------------------------------------------------------------------------------------
+
+def check_tokens(tokens, cfg: DiffusionGemmaConfig, name: str = "tokens", prompt: bool = False) -> None:
+    """Rank, dtype, vocabulary range and, for a concrete prompt, no image placeholders (a canvas may hold any id:
+    it starts uniformly random)."""
+    qwen3.check_tokens(tokens, cfg, name)
+    if not prompt:
+        return
+    try:
+        t = np.asarray(tokens)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return
+    check_prompt_ids(list(t), cfg, name)
+
+
+def check_prompt_ids(rows, cfg: DiffusionGemmaConfig, name: str = "prompt_ids") -> None:
+    """Image inputs are not supported: refuse image placeholder tokens before anything is traced."""
+    if cfg.image_token_id is None:
+        return
+    for i, r in enumerate(rows):
+        if np.any(np.asarray(r) == cfg.image_token_id):
+            raise ValueError(f"{name}[{i}] contains image_token_id={cfg.image_token_id}: image inputs are not "
+                             "supported by orl_jax's DiffusionGemma (text only; the vision tower is not loaded)")
+
+
+def _embed_scale(cfg: DiffusionGemmaConfig):
+    return jnp.asarray(math.sqrt(cfg.hidden_size), jnp.float32).astype(cfg.jnp_dtype)
+
+
+def token_embed(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array) -> jax.Array:
+    """E[x] * sqrt(D) [B, L, D]: the encoder's input."""
+    return jnp.take(params["embed"], tokens, axis=0).astype(cfg.jnp_dtype) * _embed_scale(cfg)
+
+
+def self_conditioning(params: dict, cfg: DiffusionGemmaConfig, z: jax.Array) -> jax.Array:
+    """SC(z) = down(gelu_tanh(gate(n)) * up(n)), n = pre_norm(z); z [B, L, D] -> [B, L, D]."""
+    w = params["self_cond"]
+    n = rms_norm_fp32(z.astype(cfg.jnp_dtype), w["norm"], cfg.rms_norm_eps)
+    return gated_mlp(n, w["gate"], w["up"], w["down"], ACT)
+
+
+def embed(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array) -> jax.Array:
+    """The decoder's input embedding of a canvas without self-conditioning: post_norm(E[x] sqrt(D)) [B, L, D]."""
+    return rms_norm_fp32(token_embed(params, cfg, tokens), None, cfg.rms_norm_eps)
+
+
+def residual_embed(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, z: jax.Array,
+                   w: jax.Array) -> jax.Array:
+    """post_norm(E[x] sqrt(D) + w * SC(z)): the decoder input with self-conditioning on z, weighted per position by
+    w [B, L] (w = 1: DiffusionGemma's own decoder; w = 0: `embed`)."""
+    sc = self_conditioning(params, cfg, z)
+    x = token_embed(params, cfg, tokens) + w[..., None].astype(sc.dtype) * sc
+    return rms_norm_fp32(x, None, cfg.rms_norm_eps)
+
+
+def soft_embed(params: dict, cfg: DiffusionGemmaConfig, probs: jax.Array) -> jax.Array:
+    """z = p @ E * sqrt(D): [B, L, V] -> [B, L, D] in the model dtype (HF's soft embeddings)."""
+    e = params["embed"]
+    z = jnp.einsum("blv,vd->bld", probs.astype(e.dtype), e, preferred_element_type=jnp.float32).astype(e.dtype)
+    return z * _embed_scale(cfg)
+
+
+# --- the layer stack ---------------------------------------------------------------------------------------------
+
+def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: str):
+    eps = cfg.rms_norm_eps
+    h = rms_norm_fp32(x, w["attn_norm"], eps)
+    q = rms_norm_fp32(einsum("bld,dnh->blnh", h, w["q"]), w["q_norm"], eps)  # [B, L, N, H]
+    k_lin = einsum("bld,dkh->blkh", h, w["k"])  # [B, L, K, H]
+    v = rms_norm_fp32(einsum("bld,dkh->blkh", h, w["v"]) if "v" in w else k_lin, None, eps)  # K = V w/o v
+    k = rms_norm_fp32(k_lin, w["k_norm"], eps)
+    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
+    attn = einsum("blnh,nhd->bld", scaled_attention(q, parts, 1.0), w["o"])
+    x = x + rms_norm_fp32(attn, w["post_attn_norm"], eps)
+
+    b, l, d = x.shape
+    mlp = gated_mlp(rms_norm_fp32(x, w["mlp_norm"], eps), w["gate"], w["up"], w["down"], ACT)
+    flat = x.reshape(b * l, d)  # [T, D]
+    weights, experts = route(flat, w["router_scale"], w["router"], w["expert_scale"], cfg.top_k_experts, eps)
+    moe = experts_mlp(rms_norm_fp32(flat, w["moe_norm"], eps), weights, experts, w["experts_gate_up"],
+                      w["experts_down"], ACT).reshape(b, l, d)  # [B, L, D]
+    ffw = rms_norm_fp32(mlp, w["post_mlp_norm"], eps) + rms_norm_fp32(moe, w["post_moe_norm"], eps)
+    x = (x + rms_norm_fp32(ffw, w["post_ffw_norm"], eps)) * w[scalar][0]
+    return x, k, v
+
+
+def _rope(cfg: DiffusionGemmaConfig, positions):
+    rs, rf = cfg.rope_sliding, cfg.rope_full
+    inv_s = rope_inv_freq(cfg.head_dim, rs.theta, rs.rope_type, rs.partial_rotary_factor, rs.factor)
+    inv_f = rope_inv_freq(cfg.global_head_dim, rf.theta, rf.rope_type, rf.partial_rotary_factor, rf.factor)
+    return rope_angles_inv_freq(positions, inv_s), rope_angles_inv_freq(positions, inv_f)
+
+
+def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: jax.Array, vis: dict,
+             cache: HybridKVCache | None = None, *, encoder: bool, collect_kv: bool = False, remat: bool = False):
+    """Run all layers. x [B, L, D]; positions [B, L]; vis: {SLIDING, FULL} -> visibility among the current tokens
+    [B, L, L], and with a cache also {"cache_" + type} -> visibility of the cache slots [B, L, S].
+
+    Returns (hidden after the final norm [B, L, D], sliding (k, v) [G*k, B, L, K, H], full (k, v) [G, B, L, K, H]);
+    the K/V are None unless collect_kv. The cache itself is not written here.
+    """
+    G, k = cfg.num_groups, cfg.sliding_per_group
+    rope_s, rope_f = _rope(cfg, positions)
+    scalar = "encoder_layer_scalar" if encoder else "layer_scalar"
+    grouped = lambda a: a.reshape(G, k, *a.shape[1:])
+    sliding_w = jax.tree.map(grouped, params["sliding"])
+    if cache is None:
+        caches = (None, None, None, None)
+    else:
+        caches = (grouped(cache.sliding.k), grouped(cache.sliding.v), cache.full.k, cache.full.v)
+
+    def sliding_body(x, xs):
+        w, ck, cv = xs
+        part = None if ck is None else (ck, cv, vis["cache_" + SLIDING])
+        x, kk, vv = _layer(cfg, x, w, rope_s, vis[SLIDING], part, scalar)
+        return x, ((kk, vv) if collect_kv else None)
+
+    def group_body(x, xs):
+        ws, wf, cks, cvs, ckf, cvf = xs
+        x, kv_s = jax.lax.scan(sliding_body, x, (ws, cks, cvs))
+        part = None if ckf is None else (ckf, cvf, vis["cache_" + FULL])
+        x, kf, vf = _layer(cfg, x, wf, rope_f, vis[FULL], part, scalar)
+        return x, ((kv_s, (kf, vf)) if collect_kv else None)
+
+    if remat:
+        group_body = jax.checkpoint(group_body, prevent_cse=False)
+    x, kv = jax.lax.scan(group_body, x, (sliding_w, params["full"], *caches))
+    h = rms_norm_fp32(x, params["final_norm"], cfg.rms_norm_eps)
+    if not collect_kv:
+        return h, None, None
+    (ks, vs), (kf, vf) = kv
+    flat = lambda a: a.reshape(G * k, *a.shape[2:])
+    return h, (flat(ks), flat(vs)), (kf, vf)
+
+
+def logits(params: dict, cfg: DiffusionGemmaConfig, h: jax.Array) -> jax.Array:
+    """[B, L, D] -> soft-capped float32 logits [B, L, V]."""
+    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    z = jnp.einsum("bld,vd->blv", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
+    return soft_cap(z, cfg.final_logit_softcapping)
+
+
+# --- visibility ----------------------------------------------------------------------------------------------------
+
+def _encoder_vis(cfg: DiffusionGemmaConfig, b: int, l: int, valid=None, cache=None) -> dict:
+    """Causal, with the window on sliding layers; query i sits at cache slot `length + i`."""
+    full = self_mask(causal_segments(b, l), valid)
+    vis = {FULL: full, SLIDING: full & window_mask(causal_segments(b, l), jnp.arange(l), cfg.sliding_window)}
+    if cache is not None:
+        slots = jnp.arange(cache.size, dtype=jnp.int32)
+        m = (slots[None] >= cache.start[:, None]) & (slots[None] < cache.length)  # [B, S]
+        vis["cache_" + FULL] = jnp.broadcast_to(m[:, None, :], (b, l, cache.size))
+        q = cache.length + causal_segments(b, l)
+        vis["cache_" + SLIDING] = vis["cache_" + FULL] & window_mask(q, slots, cfg.sliding_window)
+    return vis
+
+
+def _decoder_vis(cfg: DiffusionGemmaConfig, b: int, l: int, cache: HybridKVCache) -> dict:
+    """Bidirectional canvas; every canvas token sees the committed prefix, sliding layers its last W - 1 slots."""
+    full = self_mask(full_segments(b, l))
+    slots = jnp.arange(cache.size, dtype=jnp.int32)
+    m = (slots[None] >= cache.start[:, None]) & (slots[None] < cache.length)  # [B, S]
+    m = jnp.broadcast_to(m[:, None, :], (b, l, cache.size))
+    q = jnp.broadcast_to(cache.length, (b, l))  # all canvas tokens see the window of the first one
+    return {FULL: full, SLIDING: full, "cache_" + FULL: m,
+            "cache_" + SLIDING: m & window_mask(q, slots, cfg.sliding_window)}
+
+
+# --- the three passes of block diffusion -------------------------------------------------------------------------
+
+def init_cache(cfg: DiffusionGemmaConfig, batch: int, size: int) -> HybridKVCache:
+    dt = cfg.jnp_dtype
+    return HybridKVCache(
+        sliding=KVCache.empty(cfg.num_groups * cfg.sliding_per_group, batch, size, cfg.num_kv_heads, cfg.head_dim, dt),
+        full=KVCache.empty(cfg.num_groups, batch, size, cfg.num_global_kv_heads, cfg.global_head_dim, dt))
+
+
+def prefill(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, lengths: jax.Array, cache_size: int):
+    """Encode left-padded prompts. tokens [B, P] (row b's prompt in the last lengths[b] slots).
+
+    Returns (float32 logits of the last prompt token [B, V], cache with slots [0, P) written).
+    """
+    check_tokens(tokens, cfg, prompt=True)
+    b, p = tokens.shape
+    if cache_size < p:
+        raise ValueError(f"cache_size={cache_size} is smaller than the padded prompt length {p}")
+    cache = init_cache(cfg, b, cache_size)
+    start = (p - lengths).astype(jnp.int32)
+    cache = HybridKVCache(sliding=cache.sliding.replace(start=start), full=cache.full.replace(start=start))
+    positions = jnp.maximum(cache.positions(p), 0)
+    valid = jnp.arange(p)[None] >= start[:, None]  # [B, P]: pad keys are invisible
+    h, kv_s, kv_f = backbone(params, cfg, token_embed(params, cfg, tokens), positions,
+                             _encoder_vis(cfg, b, p, valid), encoder=True, collect_kv=True)
+    return logits(params, cfg, h[:, -1:])[:, 0], cache.write(kv_s, kv_f)
+
+
+def decode(params: dict, cfg: DiffusionGemmaConfig, canvas: jax.Array, cache: HybridKVCache, *,
+           residual: jax.Array | None = None, embeds: jax.Array | None = None, return_hidden: bool = False):
+    """One denoising forward over the canvas [B, L] -> float32 logits [B, L, V]; the cache is only read.
+
+    residual [B, L, D]: the self-conditioning input z (soft_embed of the previous step); None = no
+    self-conditioning (a block's first step). embeds [B, L, D]: the whole decoder input (decode/residual.py builds
+    it with embed / residual_embed).
+    """
+    check_tokens(canvas, cfg, "canvas")
+    b, l = canvas.shape
+    if embeds is not None:
+        x = embeds.astype(cfg.jnp_dtype)
+    elif residual is not None:
+        x = residual_embed(params, cfg, canvas, residual, jnp.ones((b, l), jnp.float32))
+    else:
+        x = embed(params, cfg, canvas)
+    h, _, _ = backbone(params, cfg, x, cache.positions(l), _decoder_vis(cfg, b, l, cache), cache, encoder=False)
+    out = logits(params, cfg, h)
+    return (out, h) if return_hidden else out
+
+
+def commit(params: dict, cfg: DiffusionGemmaConfig, block: jax.Array, cache: HybridKVCache) -> HybridKVCache:
+    """Encode the finished block [B, L] causally after the cache and write its K/V (one forward)."""
+    check_tokens(block, cfg, "block")
+    b, l = block.shape
+    _, kv_s, kv_f = backbone(params, cfg, token_embed(params, cfg, block), cache.positions(l),
+                             _encoder_vis(cfg, b, l, cache=cache), cache, encoder=True, collect_kv=True)
+    return cache.write(kv_s, kv_f)
+
+
+def forward(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, *, mask: jax.Array | None = None,
+            sliding_mask: jax.Array | None = None, positions: jax.Array | None = None,
+            embeds: jax.Array | None = None, return_hidden: bool = False, remat: bool = False):
+    """Cache-free encoder pass over whole sequences -> float32 logits [B, L, V] (and the hidden states).
+
+    Default visibility: causal, with the sliding window on sliding layers. mask [B, L, L] replaces the full layers'
+    visibility; sliding_mask [B, L, L] the sliding layers' (default: mask & the window by position).
+    """
+    check_tokens(tokens, cfg)
+    b, l = tokens.shape
+    positions = causal_segments(b, l) if positions is None else positions
+    if mask is None:
+        vis = _encoder_vis(cfg, b, l)
+        if sliding_mask is not None:
+            vis[SLIDING] = sliding_mask
+    else:
+        vis = {FULL: mask, SLIDING: mask & window_mask(positions, positions, cfg.sliding_window)
+               if sliding_mask is None else sliding_mask}
+    x = token_embed(params, cfg, tokens) if embeds is None else embeds.astype(cfg.jnp_dtype)
+    h, _, _ = backbone(params, cfg, x, positions, vis, encoder=True, remat=remat)
+    out = logits(params, cfg, h)
+    return (out, h) if return_hidden else out

@@ -1,0 +1,537 @@
+"""DiffusionGemma against transformers' DiffusionGemmaForBlockDiffusion.
+
+A tiny HF model is built in-process in fp32 with every weight re-randomized (norms, router scales, per-expert
+scales and both sets of layer_scalar buffers included), saved with save_pretrained and loaded through
+orl_jax.convert.hf.load_hf. Covered: encoder and decoder logits (with / without self-conditioning, left-padded
+rows, after a commit; prompts and canvas longer than the sliding window of 4), the checkpoint round trip, loader /
+config errors, generate() against HF's own generate() fed the engine's random draws, and the 26B-A4B shape.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import unittest.mock as um
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from orl_jax import params as P
+from orl_jax.config import DG_PRESETS, FULL, SLIDING, DiffusionGemmaConfig
+from orl_jax.convert.hf import DG_SKIPPED_PREFIXES, load_hf, save_hf
+from orl_jax.decode.engine import generate, make_sampler
+from orl_jax.decode.samplers import UniformSampler
+from orl_jax.model import diffusion_gemma as dg
+from orl_jax.model.moe import experts_mlp
+
+pytestmark = pytest.mark.hf
+
+TINY = DG_PRESETS["tiny-dg"]
+EOS = 1
+TINY_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                   num_key_value_heads=2, head_dim=8, max_position_embeddings=64, position_embedding_size=16,
+                   patch_size=4, pooling_kernel_size=1)
+
+
+def hf_config(cfg: DiffusionGemmaConfig):
+    """transformers' config written out by hand from the preset (independent of to_hf_config)."""
+    from transformers import DiffusionGemmaConfig as HFConfig
+
+    text = dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, global_head_dim=cfg.global_head_dim, num_global_key_value_heads=cfg.num_global_kv_heads,
+        attention_k_eq_v=True, enable_moe_block=True, num_experts=cfg.num_experts, top_k_experts=cfg.top_k_experts,
+        moe_intermediate_size=cfg.moe_intermediate_size, sliding_window=cfg.sliding_window,
+        layer_types=list(cfg.layer_types), max_position_embeddings=cfg.max_position_embeddings,
+        final_logit_softcapping=30.0, pad_token_id=0, eos_token_id=EOS, bos_token_id=2,
+        rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+                         FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}})
+    c = HFConfig(text_config=text, vision_config=TINY_VISION, canvas_length=cfg.block_length,
+                 image_token_id=cfg.image_token_id, boi_token_id=cfg.boi_token_id, eoi_token_id=cfg.eoi_token_id)
+    c._attn_implementation = "eager"
+    return c
+
+
+@pytest.fixture(scope="session")
+def dg_hf(tmp_path_factory):
+    """(HF model, its save_pretrained directory)."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    torch.manual_seed(0)
+    model = DiffusionGemmaForBlockDiffusion(hf_config(TINY)).eval()
+    with torch.no_grad():
+        for _, p in model.named_parameters():  # encoder weights are the decoder's (tied): visited once
+            if p.ndim == 1:
+                p.data.normal_(0, 0.5).add_(1.0)
+            else:
+                p.data.normal_(0, 0.1)
+        for name, b in model.named_buffers():  # encoder and decoder layer_scalar are separate buffers
+            if name.endswith("layer_scalar"):
+                b.data.normal_(0, 0.3).add_(1.0)
+    d = tmp_path_factory.mktemp("tiny-dg")
+    model.save_pretrained(d)
+    return model, d
+
+
+@pytest.fixture(scope="session")
+def dg_ours(dg_hf):
+    return load_hf(dg_hf[1], dtype="float32")
+
+
+_prefill = jax.jit(dg.prefill, static_argnums=(1, 4))
+_decode = jax.jit(dg.decode, static_argnums=(1,))
+_commit = jax.jit(dg.commit, static_argnums=(1,))
+_forward = jax.jit(dg.forward, static_argnums=(1,), static_argnames=("return_hidden",))
+_soft = jax.jit(dg.soft_embed, static_argnums=(1,))
+
+
+def _tokens(shape, seed, high=240):  # below the tiny preset's image / boi / eoi ids
+    return np.random.default_rng(seed).integers(3, high, size=shape).astype(np.int32)
+
+
+def _torch(a, dtype=torch.long):
+    return torch.as_tensor(np.asarray(a)).to(dtype)
+
+
+def test_config_from_checkpoint(dg_ours, dg_hf):
+    cfg, params = dg_ours
+    assert cfg.eos_token_ids == (EOS,) and cfg.pad_token_id == 0 and cfg.vision_config_json is not None
+    assert cfg.replace(eos_token_ids=(), vision_config_json=None) == TINY.replace(eos_token_ids=())
+    assert jax.tree.all(jax.tree.map(lambda x: x.dtype == jnp.float32, params))
+    # nothing is trivially 0 / 1: the norms, scales and both layer_scalar sets were re-randomized
+    for name in ("attn_norm", "router_scale", "expert_scale", "layer_scalar", "encoder_layer_scalar"):
+        for stack in ("sliding", "full"):
+            a = np.asarray(params[stack][name])
+            assert np.abs(a - 1).min() > 0, (stack, name)
+    assert not np.allclose(params["full"]["layer_scalar"], params["full"]["encoder_layer_scalar"])
+
+
+def test_encoder_matches_hf(dg_ours, dg_hf):
+    """The encoder (causal, sliding window 4 over 13 tokens): last hidden state and the logits it implies."""
+    cfg, params = dg_ours
+    model, _ = dg_hf
+    tokens = _tokens((2, 13), 0)
+    with torch.no_grad():
+        h_ref = model.model.encoder(input_ids=_torch(tokens)).last_hidden_state
+        z_ref = model.lm_head(h_ref) / 30.0
+        logits_ref = (torch.tanh(z_ref) * 30.0).numpy()
+    logits, h = _forward(params, cfg, jnp.asarray(tokens), return_hidden=True)
+    np.testing.assert_array_less(np.abs(np.asarray(h) - h_ref.numpy()).max(), 1e-4)
+    assert np.abs(logits_ref).max() > 1.0
+    np.testing.assert_array_less(np.abs(np.asarray(logits) - logits_ref).max(), 1e-4)
+
+
+def _hf_row(model, prompt, canvases, scs, blocks):
+    """HF per row, unpadded: encode the prompt, decode canvases[0]; commit blocks[0] with the encoder, decode
+    canvases[1]."""
+    from transformers.cache_utils import DynamicCache
+
+    out = []
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config.text_config)
+        model.model.encoder(input_ids=_torch(prompt[None]), cache=cache)
+        for j, canvas in enumerate(canvases):
+            if j:
+                model.model.encoder(input_ids=_torch(blocks[j - 1][None]), cache=cache)
+            sc = None if scs[j] is None else _torch(scs[j][None], torch.float32)
+            out.append(model(decoder_input_ids=_torch(canvas[None]), cache=cache,
+                             self_conditioning_logits=sc).logits[0].numpy())
+    return out
+
+
+@pytest.mark.parametrize("self_cond", [False, True], ids=["no-sc", "sc"])
+def test_decoder_matches_hf(dg_ours, dg_hf, self_cond):
+    """Decoder logits after a prefill and after a commit, rows of different prompt lengths (left-padded here,
+    unpadded in HF), with and without self-conditioning logits; prompt 11 / 6, canvas 8, window 4."""
+    cfg, params = dg_ours
+    model, _ = dg_hf
+    L, lengths = cfg.block_length, [11, 6]
+    prompts = [_tokens((n,), 10 + n) for n in lengths]
+    padded = np.zeros((2, max(lengths)), np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, -len(p):] = p
+    canvases = [_tokens((2, L), 20), _tokens((2, L), 21)]
+    block = _tokens((2, L), 22)
+    rng = np.random.default_rng(23)
+    scs = [rng.normal(0, 3, (2, L, cfg.vocab_size)).astype(np.float32) if self_cond else None for _ in range(2)]
+
+    _, cache = _prefill(params, cfg, jnp.asarray(padded), jnp.asarray(lengths, jnp.int32), max(lengths) + 2 * L)
+    ours = []
+    for j in range(2):
+        if j:
+            cache = _commit(params, cfg, jnp.asarray(block), cache)
+        z = None if scs[j] is None else _soft(params, cfg, jax.nn.softmax(jnp.asarray(scs[j]), axis=-1))
+        ours.append(np.asarray(_decode(params, cfg, jnp.asarray(canvases[j]), cache, residual=z)))
+    for r in range(2):
+        ref = _hf_row(model, prompts[r], [c[r] for c in canvases], [None if s is None else s[r] for s in scs],
+                      [block[r]])
+        for j in range(2):
+            assert np.abs(ref[j]).max() > 1.0
+            err = np.abs(ours[j][r] - ref[j]).max()
+            assert err < 1e-4, (r, j, err)
+
+
+def test_window_and_self_conditioning_matter(dg_ours, dg_hf):
+    """The parity above is not vacuous: a wider window, or dropping the self-conditioning input, changes the
+    logits well beyond the tolerance."""
+    cfg, params = dg_ours
+    model, _ = dg_hf
+    prompt, canvas = _tokens((11,), 30), _tokens((cfg.block_length,), 31)
+    sc = np.random.default_rng(32).normal(0, 3, (cfg.block_length, cfg.vocab_size)).astype(np.float32)
+    ref = _hf_row(model, prompt, [canvas], [sc], [])[0]
+    wide = cfg.replace(sliding_window=64)
+    _, cache = dg.prefill(params, wide, jnp.asarray(prompt[None]), jnp.asarray([11]), 11 + cfg.block_length)
+    z = _soft(params, cfg, jax.nn.softmax(jnp.asarray(sc[None]), axis=-1))
+    assert np.abs(np.asarray(dg.decode(params, wide, jnp.asarray(canvas[None]), cache, residual=z))[0]
+                  - ref).max() > 1e-2
+    _, cache = _prefill(params, cfg, jnp.asarray(prompt[None]), jnp.asarray([11], jnp.int32), 11 + cfg.block_length)
+    assert np.abs(np.asarray(_decode(params, cfg, jnp.asarray(canvas[None]), cache))[0] - ref).max() > 1e-2
+
+
+def test_residual_embed_forms(dg_ours):
+    """embed == residual_embed with w = 0 == residual_embed with z = 0 (SC(0) = 0): HF's decoder input without
+    self-conditioning logits, so a block's first step needs no special case."""
+    cfg, params = dg_ours
+    tokens = jnp.asarray(_tokens((2, cfg.block_length), 40))
+    z = jax.random.normal(jax.random.key(0), (2, cfg.block_length, cfg.hidden_size))
+    e = dg.embed(params, cfg, tokens)
+    np.testing.assert_allclose(dg.residual_embed(params, cfg, tokens, z, jnp.zeros(tokens.shape)), e, atol=1e-6)
+    np.testing.assert_allclose(dg.residual_embed(params, cfg, tokens, jnp.zeros_like(z), jnp.ones(tokens.shape)), e,
+                               atol=1e-6)
+
+
+def test_moe_matches_dense_loop():
+    """The ragged dispatch equals the per-token loop over its chosen experts (what HF computes)."""
+    rng = np.random.default_rng(0)
+    T, D, E, F, k = 10, 6, 5, 4, 2
+    x = rng.normal(size=(T, D)).astype(np.float32)
+    gu, dn = rng.normal(size=(E, D, 2 * F)).astype(np.float32), rng.normal(size=(E, F, D)).astype(np.float32)
+    experts = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+    weights = rng.random((T, k)).astype(np.float32)
+    out = np.asarray(experts_mlp(jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts), jnp.asarray(gu),
+                                 jnp.asarray(dn), "gelu_tanh"))
+    gelu = lambda v: np.asarray(jax.nn.gelu(jnp.asarray(v), approximate=True))
+    ref = np.zeros_like(x)
+    for t in range(T):
+        for j in range(k):
+            e = experts[t, j]
+            h = x[t] @ gu[e]
+            ref[t] += weights[t, j] * ((gelu(h[:F]) * h[F:]) @ dn[e])
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+# --- checkpoints ---------------------------------------------------------------------------------------------
+
+def _text_tensors(directory):
+    t = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        t.update(load_file(str(f)))
+    return {k: v for k, v in t.items() if not k.startswith(DG_SKIPPED_PREFIXES)}
+
+
+def test_round_trip_exact(dg_ours, dg_hf, tmp_path):
+    """HF -> ours -> HF: the same text tensors bit for bit, config and generation config round-trip, and
+    transformers loads the export into the same model (the vision tower is not exported)."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    cfg, params = dg_ours
+    model, src = dg_hf
+    out = save_hf(tmp_path / "export", cfg, params)
+    orig, back = _text_tensors(src), _text_tensors(out)
+    assert sorted(orig) == sorted(back)
+    assert len(orig) < len(load_file(str(src / "model.safetensors")))  # the source had vision weights
+    for name, t in orig.items():
+        assert back[name].dtype == t.dtype and bool((back[name] == t).all()), name
+    cfg2, params2 = load_hf(out, dtype="float32")
+    assert cfg2 == cfg
+    jax.tree.map(np.testing.assert_array_equal, params2, params)
+    hf = json.loads(json.dumps(cfg.to_hf_config()))
+    assert DiffusionGemmaConfig.from_hf_config(hf, cfg.to_hf_generation_config(), dtype="float32") == cfg
+
+    # transformers builds the same model from the export: every text tensor of its state dict (encoder copies and
+    # buffers included) is bit-equal; logits agree to float rounding (CPU kernels' results depend on how the loaded
+    # tensors happen to be aligned, so they are not compared bit for bit)
+    model1 = DiffusionGemmaForBlockDiffusion.from_pretrained(src, attn_implementation="eager").eval()
+    model2 = DiffusionGemmaForBlockDiffusion.from_pretrained(out, attn_implementation="eager").eval()
+    assert model2.generation_config.max_denoising_steps == cfg.max_denoising_steps
+    sd1, sd2 = model1.state_dict(), model2.state_dict()
+    assert sorted(sd1) == sorted(sd2)
+    for name, t in sd1.items():
+        assert name.startswith(("model.encoder.vision_tower.", "model.encoder.embed_vision.")) or \
+            torch.equal(t, sd2[name]), name
+    prompt, canvas = _tokens((1, 9), 50), _tokens((1, cfg.block_length), 51)
+    with torch.no_grad():
+        a = model(input_ids=_torch(prompt), decoder_input_ids=_torch(canvas)).logits
+        b = model2(input_ids=_torch(prompt), decoder_input_ids=_torch(canvas)).logits
+    assert (a - b).abs().max() < 1e-5
+
+
+def _copy_with(src, dst, edit_tensors=None, edit_config=None):
+    dst.mkdir()
+    tensors = dict(load_file(str(src / "model.safetensors")))
+    if edit_tensors:
+        tensors = edit_tensors(tensors)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})
+    c = json.loads((src / "config.json").read_text())
+    if edit_config:
+        edit_config(c)
+    (dst / "config.json").write_text(json.dumps(c))
+    return dst
+
+
+def _drop(name):
+    return lambda t: {k: v for k, v in t.items() if k != name}
+
+
+LAYER = "model.decoder.layers"
+BAD_CHECKPOINTS = [
+    (_drop(f"{LAYER}.4.self_attn.v_proj.weight"), rf"missing tensor '{LAYER}\.4\.self_attn\.v_proj"),
+    (_drop(f"{LAYER}.5.experts.gate_up_proj"), rf"missing tensor '{LAYER}\.5\.experts\.gate_up_proj'"),
+    (_drop("model.encoder.language_model.layers.2.layer_scalar"), r"missing tensor 'model\.encoder\..*2\.layer_sc"),
+    (_drop("model.decoder.self_conditioning.pre_norm.weight"), "missing tensor 'model.decoder.self_conditioning"),
+    (lambda t: t | {f"{LAYER}.2.self_attn.v_proj.weight": t[f"{LAYER}.1.self_attn.k_proj.weight"].clone()},
+     rf"unexpected tensor '{LAYER}\.2\.self_attn\.v_proj"),  # a full layer has no v_proj (K = V)
+    (lambda t: t | {f"{LAYER}.0.experts.down_proj": t[f"{LAYER}.0.experts.down_proj"].transpose(1, 2).clone()},
+     rf"tensor '{LAYER}\.0\.experts\.down_proj' has shape"),
+    (lambda t: t | {"model.encoder.language_model.norm.weight": t["model.decoder.norm.weight"] + 1},
+     r"model\.encoder\.language_model\.norm\.weight.*differs"),
+    (lambda t: t | {"model.encoder.language_model.extra.weight": torch.zeros(3)}, "unexpected tensor"),
+]
+
+
+@pytest.mark.parametrize("edit,match", BAD_CHECKPOINTS)
+def test_bad_checkpoint_named(dg_hf, tmp_path, edit, match):
+    d = _copy_with(dg_hf[1], tmp_path / "d", edit_tensors=edit)
+    with pytest.raises(ValueError, match=match):
+        load_hf(d, dtype="float32")
+
+
+def test_tied_copies_accepted_and_vision_skipped(dg_hf, dg_ours, tmp_path):
+    """Redundant encoder copies equal to their decoder twins load; vision weights are skipped by name."""
+    def add(t):
+        t = dict(t)
+        t["model.encoder.language_model.norm.weight"] = t["model.decoder.norm.weight"].clone()
+        t["model.encoder.language_model.embed_tokens.weight"] = t["model.decoder.embed_tokens.weight"].clone()
+        assert any(k.startswith("model.encoder.vision_tower.") for k in t)
+        return t
+
+    _, params = load_hf(_copy_with(dg_hf[1], tmp_path / "d", edit_tensors=add), dtype="float32")
+    jax.tree.map(np.testing.assert_array_equal, params, dg_ours[1])
+
+
+def _set_text(**kw):
+    return lambda c: c["text_config"].update(kw)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (_set_text(use_bidirectional_attention="all"), "use_bidirectional_attention"),
+    (_set_text(hidden_activation="silu"), "hidden_activation"),
+    (_set_text(attention_bias=True), "attention_bias"),
+    (_set_text(num_experts=None), "num_experts"),
+    (_set_text(layer_types=[SLIDING, FULL, SLIDING, SLIDING, SLIDING, FULL], per_layer_config={}), "layer_types"),
+    (_set_text(top_k_experts=9), "top_k_experts"),
+    (_set_text(num_attention_heads=3), "num_heads"),
+    (lambda c: c["text_config"]["rope_parameters"][FULL].update(rope_type="yarn"), "rope_type='yarn'"),
+])
+def test_unsupported_config(dg_hf, tmp_path, edit, match):
+    d = _copy_with(dg_hf[1], tmp_path / "d", edit_config=edit)
+    with pytest.raises(ValueError, match=match):
+        load_hf(d, dtype="float32")
+
+
+def test_per_layer_config_form_and_generation_config(dg_hf, tmp_path):
+    """transformers >= 5.24 writes per_layer_config instead of global_head_dim; generation_config.json gives the
+    sampler defaults and the EOS list, which make_sampler / generate pick up."""
+    src = dg_hf[1]
+    saved = json.loads((src / "config.json").read_text())["text_config"]
+    assert "per_layer_config" in saved or "global_head_dim" in saved
+    d = _copy_with(src, tmp_path / "d", edit_config=lambda c: (
+        c["text_config"].pop("global_head_dim", None), c["text_config"].pop("num_global_key_value_heads", None),
+        c["text_config"].update(per_layer_config={"2": {"head_dim": 16, "num_key_value_heads": 1},
+                                                  "5": {"head_dim": 16, "num_key_value_heads": 1}})))
+    (d / "generation_config.json").write_text(json.dumps({
+        "max_denoising_steps": 12, "t_min": 0.3, "t_max": 0.9, "stability_threshold": 2,
+        "confidence_threshold": 0.01,
+        "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 0.2},
+        "eos_token_id": [1, 106], "pad_token_id": 0}))
+    cfg, _ = load_hf(d, dtype="float32")
+    assert (cfg.global_head_dim, cfg.num_global_kv_heads) == (16, 1)
+    assert cfg.eos_token_ids == (1, 106)
+    assert make_sampler(cfg) == UniformSampler(t_max=0.9, t_min=0.3, max_denoising_steps=12, entropy_bound=0.2,
+                                               stability=2, confidence=0.01)
+    assert make_sampler(TINY) == UniformSampler()  # no generation_config: transformers' global defaults
+    with pytest.raises(ValueError, match="per_layer_config"):
+        load_hf(_copy_with(src, tmp_path / "e", edit_config=_set_text(
+            per_layer_config={"2": {"head_dim": 16}, "5": {"head_dim": 32}})), dtype="float32")
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(layer_types=(SLIDING,) * 6), "layer_types"),
+    (dict(num_global_kv_heads=3), "num_global_kv_heads"),
+    (dict(global_head_dim=15), "global_head_dim"),
+    (dict(top_k_experts=0), "top_k_experts"),
+    (dict(sliding_window=0), "sliding_window"),
+    (dict(final_logit_softcapping=-1.0), "final_logit_softcapping"),
+    (dict(t_min=0.9), "t_min"),
+    (dict(eos_token_ids=(300,)), "eos_token_ids"),
+    (dict(dtype="float64"), "dtype"),
+])
+def test_config_rejects(kw, match):
+    with pytest.raises(ValueError, match=match):
+        TINY.replace(**kw)
+
+
+def test_image_inputs_refused(dg_ours):
+    cfg, params = dg_ours
+    with pytest.raises(ValueError, match="image_token_id=250"):
+        generate(params, cfg, [[5, 6, cfg.image_token_id]], key=jax.random.key(0), max_new_tokens=8)
+    with pytest.raises(ValueError, match="image"):
+        dg.prefill(params, cfg, jnp.asarray([[5, cfg.image_token_id]], jnp.int32), jnp.asarray([2]), 16)
+    # a canvas or a generated block may hold any id (the canvas starts uniformly random)
+    dg.check_tokens(jnp.asarray([[5, cfg.image_token_id]], jnp.int32), cfg, "canvas")
+
+
+# --- generate() against transformers' generate() --------------------------------------------------------------
+
+class _EngineDraws:
+    """Stand-ins for torch.randint / torch.multinomial that replay the engine's jax.random draws, in the order HF's
+    generate makes them: a block's initial canvas, then per step one categorical sample and one re-noise draw.
+    Engine keys: key, k_init = split(key); each step key, k_step, k_init = split(key, 3) and
+    k_sample, k_noise = split(k_step); a new block's canvas uses the k_init of the step that finished the last."""
+
+    def __init__(self, key):
+        self.key, self.k_init = jax.random.split(key)
+        self.k_noise = None
+
+    def randint(self, low=0, high=None, size=None, **kw):
+        k, self.k_noise = (self.k_noise, None) if self.k_noise is not None else (self.k_init, None)
+        return torch.from_numpy(np.array(jax.random.randint(k, tuple(size), low, high, jnp.int32))).long()
+
+    def multinomial(self, probs, num_samples, **kw):
+        self.key, k_step, self.k_init = jax.random.split(self.key, 3)
+        k_sample, self.k_noise = jax.random.split(k_step)
+        g = np.asarray(jax.random.gumbel(k_sample, tuple(probs.shape), jnp.float32))
+        with np.errstate(divide="ignore"):
+            return torch.from_numpy(np.argmax(np.log(probs.numpy()) + g, axis=-1))[:, None]
+
+
+def test_categorical_is_gumbel_argmax():
+    """What _EngineDraws relies on: jax.random.categorical(k, logits) == argmax(gumbel(k, shape) + logits)."""
+    k = jax.random.key(5)
+    logits = jax.random.normal(jax.random.key(6), (3, 4, 50)) * 3
+    g = jax.random.gumbel(k, logits.shape, jnp.float32)
+    np.testing.assert_array_equal(jax.random.categorical(k, logits, axis=-1), jnp.argmax(g + logits, axis=-1))
+
+
+@pytest.fixture(scope="session")
+def sharp(dg_hf, dg_ours):
+    """The tiny model with a 10x embedding, so that distributions are peaked enough for rows to stop early."""
+    model = copy.deepcopy(dg_hf[0])
+    with torch.no_grad():
+        model.model.decoder.embed_tokens.weight.mul_(10.0)
+    cfg, params = dg_ours
+    return model, cfg, dict(params, embed=params["embed"] * 10.0)
+
+
+GEN = dict(max_denoising_steps=8, t_min=0.4, t_max=0.8, entropy_bound=100.0, stability=1, confidence=1.5)
+
+
+def _hf_generate(model, prompts, key, eos):
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+
+    draws = _EngineDraws(key)
+    with um.patch.object(torch, "randint", draws.randint), um.patch.object(torch, "multinomial", draws.multinomial):
+        return model.generate(
+            _torch(prompts), max_new_tokens=24, max_denoising_steps=GEN["max_denoising_steps"], t_min=GEN["t_min"],
+            t_max=GEN["t_max"], sampler_config=EntropyBoundSamplerConfig(entropy_bound=GEN["entropy_bound"]),
+            stability_threshold=GEN["stability"], confidence_threshold=GEN["confidence"], eos_token_id=eos,
+            pad_token_id=0)
+
+
+def test_generate_matches_transformers(sharp):
+    """3 blocks of 8 tokens, 2 rows: every token, the per-row forward counts (through tokens_per_forward) and the
+    early per-row stops equal transformers' generate() run with the engine's random draws. generate() defaults to
+    self-conditioning for DiffusionGemma, as transformers always does."""
+    model, cfg, params = sharp
+    prompts = np.stack([_tokens((7,), 60), _tokens((7,), 61)])
+    sampler = UniformSampler(**GEN)
+    out = generate(params, cfg, prompts, key=jax.random.key(3), max_new_tokens=24, sampler=sampler, pad_token_id=0,
+                   eos_token_id=())
+    ref = _hf_generate(model, prompts, jax.random.key(3), eos=None)
+    np.testing.assert_array_equal(np.asarray(out.tokens), ref.sequences[:, 7:].numpy())
+    np.testing.assert_allclose(np.asarray(out.tpf_hf), ref.tokens_per_forward.numpy(), rtol=1e-6)
+    assert np.asarray(out.forwards).min() < 3 * GEN["max_denoising_steps"]  # some row stopped early
+
+
+def test_generate_eos_matches_transformers(sharp):
+    """One row with an EOS in its second block: padding after the EOS, the early end and tokens_per_forward."""
+    model, cfg, params = sharp
+    prompt = _tokens((1, 7), 62)
+    sampler = UniformSampler(**GEN)
+    free = _hf_generate(model, prompt, jax.random.key(4), eos=None).sequences[0, 7:].numpy()
+    eos = next(int(t) for t in free[10:16] if t not in free[:10] and t != 0)
+    out = generate(params, cfg, prompt, key=jax.random.key(4), max_new_tokens=24, sampler=sampler, pad_token_id=0,
+                   eos_token_id=eos)
+    ref = _hf_generate(model, prompt, jax.random.key(4), eos=eos)
+    seq = ref.sequences[0, 7:].numpy()
+    assert len(seq) == 16  # transformers stopped after the EOS block
+    toks = np.asarray(out.tokens)[0]
+    np.testing.assert_array_equal(toks, np.pad(seq, (0, 24 - len(seq))))
+    first = int(np.argmax(toks == eos))
+    assert 8 <= first < 16 and np.all(toks[first + 1:] == 0) and int(out.lengths[0]) == first + 1
+    np.testing.assert_allclose(np.asarray(out.tpf_hf), ref.tokens_per_forward.numpy(), rtol=1e-6)
+
+
+# --- the real shape ------------------------------------------------------------------------------------------
+
+# google/diffusiongemma-26B-A4B-it's config.json, text part (keys as transformers' DiffusionGemmaTextConfig reads).
+REAL_CONFIG = {
+    "architectures": ["DiffusionGemmaForBlockDiffusion"], "model_type": "diffusion_gemma", "canvas_length": 256,
+    "tie_word_embeddings": True, "image_token_id": 258880, "boi_token_id": 255999, "eoi_token_id": 258882,
+    "text_config": {
+        "model_type": "diffusion_gemma_text", "vocab_size": 262144, "hidden_size": 2816, "num_hidden_layers": 30,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "global_head_dim": 512,
+        "num_global_key_value_heads": 2, "attention_k_eq_v": True, "intermediate_size": 2112,
+        "enable_moe_block": True, "num_experts": 128, "top_k_experts": 8, "moe_intermediate_size": 704,
+        "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 1024, "final_logit_softcapping": 30.0,
+        "layer_types": ([SLIDING] * 5 + [FULL]) * 5, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+        "rope_parameters": {FULL: {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+                            SLIDING: {"rope_theta": 10000.0, "rope_type": "default"}},
+        "attention_bias": False, "use_bidirectional_attention": "vision", "tie_word_embeddings": True,
+        "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
+    },
+    "vision_config": {"model_type": "gemma4_vision"},
+}
+
+
+def test_26b_a4b_instantiates_abstractly():
+    """The real config: ~25.25 B text parameters (+ the ~0.17 B vision tower transformers counts = ~25.4 B),
+    ~3.8 B active per token, and a decoder step traces at full size (abstractly: no memory, no compile)."""
+    from transformers import AutoConfig, AutoModel
+
+    cfg = DiffusionGemmaConfig.from_hf_config(REAL_CONFIG, dtype="bfloat16")
+    assert cfg == DG_PRESETS["diffusiongemma-26b-a4b"].replace(
+        eos_token_ids=(1,), vision_config_json=cfg.vision_config_json)
+    specs = dg.param_specs(cfg)
+    abstract = jax.eval_shape(lambda k: P.init(specs, k), jax.random.key(0))
+    n = sum(x.size for x in jax.tree.leaves(abstract))
+    experts = sum(abstract[s][w].size for s in ("sliding", "full") for w in ("experts_gate_up", "experts_down"))
+    assert abs(n - 25.251e9) < 0.01e9, n
+    assert abs(n - experts + experts * 8 / 128 - 3.84e9) < 0.02e9
+    with torch.device("meta"):
+        vision = AutoModel.from_config(AutoConfig.for_model("gemma4_vision"))
+    n_vision = sum(p.numel() for p in vision.parameters()) + 2816 * vision.config.hidden_size  # + embed_vision
+    assert abs(n + n_vision - 25.4e9) < 0.05e9, (n, n_vision)
+    assert abstract["full"]["k"].shape == (5, 2816, 2, 512) and "v" not in abstract["full"]
+    assert abstract["sliding"]["v"].shape == (25, 2816, 8, 256)
+
+    cache = jax.eval_shape(lambda: dg.init_cache(cfg, 1, 2048))
+    out = jax.eval_shape(lambda p, c, x: dg.decode(p, cfg, x, c), abstract, cache,
+                         jax.ShapeDtypeStruct((1, 256), jnp.int32))
+    assert out.shape == (1, 256, 262144) and out.dtype == jnp.float32
