@@ -1,0 +1,91 @@
+"""DiffusionGemma 26B-A4B at full size on one GPU: random bf16 weights, batch 1, prompt 512, 256 new tokens
+(one canvas), the uniform sampler with DiffusionGemma's defaults except confidence=0 (random weights never converge,
+so every canvas runs the 48-step maximum, as in the transformers peer).
+
+  python benchmarks/diffusion_gemma_generate.py --out dg.jsonl
+Run side by side with ../shared/peers/hf_diffusion_gemma_generate.py (benchmarks/run_dg_bench.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from orl_jax import runtime  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--out", default="dg_bench.jsonl")
+ap.add_argument("--preset", default="diffusiongemma-26b-a4b")
+ap.add_argument("--prompt", type=int, default=512)
+ap.add_argument("--new", type=int, default=256)
+args = ap.parse_args()
+runtime.configure(os.path.expanduser("~/.cache/orl_jax/xla"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from orl_jax import params as P  # noqa: E402
+from orl_jax.config import DG_PRESETS  # noqa: E402
+from orl_jax.decode.engine import generate  # noqa: E402
+from orl_jax.decode.samplers import UniformSampler  # noqa: E402
+from orl_jax.model import diffusion_gemma  # noqa: E402
+
+T0 = time.perf_counter()
+
+
+def log(**kw):
+    kw |= {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "t": round(time.perf_counter() - T0, 1)}
+    print(json.dumps(kw), flush=True)
+    with open(args.out, "a") as f:
+        f.write(json.dumps(kw) + "\n")
+
+
+cfg = DG_PRESETS[args.preset].replace(dtype="bfloat16")
+specs = diffusion_gemma.param_specs(cfg)
+flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda s: isinstance(s, P.ParamSpec))
+leaves = [s for _, s in flat]
+
+
+@jax.jit
+def _normal(key, like):
+    return (jax.random.normal(key, like.shape, jnp.bfloat16) * 0.02).astype(like.dtype)
+
+
+def _is_scale(path) -> bool:  # norm weights and per-layer scalars start at 1; everything else (router too) random
+    name = jax.tree_util.keystr(path)
+    return "norm" in name or "scale" in name
+
+
+t = time.perf_counter()
+keys = jax.random.split(jax.random.key(0), len(leaves))
+# one leaf at a time and straight in bf16, so no float32 copy of a 10 GB expert stack is ever materialized
+params = jax.tree.unflatten(treedef, [
+    jnp.ones(s.shape, s.dtype) if _is_scale(path) else _normal(k, jax.ShapeDtypeStruct(s.shape, s.dtype))
+    for (path, s), k in zip(flat, keys)])
+jax.block_until_ready(params)
+n = sum(int(np.prod(s.shape)) for s in leaves)
+log(what="init", params_b=n / 1e9, seconds=time.perf_counter() - t)
+
+prompt = np.random.default_rng(0).integers(0, min(200000, cfg.vocab_size) - 8, (1, args.prompt)).astype(np.int32)
+sampler = UniformSampler(max_denoising_steps=48, t_max=0.8, t_min=0.4, entropy_bound=0.1, stability=1,
+                         confidence=0.0)
+kw = dict(key=jax.random.key(0), max_new_tokens=args.new, sampler=sampler, eos_token_id=())
+t = time.perf_counter()
+out = jax.block_until_ready(generate(params, cfg, prompt, **kw))
+first = time.perf_counter() - t
+ts = []
+for _ in range(3):
+    t = time.perf_counter()
+    out = jax.block_until_ready(generate(params, cfg, prompt, **kw))
+    ts.append(time.perf_counter() - t)
+sec = float(np.median(ts))
+fwd, com = int(out.total_forwards), int(out.commits)
+log(what="generate", first_call_s=first, seconds=sec, new_tokens=args.new, denoise_forwards=fwd, commits=com,
+    ms_per_forward_incl_prefill=sec * 1e3 / max(fwd + com, 1), tokens_per_s=args.new / sec,
+    tpf_hf=float(np.asarray(out.tpf_hf)[0]) if getattr(out, "tpf_hf", None) is not None else None)
