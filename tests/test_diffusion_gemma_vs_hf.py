@@ -535,3 +535,20 @@ def test_26b_a4b_instantiates_abstractly():
     out = jax.eval_shape(lambda p, c, x: dg.decode(p, cfg, x, c), abstract, cache,
                          jax.ShapeDtypeStruct((1, 256), jnp.int32))
     assert out.shape == (1, 256, 262144) and out.dtype == jnp.float32
+
+
+def test_dense_and_grouped_expert_paths_agree():
+    """The decode-size dense path (all experts, unchosen weighted 0) equals the grouped ragged_dot path."""
+    from orl_jax.model import moe
+
+    ks = jax.random.split(jax.random.key(11), 5)
+    t, d, e, f, k = 24, 16, 8, 12, 3
+    x = jax.random.normal(ks[0], (t, d))
+    gate_up = jax.random.normal(ks[1], (e, d, 2 * f)) * 0.3
+    down = jax.random.normal(ks[2], (e, f, d)) * 0.3
+    experts = jax.vmap(lambda kk: jax.random.choice(kk, e, (k,), replace=False))(jax.random.split(ks[3], t))
+    weights = jax.nn.softmax(jax.random.normal(ks[4], (t, k)), axis=-1)
+    dense = moe.dense_experts_mlp(x, weights, experts, gate_up, down, "gelu_tanh")
+    grouped = moe.grouped_experts_mlp(x, weights, experts, gate_up, down, "gelu_tanh")
+    np.testing.assert_allclose(np.asarray(dense), np.asarray(grouped), atol=1e-5)
+    assert float(jnp.abs(dense).max()) > 0.1
