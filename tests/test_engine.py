@@ -73,6 +73,7 @@ MASK_CASES = [
     ("rcd", MaskSampler(mask_token_id=255, threshold=0.5), RCDResidual()),
     ("orl", MaskSampler(mask_token_id=255, threshold=0.4, edit_threshold=0.5, max_edit_steps=2), ORLResidual()),
 ]
+CAPPED = MaskSampler(mask_token_id=255, threshold=None, tokens_per_step=1)  # max_steps=2 leaves 2 of 4 masked
 
 
 @pytest.mark.parametrize("name,sampler,residual", MASK_CASES, ids=[c[0] for c in MASK_CASES])
@@ -81,6 +82,13 @@ def test_mask_matches_reference(mask_model, name, sampler, residual, batch):
     cfg, params = mask_model
     out = _check(cfg, params, PROMPTS[:batch], sampler, residual)
     assert not np.any(np.asarray(out.tokens) == 255), "a [MASK] token was committed"
+
+
+def test_step_cap_commits_latest_predictions_not_masks(mask_model):
+    cfg, params = mask_model
+    out = _check(cfg, params, PROMPTS, CAPPED, NoResidual(), max_steps=2)
+    assert np.asarray(out.steps_per_block).tolist() == [2, 2]
+    assert not np.any(np.asarray(out.tokens) == 255)
 
 
 def test_eos_stops_row_and_it_stays_frozen(mask_model):

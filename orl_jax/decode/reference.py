@@ -136,6 +136,7 @@ def reference_generate(params, cfg: ModelConfig, prompts: list[list[int]], *, ke
                 for r in range(B):
                     if not active[r]:
                         continue
+                    argmax[r] = [int(t) for t in x0[r]]  # the latest predictions (fill masks left at the cap)
                     masked = [t == sampler.mask_token_id for t in canvas[r]]
                     cand = [i for i in range(L) if masked[i]]
                     if sampler.tokens_per_step is not None:
@@ -170,7 +171,10 @@ def reference_generate(params, cfg: ModelConfig, prompts: list[list[int]], *, ke
                 break
         steps_per_block.append(step)
         for r in range(B):
-            final = argmax[r] if isinstance(sampler, UniformSampler) else canvas[r]
+            if isinstance(sampler, UniformSampler):
+                final = argmax[r]
+            else:
+                final = [argmax[r][i] if t == sampler.mask_token_id else t for i, t in enumerate(canvas[r])]
             if seq_done[r]:
                 final = [pad_token_id] * L
             else:
@@ -188,7 +192,7 @@ def reference_generate(params, cfg: ModelConfig, prompts: list[list[int]], *, ke
 def _init(sampler, key, B, L, V):
     if isinstance(sampler, MaskSampler):
         canvas = [[sampler.mask_token_id] * L for _ in range(B)]
-        return canvas, None, None, [0] * B
+        return canvas, [list(r) for r in canvas], None, [0] * B
     c = np.asarray(jax.random.randint(key, (B, L), 0, V, jnp.int32))
     canvas = [list(map(int, row)) for row in c]
     history = [[[-1] * L for _ in range(max(sampler.stability, 1))] for _ in range(B)]

@@ -101,10 +101,11 @@ class MaskSampler:
 
     def init(self, key, batch: int, length: int, cfg: ModelConfig):
         canvas = jnp.full((batch, length), self.mask_token_id, jnp.int32)
-        return canvas, {"edit_steps": jnp.zeros((batch,), jnp.int32)}
+        return canvas, {"edit_steps": jnp.zeros((batch,), jnp.int32), "x0": canvas}
 
     def finalize(self, canvas, state):
-        return canvas
+        # a block cut off by the step cap commits its latest predictions where [MASK] is left
+        return jnp.where(canvas == self.mask_token_id, state["x0"], canvas)
 
     def step(self, logits, canvas, state, key, step, active) -> StepOut:
         # [MASK] is never a prediction: a filled position must leave the masked state.
@@ -136,8 +137,9 @@ class MaskSampler:
             done = ~still_masked & (~jnp.any(edit, axis=-1) | (edit_steps >= self.max_edit_steps))
         new = jnp.where(active[:, None], new, canvas)
         edit_steps = jnp.where(active, edit_steps, state["edit_steps"])
+        x0 = jnp.where(active[:, None], x0, state["x0"])
         ent = _entropy(jnp.where(jnp.isinf(logp), 0.0, logp)) / math.log(logits.shape[-1])
-        return StepOut(canvas=new, state={"edit_steps": edit_steps}, done=done, probs=jnp.exp(logp),
+        return StepOut(canvas=new, state={"edit_steps": edit_steps, "x0": x0}, done=done, probs=jnp.exp(logp),
                        entropy=ent, resolved=(fill | edit) & active[:, None])
 
 

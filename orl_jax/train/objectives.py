@@ -41,7 +41,11 @@ def causal_lm_loss(params, cfg: ModelConfig, batch: dict, key=None, *, remat: bo
     tokens = batch["tokens"]
     mask = _packed_causal_mask(batch)
     logits = qwen3.forward(params, cfg, tokens, mask=mask, positions=batch.get("positions"), remat=remat)
-    s, n = cross_entropy(logits[:, :-1], tokens[:, 1:], batch["loss_mask"][:, 1:].astype(jnp.float32))
+    w = batch["loss_mask"][:, 1:].astype(jnp.float32)
+    seg = batch.get("segment_ids")
+    if seg is not None:  # never predict across a packed example boundary or into padding
+        w = w * ((seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0))
+    s, n = cross_entropy(logits[:, :-1], tokens[:, 1:], w)
     loss = s / jnp.maximum(n, 1.0)
     return loss, {"loss": loss, "tokens": n}
 

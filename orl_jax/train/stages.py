@@ -1,0 +1,158 @@
+"""The stages of recipes/train_qwendlm.py: tokenizer + AR base model (stage 0), AR -> QwenDLM conversion
+(stage 1), and the held-out evaluation report. Each training stage checkpoints with orbax (train/ckpt.py) and
+exports its final params (checkpoint.save_params) to OUT/stageN/params; a stage whose export exists is loaded,
+not retrained, so `--resume` continues a killed run wherever it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from orl_jax import checkpoint
+from orl_jax import params as P
+from orl_jax.config import ModelConfig
+from orl_jax.data import tasks
+from orl_jax.data.embedded_tokenizer import task_corpus, train_tokenizer
+from orl_jax.data.pipeline import make_dataset
+from orl_jax.data.prompt_format import format_example, stop_token_ids
+from orl_jax.data.tokenizer import load_tokenizer
+from orl_jax.decode.residual import ORLResidual
+from orl_jax.decode.samplers import MaskSampler, UniformSampler
+from orl_jax.model import qwen3
+from orl_jax.sharding import make_mesh
+from orl_jax.train.ckpt import CheckpointManager
+from orl_jax.train.evaluate import evaluate, write_report
+from orl_jax.train.loop import resume, train
+from orl_jax.train.metrics import MetricsWriter
+from orl_jax.train.objectives import DiffusionObjective, causal_lm_loss
+from orl_jax.train.optim import OptimConfig, ParamGroup, make_optimizer
+from orl_jax.train.step import make_train_step
+
+
+def _examples(r, split: str, n_per_task: int, seed: int):
+    return tasks.sample(split, n_per_task * len(r.tasks), seed, tasks=list(r.tasks))
+
+
+def _encode(tok, examples, max_len: int):
+    rows = []
+    for ex in examples:
+        prompt, response = format_example(tok, ex)
+        ids = (prompt + response)[:max_len]
+        rows.append({"tokens": np.asarray(ids, np.int32),
+                     "prompt_mask": (np.arange(len(ids)) < len(prompt)).astype(np.int32)})
+    return rows
+
+
+def _run_stage(name, out: Path, cfg, params, loss_fn, optim: OptimConfig, data, steps: int, log):
+    """Train `params` with `loss_fn` for `steps` updates (resuming OUT/name/ckpt if present); export the result."""
+    export = out / name / "params"
+    if export.exists():
+        log(f"{name}: reusing {export}")
+        return checkpoint.load_params(export, dtype=cfg.dtype)[1]
+    mesh = make_mesh(data=1, fsdp=-1, tensor=1)
+    step = make_train_step(loss_fn, make_optimizer(optim), mesh, qwen3.param_specs(cfg))
+    it = iter(data)
+    with CheckpointManager(out / name / "ckpt", max_to_keep=2) as ck, MetricsWriter(out / name / "logs") as w:
+        state = resume(ck, step.abstract_state(jax.random.key(1)), it)
+        if state is None:
+            state = step.init_state(params, jax.random.key(1))
+        else:
+            log(f"{name}: resumed at step {int(state.step)}")
+        state = train(state, step, it, num_steps=steps, ckpt=ck, save_every=max(steps // 4, 1),
+                      log_every=max(steps // 20, 1), writer=w)
+    params = jax.device_get(state.params)
+    if int(state.step) >= steps:  # finished (not preempted): export the stage
+        checkpoint.save_params(export, cfg, params)
+    last = [json_line for json_line in (out / name / "logs" / "metrics.jsonl").read_text().splitlines()][-1:]
+    log(f"{name}: done at step {int(state.step)}; last metrics {last[0] if last else '-'}")
+    return params
+
+
+def base_model(r, args, out: Path, log):
+    """(tokenizer, AR config, AR params): a real Qwen3 checkpoint, or the embedded tokenizer + stage 0."""
+    if args.hf_model:
+        from orl_jax.convert.hf import load_hf
+
+        cfg, params = load_hf(args.hf_model, dtype="bfloat16")
+        tok = load_tokenizer(args.hf_model)
+        cfg = cfg.replace(eos_token_ids=stop_token_ids(tok), mask_token_id=tok.mask_token_id)
+        log(f"loaded {args.hf_model}: {sum(x.size for x in jax.tree.leaves(params)) / 1e9:.2f} B params")
+        return tok, cfg, params
+    tok_dir = out / "tokenizer"
+    if not (tok_dir / "tokenizer.json").exists():
+        train_tokenizer(task_corpus(n_per_task=min(r.train_examples, 1000), tasks=list(r.tasks)), r.vocab_size,
+                        tok_dir)
+    tok = load_tokenizer(tok_dir)
+    cfg = ModelConfig(vocab_size=len(tok), hidden_size=r.hidden, num_layers=r.layers, num_heads=r.heads,
+                      num_kv_heads=r.kv_heads, head_dim=r.head_dim, intermediate_size=r.mlp,
+                      max_position_embeddings=4096, dtype="float32", tie_word_embeddings=True,
+                      eos_token_ids=stop_token_ids(tok), pad_token_id=tok.pad_token_id,
+                      mask_token_id=tok.mask_token_id, block_length=r.block_length)
+    log(f"stage 0: AR pretraining, {P.count(qwen3.param_specs(cfg)) / 1e6:.2f} M params, vocab {cfg.vocab_size}")
+    rows = [{"tokens": x["tokens"], "loss_mask": np.ones_like(x["tokens"])}
+            for x in _encode(tok, _examples(r, "train", r.train_examples, args.seed), r.seq_len)]
+    data = make_dataset(rows, seq_len=r.seq_len, batch_size=r.batch, seed=args.seed)
+    params = P.init(qwen3.param_specs(cfg), jax.random.key(args.seed))
+    optim = OptimConfig(lr=r.lr0, warmup_steps=max(r.stage0_steps // 20, 1), total_steps=r.stage0_steps)
+    params = _run_stage("stage0", out, cfg, params, lambda p, b, k: causal_lm_loss(p, cfg, b), optim, data,
+                        r.stage0_steps, log)
+    return tok, cfg, params
+
+
+def convert(r, args, out: Path, tok, ar_cfg: ModelConfig, ar_params, log):
+    """Stage 1: the AR model + a zero-initialized adapter g_phi, trained with the block-diffusion objective."""
+    if args.noise == "mask" and ar_cfg.mask_token_id is None:
+        raise ValueError("--noise mask needs a tokenizer with a mask token")
+    cfg = ar_cfg.replace(adapter_hidden=ar_cfg.hidden_size, block_length=r.block_length, noise=args.noise)
+    adapter = P.init(qwen3.param_specs(cfg)["adapter"], jax.random.key(args.seed + 1))
+    params = dict(jax.tree.map(jnp.asarray, ar_params), adapter=adapter)
+    obj = DiffusionObjective(block_length=r.block_length)
+    max_len = r.seq_len
+    rows = _encode(tok, _examples(r, "train", r.train_examples, args.seed + 1), max_len)
+    data = make_dataset(rows, seq_len=max_len, batch_size=r.batch, seed=args.seed + 1, pack=False)
+
+    def loss_fn(p, b, key):
+        lengths = jnp.sum(b["segment_ids"] > 0, axis=1)
+        batch = {"tokens": b["tokens"], "prompt_lengths": jnp.sum(b["prompt_mask"], axis=1), "lengths": lengths}
+        return obj.loss(p, cfg, batch, key)
+
+    # the residual pathway learns in its own group: lower rate, own clipping (METHOD.md §3). Self-conditioning
+    # only applies to the uniform family; the mask family's adapter waits for ORL (stage 2).
+    optim = OptimConfig(lr=r.lr1, warmup_steps=max(r.stage1_steps // 20, 1), total_steps=r.stage1_steps,
+                        groups={"adapter": ParamGroup(lr_scale=0.5, clip_norm=1.0)})
+    log(f"stage 1: conversion to QwenDLM ({args.noise} noise, block {r.block_length})")
+    return cfg, _run_stage("stage1", out, cfg, params, loss_fn, optim, data, r.stage1_steps, log)
+
+
+def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, dlm_params, log, started: float):
+    import time
+
+    examples = tasks.sample("heldout", r.eval_examples, args.seed + 7, tasks=list(r.tasks))
+    rows = [evaluate(ar_params, ar_cfg, tok, examples, method="AR (greedy)", setting="-", ar=True,
+                     max_new_tokens=r.eval_max_new)]
+    log(f"eval AR: {dataclasses.asdict(rows[-1])}")
+    for steps, thr in r.eval_settings:
+        if dlm_cfg.noise == "uniform":
+            kw = dict(sampler=UniformSampler(max_denoising_steps=steps, confidence=thr, greedy=True),
+                      residual=ORLResidual())
+            setting = f"steps<={steps}, confidence={thr}"
+        else:
+            kw = dict(sampler=MaskSampler(mask_token_id=dlm_cfg.mask_token_id, threshold=max(1 - thr, 0.05)),
+                      max_steps=steps)
+            setting = f"steps<={steps}, fill threshold={max(1 - thr, 0.05):.2f}"
+        rows.append(evaluate(dlm_params, dlm_cfg, tok, examples, method="QwenDLM", setting=setting,
+                             max_new_tokens=r.eval_max_new, **kw))
+        log(f"eval QwenDLM {setting}: {dataclasses.asdict(rows[-1])}")
+    notes = [f"Preset `{args.preset}`{' from ' + args.hf_model if args.hf_model else ''}; "
+             f"{len(examples)} held-out examples of {', '.join(r.tasks)}; max {r.eval_max_new} new tokens.",
+             f"QwenDLM: {dlm_cfg.noise} noise, block {r.block_length}; uniform family: greedy proposals, entropy "
+             "bound 0.1, self-conditioning residual (ORLResidual); mask family: threshold fill. TPF counts "
+             "denoising and commit forwards; tokens/s is the batched decode after compilation.",
+             f"Whole run: {time.perf_counter() - started:.0f} s on {jax.devices()[0].device_kind}."]
+    path = write_report(rows, out, "AR -> QwenDLM conversion (held-out)", notes)
+    log(f"report: {path}")
