@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo quickstart test lint clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) (set PY=python3.x)"; exit 1; }
@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
+	$(BIN)/python recipes/train_qwendlm.py --out outputs/demo-$$(date +%Y%m%d-%H%M%S)
+
+quickstart: $(STAMP)
 	$(BIN)/python recipes/demo.py
 
 test: $(STAMP)

@@ -60,6 +60,11 @@ PRESETS = {
                       train_examples=2000, eval_examples=48, eval_max_new=96,
                       tasks=("arithmetic", "code_function"),
                       eval_settings=((16, 0.005), (8, 0.05), (4, 0.3))),
+    # the test suite's end-to-end run: every stage real, everything tiny (seconds, not minutes)
+    "smoke": Recipe(vocab_size=320, hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16, mlp=64, seq_len=128,
+                    batch=4, stage0_steps=6, stage1_steps=4, lr0=3e-3, lr1=1e-3, block_length=8,
+                    train_examples=40, eval_examples=4, eval_max_new=16, tasks=("arithmetic",),
+                    eval_settings=((4, 0.3),)),
     # one H200, each stage well inside 10 minutes.
     "h200": Recipe(vocab_size=4096, hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, mlp=1536, seq_len=1024,
                    batch=64, stage0_steps=2500, stage1_steps=2000, lr0=1e-3, lr1=5e-4, block_length=32,

@@ -59,10 +59,11 @@ def evaluate(params, cfg, tokenizer, examples: Sequence, *, method: str, setting
         for ex, row in zip(batch, toks):
             resp = response_until_stop(tokenizer, row)
             correct += bool(tasks.verify(ex, tokenizer.decode(resp, skip_special_tokens=True)))
-            tokens_total += min(len(resp) + 1, len(row))
-        if ar:
-            forwards_total += int(out[1]) * len(batch)
-        else:
+            n_tok = min(len(resp) + 1, len(row))
+            tokens_total += n_tok
+            if ar:  # a row's own decoding costs one forward per token (steps after its EOS are batch padding)
+                forwards_total += n_tok
+        if not ar:
             forwards_total += int(np.sum(np.asarray(out.forwards)[:len(batch)])) + int(out.commits) * len(batch)
     n = len(examples)
     return EvalRow(method=method, setting=setting, accuracy=correct / max(n, 1),
