@@ -3,15 +3,13 @@
 Layout of an exported directory: `config.json` (the HF-style config, see config.to_hf_config) and `params/`
 (an orbax StandardCheckpointer tree). Restores go straight to the requested shardings. The whole directory is
 built under a temporary name and renamed into place, so it is either complete or absent.
-Training checkpoints (optimizer, data iterator, RNG) are managed by train/loop.py with a CheckpointManager.
+Training checkpoints (optimizer, data iterator, RNG) are managed by train/ckpt.py (an orbax CheckpointManager).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import jax
@@ -19,28 +17,19 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from orl_jax import params as P
+from orl_jax.atomic import atomic_directory
 from orl_jax.config import ModelConfig, from_hf_config, to_hf_config
 from orl_jax.model import qwen3
 
 
 def save_params(directory: str | os.PathLike, cfg: ModelConfig, params: dict, *, overwrite: bool = False) -> Path:
     directory = Path(directory).absolute()
-    if directory.exists() and any(directory.iterdir()) and not overwrite:
-        raise ValueError(f"output directory {str(directory)!r} exists and is not empty (pass overwrite=True)")
     P.check_tree(params, qwen3.param_specs(cfg))
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
-    try:
+    with atomic_directory(directory, overwrite) as tmp:
         with ocp.StandardCheckpointer() as ckptr:
             ckptr.save(tmp / "params", params)
             ckptr.wait_until_finished()
         (tmp / "config.json").write_text(json.dumps(to_hf_config(cfg) | {"dtype": cfg.dtype}, indent=2))
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return directory
 
 

@@ -21,7 +21,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from orl_jax import params as P
+from orl_jax.atomic import atomic_directory
 from orl_jax.config import FULL, SLIDING, DiffusionGemmaConfig, ModelConfig, from_hf_config, to_hf_config
 from orl_jax.convert.safetensors_io import read_checkpoint, write_checkpoint
 from orl_jax.model import diffusion_gemma, qwen3
@@ -275,11 +275,7 @@ def save_hf(directory: str | os.PathLike, cfg: ModelConfig | DiffusionGemmaConfi
     DiffusionGemma export holds the text weights only). Written to a temporary sibling and renamed into place, so
     an interrupted save never leaves a half-written checkpoint."""
     directory = Path(directory)
-    if directory.exists() and any(directory.iterdir()) and not overwrite:
-        raise ValueError(f"output directory {str(directory)!r} exists and is not empty (pass overwrite=True)")
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
-    try:
+    with atomic_directory(directory, overwrite) as tmp:
         write_checkpoint(tmp, hf_tensors(cfg, params), max_shard_bytes)
         if isinstance(cfg, DiffusionGemmaConfig):
             (tmp / "config.json").write_text(json.dumps(cfg.to_hf_config(), indent=2))
@@ -291,10 +287,4 @@ def save_hf(directory: str | os.PathLike, cfg: ModelConfig | DiffusionGemmaConfi
                 if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "vocab.json",
                                                                 "merges.txt", "chat_template.jinja"):
                     shutil.copy(f, tmp / f.name)
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return directory
