@@ -1,0 +1,114 @@
+"""The ORL losses (METHOD.md §3) on replayed states, written as pure functions of per-state arrays.
+
+A replayed state s is one denoising step of one verified response: its logits under the current params
+[S, L, V], the verified final tokens of its block [S, L], the behaviour distribution the rollout sampled from
+(log-probs at the rollout's temperature, stop-gradient) and its normalized entropy, and which positions were
+still unresolved. Defaults are our reading of the method [I] and meant to be swept.
+
+- L_pred: cross-entropy to the verified final token on uncertain positions (behaviour entropy > pred_gate),
+  averaged over those positions of the state.
+- L_anchor: reverse KL(p_theta || p_behaviour) on confident positions (entropy <= pred_gate), each position's KL
+  capped at anchor_cap nats, averaged over those positions.
+- AEC (Adjacent Entropy Contraction), for adjacent states s -> s' of the same block:
+  max(0, H(s') - (1 - rho) * sg(H(s)))^2, H = mean normalized entropy over the state's unresolved positions;
+  zero when sg(H(s)) < aec_gate (already confident) or when s' has no unresolved position.
+- Per response: (sum over its states of L_pred + l_anchor L_anchor + l_aec L_AEC) / its number of states;
+  the batch loss is the mean over responses that have states.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclass(frozen=True)
+class ORLLossConfig:
+    pred_gate: float = 0.02  # behaviour normalized entropy above which a position counts as uncertain
+    anchor_cap: float = 0.5  # nats
+    rho: float = 0.25  # AEC: required fractional entropy contraction per step
+    aec_gate: float = 0.01  # AEC off when the previous state is already this confident
+    l_anchor: float = 1.0
+    l_aec: float = 10.0  # AEC values are ~1e-3; sweep 1..100
+
+    def __post_init__(self):
+        for name in ("pred_gate", "anchor_cap", "rho", "aec_gate", "l_anchor", "l_aec"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
+                raise ValueError(f"ORLLossConfig.{name} must be a number >= 0, got {v!r}")
+        if self.rho > 1:
+            raise ValueError(f"ORLLossConfig.rho must be in [0, 1], got {self.rho}")
+
+
+def normalized_entropy(logp: jax.Array) -> jax.Array:
+    """[..., V] log-probs -> entropy / log V in [0, 1]."""
+    return jnp.maximum(-jnp.sum(jnp.exp(logp) * logp, axis=-1), 0.0) / math.log(logp.shape[-1])
+
+
+def _masked_mean(x, m):
+    m = m.astype(x.dtype)
+    return jnp.sum(x * m, axis=-1) / jnp.maximum(jnp.sum(m, axis=-1), 1.0)
+
+
+def pred_loss(logits, targets, beh_entropy, valid, gate: float):
+    """[S] mean cross-entropy over uncertain valid positions (0 for a state without any)."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # [S, L]
+    return _masked_mean(nll, valid & (beh_entropy > gate))
+
+
+def anchor_loss(logits, beh_logp, beh_entropy, valid, gate: float, cap: float):
+    """[S] mean over confident valid positions of min(KL(p_theta || p_behaviour), cap)."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    kl = jnp.sum(jnp.exp(logp) * (logp - jax.lax.stop_gradient(beh_logp)), axis=-1)  # [S, L]
+    return _masked_mean(jnp.minimum(kl, cap), valid & (beh_entropy <= gate))
+
+
+def state_entropy(logits, unresolved, temperature=1.0):
+    """(H [S]: mean normalized entropy over unresolved positions, has_unresolved [S])."""
+    t = jnp.asarray(temperature, jnp.float32)
+    t = t[:, None, None] if t.ndim == 1 else t
+    h = normalized_entropy(jax.nn.log_softmax(logits / t, axis=-1))
+    return _masked_mean(h, unresolved), jnp.any(unresolved, axis=-1)
+
+
+def aec_loss(h, has_unresolved, prev, rho: float, gate: float):
+    """[S] AEC term of each state s' against its predecessor prev[s'] (-1: first state of its block)."""
+    h_prev = jax.lax.stop_gradient(jnp.take(h, jnp.maximum(prev, 0)))
+    on = (prev >= 0) & has_unresolved & (h_prev >= gate)
+    return jnp.where(on, jnp.square(jnp.maximum(0.0, h - (1.0 - rho) * h_prev)), 0.0)
+
+
+def per_response_mean(state_loss, response_id, num_responses: int, state_valid=None):
+    """Sum of each response's state losses / its state count, averaged over responses that have states.
+    Invalid (padding) states go to an extra segment that is dropped."""
+    if state_valid is not None:
+        response_id = jnp.where(state_valid, response_id, num_responses)
+    total = jax.ops.segment_sum(state_loss, response_id, num_segments=num_responses + 1)[:num_responses]
+    count = jax.ops.segment_sum(jnp.ones_like(state_loss), response_id, num_segments=num_responses + 1)
+    count = count[:num_responses]
+    has = count > 0
+    return jnp.sum(jnp.where(has, total / jnp.maximum(count, 1.0), 0.0)) / jnp.maximum(jnp.sum(has), 1)
+
+
+def orl_loss(cfg: ORLLossConfig, logits, targets, beh_logp, beh_entropy, valid, unresolved, temperature, prev,
+             response_id, num_responses: int, state_valid=None):
+    """The batch loss and its parts. logits/beh_logp [S, L, V]; targets/beh_entropy/valid/unresolved [S, L];
+    temperature/prev/response_id [S]; state_valid [S] (False for padding states, which then count nowhere)."""
+    state_valid = jnp.ones(prev.shape, bool) if state_valid is None else state_valid
+    lp = pred_loss(logits, targets, beh_entropy, valid, cfg.pred_gate)
+    la = anchor_loss(logits, beh_logp, beh_entropy, valid, cfg.pred_gate, cfg.anchor_cap)
+    h, has_u = state_entropy(logits, unresolved & valid, temperature)
+    lc = aec_loss(h, has_u, prev, cfg.rho, cfg.aec_gate)
+    per_state = jnp.where(state_valid, lp + cfg.l_anchor * la + cfg.l_aec * lc, 0.0)
+    loss = per_response_mean(per_state, response_id, num_responses, state_valid)
+    parts = {"l_pred": _mean_over(lp, state_valid), "l_anchor": _mean_over(la, state_valid),
+             "l_aec": _mean_over(lc, state_valid), "entropy": _mean_over(h, state_valid)}
+    return loss, parts
+
+
+def _mean_over(x, m):
+    return jnp.sum(jnp.where(m, x, 0.0)) / jnp.maximum(jnp.sum(m), 1)
