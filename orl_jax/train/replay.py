@@ -1,0 +1,146 @@
+"""ORL replay: pack the states captured during an on-policy rollout into training rows with staircase attention,
+and recompute their logits with the current params (METHOD.md §3, step 3).
+
+One row per verified response: [prompt + the response's final tokens (clean, what the engine committed)] then
+one segment of L tokens per replayed state (the canvas that step consumed). Visibility ("staircase"):
+- clean tokens see the clean tokens before them (cfg.prefix_attention), exactly what prefill + commits wrote;
+- a state of block b sees the clean prompt and clean blocks < b, and itself; never its own clean answer, later
+  blocks or other states.
+Positions of a state are its block's positions. Embeddings come from the same residual form the rollout used,
+applied to the captured (canvas, z, a), so the replayed logits are the logits the engine computed at that step
+(under the same params), which tests/test_replay.py checks against the rollout's own entropies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from orl_jax.decode.samplers import MaskSampler, UniformSampler
+from orl_jax.model import qwen3
+
+
+@dataclass
+class ReplayBatch:
+    tokens: np.ndarray  # [R, N] clean tokens, then state canvases
+    z: np.ndarray  # [R, N, D] captured residual (0 on clean tokens)
+    a: np.ndarray  # [R, N] captured RCD weight (0 on clean tokens)
+    positions: np.ndarray  # [R, N]
+    mask: np.ndarray  # [R, N, N] staircase visibility
+    state_row: np.ndarray  # [S] row of each state
+    state_start: np.ndarray  # [S] first column of its segment
+    targets: np.ndarray  # [S, L] verified final tokens of the state's block
+    step: np.ndarray  # [S] denoising step inside the block
+    prev: np.ndarray  # [S] index of the previous state of the same block and response (-1: first)
+    response_id: np.ndarray  # [S] row = response
+    entropy: np.ndarray  # [S, L] behaviour normalized entropy captured by the rollout
+    unresolved: np.ndarray  # [S, L] positions the step had not resolved before it ran
+    valid: np.ndarray  # [S, L] positions inside the response (before its end)
+
+
+def build_replay(prompts, out, verified, *, block_length: int, pad_id: int, prefix_attention: str = "causal",
+                 mask_token_id: int | None = None, max_states: int | None = None) -> ReplayBatch:
+    """prompts: list of token lists; out: GenerateOutput from generate(..., capture=True); verified [B] bool.
+
+    Unresolved positions of a state: [MASK] positions of its canvas when mask_token_id is given (mask family);
+    otherwise (uniform family, where every step re-decides the canvas) the positions the previous step of the
+    block did not accept (all of them at the block's first step)."""
+    cap = jax.tree.map(np.asarray, out.capture)
+    toks, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    n_rec, L = int(out.total_forwards), block_length
+    rows = [b for b in range(len(prompts)) if verified[b]]
+    per_row = []
+    for b in rows:
+        recs = [i for i in range(n_rec) if cap["active"][i, b]]
+        if max_states is not None:
+            recs = recs[:max_states]
+        per_row.append(recs)
+    p_len = [len(prompts[b]) for b in rows]
+    n_clean = [p + int(lengths[b]) for p, b in zip(p_len, rows)]
+    width = max([c + len(r) * L for c, r in zip(n_clean, per_row)] + [1])
+    R, D = len(rows), cap["z"].shape[-1]
+    tokens = np.full((R, width), pad_id, np.int32)
+    z = np.zeros((R, width, D), cap["z"].dtype)
+    a = np.zeros((R, width), np.float32)
+    positions = np.zeros((R, width), np.int32)
+    mask = np.zeros((R, width, width), bool)
+    st = {k: [] for k in ("row", "start", "targets", "step", "prev", "entropy", "unresolved", "valid")}
+    for r, (b, recs) in enumerate(zip(rows, per_row)):
+        p, nc = p_len[r], n_clean[r]
+        clean = list(prompts[b]) + list(toks[b, :lengths[b]])
+        tokens[r, :nc] = clean
+        positions[r, :nc] = np.arange(nc)
+        i = np.arange(nc)
+        if prefix_attention == "causal":
+            mask[r, :nc, :nc] = i[None, :] <= i[:, None]
+        else:
+            seg = np.where(i < p, i, p + (i - p) // L * L)
+            mask[r, :nc, :nc] = seg[None, :] <= seg[:, None]
+        last_of_block: dict[int, int] = {}  # block -> global index of its latest state
+        last_rec: dict[int, int] = {}  # block -> capture record of its latest state
+        for j, rec in enumerate(recs):
+            blk = int(cap["block"][rec])
+            s0 = nc + j * L
+            tokens[r, s0:s0 + L] = cap["canvas"][rec, b]
+            z[r, s0:s0 + L] = cap["z"][rec, b]
+            a[r, s0:s0 + L] = cap["a"][rec, b]
+            positions[r, s0:s0 + L] = p + blk * L + np.arange(L)
+            mask[r, s0:s0 + L, :min(p + blk * L, nc)] = True  # clean prompt + earlier blocks
+            mask[r, s0:s0 + L, s0:s0 + L] = True  # itself
+            block_targets = toks[b, blk * L:(blk + 1) * L]
+            inside = (blk * L + np.arange(L)) < lengths[b]
+            if mask_token_id is not None:
+                unresolved = cap["canvas"][rec, b] == mask_token_id
+            elif blk in last_of_block:
+                unresolved = ~cap["resolved"][last_rec[blk], b]
+            else:
+                unresolved = np.ones(L, bool)
+            st["row"].append(r)
+            st["start"].append(s0)
+            st["targets"].append(block_targets)
+            st["step"].append(int(cap["step"][rec]))
+            st["prev"].append(last_of_block.get(blk, -1))
+            st["entropy"].append(cap["entropy"][rec, b])
+            st["unresolved"].append(unresolved)
+            st["valid"].append(inside)
+            last_of_block[blk] = len(st["row"]) - 1
+            last_rec[blk] = rec
+        for row in range(nc, width):  # padding columns see themselves only (keeps softmax rows finite)
+            if not mask[r, row].any():
+                mask[r, row, row] = True
+    n_states = len(st["row"])
+    resp = np.asarray(st["row"], np.int32)
+    return ReplayBatch(
+        tokens=tokens, z=z, a=a, positions=positions, mask=mask,
+        state_row=resp, state_start=np.asarray(st["start"], np.int32),
+        targets=np.asarray(st["targets"], np.int32).reshape(n_states, L),
+        step=np.asarray(st["step"], np.int32), prev=np.asarray(st["prev"], np.int32), response_id=resp,
+        entropy=np.asarray(st["entropy"], np.float32).reshape(n_states, L),
+        unresolved=np.asarray(st["unresolved"], bool).reshape(n_states, L),
+        valid=np.asarray(st["valid"], bool).reshape(n_states, L))
+
+
+def replay_logits(params, cfg, residual, batch: ReplayBatch) -> jax.Array:
+    """Logits [S, L, V] of every replayed state under `params` (one forward over the packed rows). Qwen3-family
+    models (QwenDLM); the residual form must be the rollout's."""
+    tokens = jnp.asarray(batch.tokens)
+    x = residual.embed(params, cfg, tokens, jnp.asarray(batch.z), jnp.asarray(batch.a))
+    h, _, _ = qwen3.backbone(params, cfg, x, jnp.asarray(batch.positions), jnp.asarray(batch.mask))
+    L = batch.targets.shape[1]
+    cols = jnp.asarray(batch.state_start)[:, None] + jnp.arange(L)[None]  # [S, L]
+    hs = h[jnp.asarray(batch.state_row)[:, None], cols]  # [S, L, D]
+    return qwen3.logits(params, cfg, hs)
+
+
+def behaviour_logp(sampler, logits: jax.Array, step: jax.Array) -> jax.Array:
+    """The distribution the rollout's sampler drew from at each state: [S, L, V] log-probs."""
+    if isinstance(sampler, UniformSampler):
+        t = jax.vmap(sampler.temperature)(step)[:, None, None]
+        return jax.nn.log_softmax(logits / t, axis=-1)
+    if isinstance(sampler, MaskSampler):
+        lg = logits.at[..., sampler.mask_token_id].set(-jnp.inf)
+        return jax.nn.log_softmax(lg if sampler.temperature == 0 else lg / sampler.temperature, axis=-1)
+    raise TypeError(f"unknown sampler {type(sampler).__name__}")
