@@ -1,0 +1,132 @@
+"""On-policy residual learning: roll out with the current params, verify, replay, update once, repeat.
+
+`orl_iteration` is one round of METHOD.md §3: G responses per prompt are generated with the engine's own
+`generate(..., capture=True)` under the *current* params (the same decoding code as inference), failed responses
+are dropped, the captured states of the verified ones are packed (train/replay.py) and exactly one optimizer
+update is taken on them; the trajectories are then discarded. The behaviour distribution of the anchor term is
+recomputed from the replay with the pre-update params and the rollout's temperature (stop-gradient), which is
+the distribution the rollout sampled from, since the params have not changed between rollout and replay.
+
+Replay arrays are padded to fixed sizes (rows, width, states) so the update compiles once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from orl_jax.decode.engine import generate
+from orl_jax.decode.residual import ORLResidual
+from orl_jax.train.orl_losses import ORLLossConfig, orl_loss
+from orl_jax.train.replay import ReplayBatch, behaviour_logp, build_replay, replay_logits
+
+
+@dataclass(frozen=True)
+class ORLConfig:
+    group_size: int = 4  # responses per prompt (G)
+    max_new_tokens: int = 64
+    max_states: int = 16  # replayed states per response (the first ones, in decoding order)
+    max_prompt: int = 128  # prompts longer than this are rejected (fixed replay width)
+    loss: ORLLossConfig = ORLLossConfig()
+
+    def __post_init__(self):
+        for name in ("group_size", "max_new_tokens", "max_states", "max_prompt"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"ORLConfig.{name} must be a positive int, got {v!r}")
+
+
+def pad_replay(batch: ReplayBatch, rows: int, width: int, states: int) -> dict:
+    """Device-ready arrays of fixed shape; padding rows see themselves only, padding states are invalid."""
+    R, N = batch.tokens.shape
+    S, L = batch.targets.shape
+    if R > rows or N > width or S > states:
+        raise ValueError(f"replay of {R} rows x {N} tokens x {S} states exceeds the padded sizes "
+                         f"{rows} x {width} x {states}")
+    out = {
+        "tokens": np.zeros((rows, width), np.int32), "z": np.zeros((rows, width) + batch.z.shape[2:], batch.z.dtype),
+        "a": np.zeros((rows, width), np.float32), "positions": np.zeros((rows, width), np.int32),
+        "mask": np.broadcast_to(np.eye(width, dtype=bool), (rows, width, width)).copy(),
+        "state_row": np.zeros(states, np.int32), "state_start": np.zeros(states, np.int32),
+        "targets": np.zeros((states, L), np.int32), "step": np.zeros(states, np.int32),
+        "prev": np.full(states, -1, np.int32), "response_id": np.zeros(states, np.int32),
+        "entropy": np.zeros((states, L), np.float32), "unresolved": np.zeros((states, L), bool),
+        "valid": np.zeros((states, L), bool), "state_valid": np.arange(states) < S,
+    }
+    out["tokens"][:R, :N] = batch.tokens
+    out["z"][:R, :N] = batch.z
+    out["a"][:R, :N] = batch.a
+    out["positions"][:R, :N] = batch.positions
+    out["mask"][:R, :N, :N] = batch.mask
+    for k in ("state_row", "state_start", "targets", "step", "prev", "response_id", "entropy", "unresolved",
+              "valid"):
+        out[k][:S] = getattr(batch, k)
+    return out
+
+
+def replay_arrays_batch(arrays: dict) -> ReplayBatch:
+    fields = {f.name for f in dataclasses.fields(ReplayBatch)}
+    return ReplayBatch(**{k: v for k, v in arrays.items() if k in fields})
+
+
+def make_orl_loss(cfg, sampler, num_responses: int, loss_cfg: ORLLossConfig, residual=None):
+    """loss_fn(params, arrays, key) for train/step.py: the ORL loss of a padded replay batch (pad_replay)."""
+    residual = ORLResidual() if residual is None else residual
+
+    def loss_fn(params, arrays, key):
+        logits = replay_logits(params, cfg, residual, replay_arrays_batch(arrays))  # [S, L, V]
+        beh = jax.lax.stop_gradient(behaviour_logp(sampler, logits, arrays["step"]))
+        if hasattr(sampler, "t_max"):
+            temps = jax.vmap(sampler.temperature)(arrays["step"])
+        else:
+            temps = jnp.full(arrays["step"].shape, max(sampler.temperature, 1.0), jnp.float32)
+        # gates use the behaviour entropy the rollout captured (== that of `beh`: same params, same temperature)
+        return orl_loss(loss_cfg, logits, arrays["targets"], beh, arrays["entropy"], arrays["valid"],
+                        arrays["unresolved"], temps, arrays["prev"], arrays["response_id"], num_responses,
+                        arrays["state_valid"])
+
+    return loss_fn
+
+
+def rollout(params, cfg, prompts: Sequence[Sequence[int]], key, sampler, orl_cfg: ORLConfig, *,
+            eos_token_ids=(), pad_token_id: int = 0):
+    """G responses per prompt under the current params, with capture. Returns (rows' prompts, GenerateOutput)."""
+    for i, p in enumerate(prompts):
+        if len(p) > orl_cfg.max_prompt:
+            raise ValueError(f"prompt {i} has {len(p)} tokens > ORLConfig.max_prompt={orl_cfg.max_prompt}")
+    rows = [list(p) for p in prompts for _ in range(orl_cfg.group_size)]
+    out = generate(params, cfg, rows, key=key, max_new_tokens=orl_cfg.max_new_tokens, sampler=sampler,
+                   residual=ORLResidual(), capture=True, eos_token_id=eos_token_ids, pad_token_id=pad_token_id)
+    return rows, out
+
+
+def orl_iteration(state, step_fn, cfg, prompts, verify: Callable[[int, np.ndarray], bool], key, sampler,
+                  orl_cfg: ORLConfig, *, eos_token_ids=(), pad_token_id: int = 0):
+    """One on-policy round: rollout (current params) -> verify -> replay -> exactly one update.
+
+    verify(row, response_tokens) -> bool for each of the len(prompts) * G responses. Returns (state, metrics,
+    replay arrays); metrics include the verified share and the rollout's TPF.
+    """
+    rows, out = rollout(state.params, cfg, prompts, key, sampler, orl_cfg, eos_token_ids=eos_token_ids,
+                        pad_token_id=pad_token_id)
+    toks, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    ok = [bool(verify(r, toks[r, :lengths[r]])) for r in range(len(rows))]
+    batch = build_replay(rows, out, ok, block_length=cfg.block_length, pad_id=pad_token_id,
+                         prefix_attention=cfg.prefix_attention,
+                         mask_token_id=cfg.mask_token_id if cfg.noise == "mask" else None,
+                         max_states=orl_cfg.max_states)
+    n = len(rows)
+    L = cfg.block_length
+    width = orl_cfg.max_prompt + orl_cfg.max_new_tokens + L + orl_cfg.max_states * L
+    arrays = pad_replay(batch, n, width, n * orl_cfg.max_states)
+    metrics = {"verified": float(np.mean(ok)), "rollout_tpf": float(np.mean(np.asarray(out.tpf))),
+               "replayed_states": int(len(batch.step))}
+    if not any(ok):  # nothing verified: no gradient this round (the rollout still counts)
+        return state, metrics, arrays
+    state, m = step_fn(state, arrays)
+    return state, metrics | dict(m), arrays

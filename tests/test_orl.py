@@ -1,0 +1,83 @@
+"""The ORL round: rollouts under the current params, one update per fresh batch, and it learns."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from orl_jax import params as P
+from orl_jax.config import preset
+from orl_jax.decode.residual import ORLResidual
+from orl_jax.decode.samplers import UniformSampler
+from orl_jax.model import qwen3
+from orl_jax.sharding import make_mesh
+from orl_jax.train.optim import OptimConfig, ParamGroup, make_optimizer
+from orl_jax.train.orl import ORLConfig, make_orl_loss, orl_iteration, replay_arrays_batch
+from orl_jax.train.orl_losses import ORLLossConfig, normalized_entropy
+from orl_jax.train.replay import behaviour_logp, replay_logits
+from orl_jax.train.step import make_train_step
+
+BL = 4
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
+SAMPLER = UniformSampler(max_denoising_steps=3, entropy_bound=1.0)
+OCFG = ORLConfig(group_size=2, max_new_tokens=8, max_states=4, max_prompt=8,
+                 loss=ORLLossConfig(pred_gate=0.0, l_aec=10.0))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = preset("tiny-qwendlm").replace(block_length=BL)
+    params = P.init(qwen3.param_specs(cfg), jax.random.key(0))
+    params["embed"] = params["embed"] * 4.0
+    params["adapter"] = dict(params["adapter"], down=jax.random.normal(jax.random.key(4), (32, 64)) * 0.3)
+    n = len(PROMPTS) * OCFG.group_size
+    loss_fn = make_orl_loss(cfg, SAMPLER, n, OCFG.loss)
+    opt = make_optimizer(OptimConfig(lr=3e-3, warmup_steps=0, total_steps=100, weight_decay=0.0,
+                                     groups={"adapter": ParamGroup(lr_scale=0.5, clip_norm=1.0)}))
+    step = make_train_step(loss_fn, opt, make_mesh(data=1, fsdp=-1, tensor=1), qwen3.param_specs(cfg))
+    return cfg, params, loss_fn, step
+
+
+def _entropy_err(params, cfg, arrays):
+    b = replay_arrays_batch(arrays)
+    ent = normalized_entropy(behaviour_logp(SAMPLER, replay_logits(params, cfg, ORLResidual(), b),
+                                            jnp.asarray(arrays["step"])))
+    m = arrays["state_valid"][:, None] & arrays["valid"]
+    return float(np.abs(np.asarray(ent) - arrays["entropy"])[m].max())
+
+
+def test_one_update_lowers_l_pred_and_rollouts_are_always_fresh(setup):
+    cfg, params, loss_fn, step = setup
+    state = step.init_state(params, jax.random.key(0))
+    p0 = jax.tree.map(np.asarray, state.params)  # the step donates its input state
+    accept_all = lambda row, toks: True  # noqa: E731
+    state1, m1, arrays1 = orl_iteration(state, step, cfg, PROMPTS, accept_all, jax.random.key(1), SAMPLER, OCFG)
+    assert m1["replayed_states"] > 0 and m1["verified"] == 1.0
+    assert int(state1.step) == 1  # exactly one update for the rollout batch
+    # the rollout ran under the pre-update params: its captured distributions are theirs
+    assert _entropy_err(p0, cfg, arrays1) < 2e-5
+    p1 = jax.tree.map(np.asarray, state1.params)
+    before = float(loss_fn(p0, arrays1, None)[1]["l_pred"])
+    after = float(loss_fn(p1, arrays1, None)[1]["l_pred"])
+    assert after < before
+    # the next round rolls out again with the updated params (no stale trajectories reach the loss)
+    state2, m2, arrays2 = orl_iteration(state1, step, cfg, PROMPTS, accept_all, jax.random.key(2), SAMPLER, OCFG)
+    assert int(state2.step) == 2
+    assert _entropy_err(p1, cfg, arrays2) < 2e-5
+    assert _entropy_err(p0, cfg, arrays2) > 1e-4
+
+
+def test_failed_responses_give_no_gradient(setup):
+    cfg, params, loss_fn, step = setup
+    state = step.init_state(params, jax.random.key(0))
+    none = lambda row, toks: False  # noqa: E731
+    state1, m, _ = orl_iteration(state, step, cfg, PROMPTS, none, jax.random.key(1), SAMPLER, OCFG)
+    assert m["verified"] == 0.0 and m["replayed_states"] == 0 and int(state1.step) == 0
+    only_first = lambda row, toks: row == 0  # noqa: E731
+    _, m, arrays = orl_iteration(state1, step, cfg, PROMPTS, only_first, jax.random.key(1), SAMPLER, OCFG)
+    assert set(arrays["response_id"][arrays["state_valid"]].tolist()) == {0}
+
+
+def test_bad_orl_config():
+    with pytest.raises(ValueError, match="group_size"):
+        ORLConfig(group_size=0)
