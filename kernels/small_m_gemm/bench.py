@@ -21,6 +21,7 @@ runtime.configure(None)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
 from orl_jax_kernels.small_m_gemm.kernel import Blocks, small_m_matmul  # noqa: E402
 from orl_jax_kernels.small_m_gemm.reference import matmul_reference  # noqa: E402
 
