@@ -9,7 +9,8 @@ Stages (each checkpointed with orbax under OUT/stage*/; a finished stage is reus
   tokenizer  byte-level BPE trained on the train split of the task suite (embedded default only)
   stage 0    AR pretraining of a small Qwen3-architecture model on the task corpus (the stand-in for Qwen3)
   stage 1    conversion AR -> QwenDLM with the block-diffusion objective (train/objectives.py)
-  eval       held-out accuracy / TPF / tokens/s of the AR model (greedy) and of QwenDLM across decoding
+  stage 2    ORL on-policy residual learning, and its no-AEC ablation (train/stage2.py, train/orl.py)
+  eval       held-out accuracy / TPF / tokens/s of the AR model (greedy) and of each QwenDLM variant across decoding
              thresholds -> OUT/report.md, OUT/accuracy_vs_tpf.png, OUT/results.jsonl
 """
 
@@ -51,6 +52,14 @@ class Recipe:
     # stop threshold is the mean-entropy confidence of the stable-and-confident rule; mask family: the fill
     # threshold. Fewer steps / looser thresholds trade accuracy for tokens per forward.
     eval_settings: tuple[tuple[int, float], ...]
+    # stage 2 (ORL): rounds of `orl_prompts` train prompts x `orl_group` sampled responses, one update each
+    orl_rounds: int = 10
+    orl_prompts: int = 4
+    orl_group: int = 4
+    orl_states: int = 8  # replayed states per verified response
+    orl_max_prompt: int = 192
+    orl_steps: int = 8  # max denoising steps per block during rollouts
+    lr2: float = 3e-4
 
 
 PRESETS = {
@@ -61,16 +70,18 @@ PRESETS = {
                       tasks=("arithmetic", "code_function"),
                       eval_settings=((16, 0.005), (8, 0.05), (4, 0.3))),
     # the test suite's end-to-end run: every stage real, everything tiny (seconds, not minutes)
-    "smoke": Recipe(vocab_size=320, hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16, mlp=64, seq_len=128,
+    "smoke": Recipe(vocab_size=320, hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16, mlp=64, seq_len=384,
                     batch=4, stage0_steps=6, stage1_steps=4, lr0=3e-3, lr1=1e-3, block_length=8,
                     train_examples=40, eval_examples=4, eval_max_new=16, tasks=("arithmetic",),
-                    eval_settings=((4, 0.3),)),
+                    eval_settings=((4, 0.3),), orl_rounds=2, orl_prompts=2, orl_group=2, orl_states=4,
+                    orl_max_prompt=320, orl_steps=4),
     # one H200, each stage well inside 10 minutes.
     "h200": Recipe(vocab_size=4096, hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, mlp=1536, seq_len=1024,
                    batch=64, stage0_steps=2500, stage1_steps=2000, lr0=1e-3, lr1=5e-4, block_length=32,
                    train_examples=20000, eval_examples=256, eval_max_new=320,
                    tasks=("arithmetic", "list_ops", "program_output", "code_function"),
-                   eval_settings=((32, 0.005), (16, 0.02), (8, 0.1), (4, 0.3))),
+                   eval_settings=((32, 0.005), (16, 0.02), (8, 0.1), (4, 0.3)), orl_rounds=200, orl_prompts=16,
+                   orl_group=8, orl_states=16, orl_max_prompt=256, orl_steps=32, lr2=1e-4),
 }
 
 
@@ -84,6 +95,7 @@ def parse_args(argv=None):
     ap.add_argument("--stage1-steps", type=int)
     ap.add_argument("--noise", choices=["uniform", "mask"], default="uniform",
                     help="QwenDLM variant: uniform-state canvas (default) or mask tokens")
+    ap.add_argument("--skip-stage2", action="store_true", help="stop after the conversion (no ORL)")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 
@@ -108,7 +120,12 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     tok, ar_cfg, ar_params = stages.base_model(r, args, out, log)
     dlm_cfg, dlm_params = stages.convert(r, args, out, tok, ar_cfg, ar_params, log)
-    stages.evaluate_all(r, args, out, tok, ar_cfg, ar_params, dlm_cfg, dlm_params, log, started=t0)
+    methods = {"QwenDLM": dlm_params}
+    if not args.skip_stage2:
+        from orl_jax.train.stage2 import stage2
+
+        methods |= stage2(r, args, out, tok, dlm_cfg, dlm_params, log)
+    stages.evaluate_all(r, args, out, tok, ar_cfg, ar_params, dlm_cfg, methods, log, started=t0)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""recipes/train_qwendlm.py end to end on its `smoke` preset: tokenizer, stage 0, stage 1, evaluation, report,
+"""recipes/train_qwendlm.py end to end on its `smoke` preset: tokenizer, stages 0-2, evaluation, report,
 and `--resume` reusing finished stages."""
 
 import json
@@ -16,13 +16,18 @@ def test_recipe_smoke_end_to_end_and_resume(tmp_path):
     out = tmp_path / "run"
     train_qwendlm.main(["--preset", "smoke", "--out", str(out)])
     for f in ("report.md", "results.jsonl", "accuracy_vs_tpf.png", "stage0/params/config.json",
-              "stage1/params/config.json", "stage0/logs/metrics.jsonl", "tokenizer/tokenizer.json"):
+              "stage1/params/config.json", "stage0/logs/metrics.jsonl", "tokenizer/tokenizer.json",
+              "stage2_orl/params/config.json", "stage2_orl/logs/metrics.jsonl", "stage2_orl_noaec/params/config.json"):
         assert (out / f).exists(), f
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert [r["method"] for r in rows] == ["AR (greedy)", "QwenDLM"]
+    assert [r["method"] for r in rows] == ["AR (greedy)", "QwenDLM", "QwenDLM+ORL", "QwenDLM+ORL (no AEC)"]
     assert all(0.0 <= r["accuracy"] <= 1.0 and r["tpf"] > 0 for r in rows)
     steps = [json.loads(line)["step"] for line in (out / "stage0/logs/metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 6
+    stage1 = [json.loads(line) for line in (out / "stage1/logs/metrics.jsonl").read_text().splitlines()]
+    assert all(m["tokens"] > 0 for m in stage1), "a conversion batch had no supervised response tokens"
+    orl = [json.loads(line) for line in (out / "stage2_orl/logs/metrics.jsonl").read_text().splitlines()]
+    assert len(orl) == 2 and all(0.0 <= m["verified"] <= 1.0 and m["rollout_tpf"] > 0 for m in orl)
     with pytest.raises(SystemExit, match="--resume"):
         train_qwendlm.main(["--preset", "smoke", "--out", str(out)])
     before = (out / "stage1/params/config.json").stat().st_mtime

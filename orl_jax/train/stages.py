@@ -129,25 +129,27 @@ def convert(r, args, out: Path, tok, ar_cfg: ModelConfig, ar_params, log):
     return cfg, _run_stage("stage1", out, cfg, params, loss_fn, optim, data, r.stage1_steps, log)
 
 
-def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, dlm_params, log, started: float):
+def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: dict, log, started: float):
+    """AR greedy baseline, then every QwenDLM variant in `methods` ({name: params}) at every decoding setting."""
     import time
 
     examples = tasks.sample("heldout", r.eval_examples, args.seed + 7, tasks=list(r.tasks))
     rows = [evaluate(ar_params, ar_cfg, tok, examples, method="AR (greedy)", setting="-", ar=True,
                      max_new_tokens=r.eval_max_new)]
     log(f"eval AR: {dataclasses.asdict(rows[-1])}")
-    for steps, thr in r.eval_settings:
-        if dlm_cfg.noise == "uniform":
-            kw = dict(sampler=UniformSampler(max_denoising_steps=steps, confidence=thr, greedy=True),
-                      residual=ORLResidual())
-            setting = f"steps<={steps}, confidence={thr}"
-        else:
-            kw = dict(sampler=MaskSampler(mask_token_id=dlm_cfg.mask_token_id, threshold=max(1 - thr, 0.05)),
-                      max_steps=steps)
-            setting = f"steps<={steps}, fill threshold={max(1 - thr, 0.05):.2f}"
-        rows.append(evaluate(dlm_params, dlm_cfg, tok, examples, method="QwenDLM", setting=setting,
-                             max_new_tokens=r.eval_max_new, **kw))
-        log(f"eval QwenDLM {setting}: {dataclasses.asdict(rows[-1])}")
+    for method, params in methods.items():
+        for steps, thr in r.eval_settings:
+            if dlm_cfg.noise == "uniform":
+                kw = dict(sampler=UniformSampler(max_denoising_steps=steps, confidence=thr, greedy=True),
+                          residual=ORLResidual())
+                setting = f"steps<={steps}, confidence={thr}"
+            else:
+                kw = dict(sampler=MaskSampler(mask_token_id=dlm_cfg.mask_token_id, threshold=max(1 - thr, 0.05)),
+                          max_steps=steps)
+                setting = f"steps<={steps}, fill threshold={max(1 - thr, 0.05):.2f}"
+            rows.append(evaluate(params, dlm_cfg, tok, examples, method=method, setting=setting,
+                                 max_new_tokens=r.eval_max_new, **kw))
+            log(f"eval {method} {setting}: {dataclasses.asdict(rows[-1])}")
     notes = [f"Preset `{args.preset}`{' from ' + args.hf_model if args.hf_model else ''}; "
              f"{len(examples)} held-out examples of {', '.join(r.tasks)}; max {r.eval_max_new} new tokens.",
              f"QwenDLM: {dlm_cfg.noise} noise, block {r.block_length}; uniform family: greedy proposals, entropy "

@@ -1,0 +1,84 @@
+"""Stage 2 of recipes/train_qwendlm.py: ORL (on-policy residual learning) on the converted QwenDLM, and its
+no-AEC ablation, each a sequence of rounds (rollout -> verify -> replay -> one update; train/orl.py).
+
+Prompts of round k are drawn from the train split with seed k, rollout keys are fold_in(key, k), and the round
+counter is checkpointed with the state, so `--resume` replays exactly the rounds that were not done yet.
+Not here yet (issue #6): the RCD baseline (off-policy residuals from a frozen reference model).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from orl_jax import checkpoint
+from orl_jax.data import tasks
+from orl_jax.data.prompt_format import format_prompt, response_until_stop, stop_token_ids
+from orl_jax.decode.samplers import UniformSampler
+from orl_jax.model import qwen3
+from orl_jax.sharding import make_mesh
+from orl_jax.train.ckpt import CheckpointManager
+from orl_jax.train.metrics import MetricsWriter
+from orl_jax.train.optim import OptimConfig, ParamGroup, make_optimizer
+from orl_jax.train.orl import ORLConfig, make_orl_loss, orl_iteration
+from orl_jax.train.orl_losses import ORLLossConfig
+from orl_jax.train.step import make_train_step
+
+
+def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossConfig, log):
+    """Train `params` with ORL for r.orl_rounds rounds; export to OUT/name/params (reused when present)."""
+    export = out / name / "params"
+    if export.exists():
+        log(f"{name}: reusing {export}")
+        return checkpoint.load_params(export, dtype=cfg.dtype)[1]
+    G, P = r.orl_group, r.orl_prompts
+    ocfg = ORLConfig(group_size=G, max_new_tokens=r.eval_max_new, max_states=r.orl_states,
+                     max_prompt=r.orl_max_prompt, loss=loss_cfg)
+    sampler = UniformSampler(max_denoising_steps=r.orl_steps)  # sampled proposals: the policy explores
+    optim = OptimConfig(lr=r.lr2, warmup_steps=0, total_steps=max(r.orl_rounds, 1), weight_decay=0.0,
+                        groups={"adapter": ParamGroup(lr_scale=0.5, clip_norm=1.0)})
+    step = make_train_step(make_orl_loss(cfg, sampler, G * P, loss_cfg), make_optimizer(optim),
+                           make_mesh(data=1, fsdp=-1, tensor=1), qwen3.param_specs(cfg))
+    stops = stop_token_ids(tok)
+    key = jax.random.key(args.seed + 2)
+    with CheckpointManager(out / name / "ckpt", max_to_keep=2) as ck, MetricsWriter(out / name / "logs") as w:
+        restored = ck.restore_latest(step.abstract_state(jax.random.key(2)))
+        state, start = (restored[0], int(restored[1]["round"])) if restored else (
+            step.init_state(params, jax.random.key(2)), 0)
+        for rnd in range(start, r.orl_rounds):
+            pool = tasks.sample("train", 4 * P, 100_000 + rnd, tasks=list(r.tasks))
+            exs = [ex for ex in pool if len(format_prompt(tok, ex.prompt)) <= ocfg.max_prompt][:P]
+            if len(exs) < P:
+                raise ValueError(f"too few train prompts fit ORL max_prompt={ocfg.max_prompt} tokens")
+            prompts = [format_prompt(tok, ex.prompt) for ex in exs]
+
+            def verify(row, toks, exs=exs):
+                text = tok.decode(response_until_stop(tok, np.asarray(toks)), skip_special_tokens=True)
+                return tasks.verify(exs[row // G], text)
+
+            state, m, _ = orl_iteration(state, step, cfg, prompts, verify, jax.random.fold_in(key, rnd), sampler,
+                                        ocfg, eos_token_ids=stops, pad_token_id=cfg.pad_token_id or 0)
+            m = {k: float(v) for k, v in jax.device_get(m).items() if np.ndim(v) == 0}
+            w.write(rnd + 1, m)
+            if (rnd + 1) % max(r.orl_rounds // 4, 1) == 0 or rnd + 1 == r.orl_rounds:
+                ck.save(state, {"round": rnd + 1}, step=rnd + 1)
+            if (rnd + 1) % max(r.orl_rounds // 10, 1) == 0:
+                log(f"{name} round {rnd + 1}/{r.orl_rounds}: verified {m['verified']:.2f}, rollout TPF "
+                    f"{m['rollout_tpf']:.2f}, loss {m.get('loss', float('nan')):.4f}")
+    params = jax.device_get(state.params)
+    checkpoint.save_params(export, cfg, params)
+    return params
+
+
+def stage2(r, args, out: Path, tok, cfg, params, log) -> dict:
+    """{method: params} for ORL and ORL without AEC (uniform-family QwenDLM only)."""
+    if cfg.noise != "uniform":
+        log("stage 2: ORL is implemented for the uniform family only; skipped for --noise mask")
+        return {}
+    base = ORLLossConfig()
+    log(f"stage 2: ORL, {r.orl_rounds} rounds of {r.orl_prompts} prompts x {r.orl_group} responses")
+    return {"QwenDLM+ORL": run_orl("stage2_orl", r, args, out, tok, cfg, params, base, log),
+            "QwenDLM+ORL (no AEC)": run_orl("stage2_orl_noaec", r, args, out, tok, cfg, params,
+                                            base.__class__(**{**base.__dict__, "l_aec": 0.0}), log)}
