@@ -16,6 +16,8 @@ import pytest
 
 pytest.importorskip("grain")
 
+from toy_lm import TOY_SPECS, V, toy_loss  # noqa: E402, I001
+
 from orl_jax import params as P  # noqa: E402
 from orl_jax.data.pipeline import make_dataset  # noqa: E402
 from orl_jax.sharding import make_mesh  # noqa: E402
@@ -23,24 +25,9 @@ from orl_jax.train.ckpt import CheckpointManager  # noqa: E402
 from orl_jax.train.loop import NonFiniteError, resume, train  # noqa: E402
 from orl_jax.train.metrics import MetricsWriter, read_jsonl  # noqa: E402
 from orl_jax.train.optim import OptimConfig, ParamGroup, make_optimizer  # noqa: E402
-from orl_jax.train.step import make_train_step  # noqa: E402
+from orl_jax.train.step import make_train_step
 
-V, D, SEQ, B, N = 32, 8, 12, 4, 6
-SPECS = {
-    "embed": P.ParamSpec((V, D), jnp.float32, ("vocab", "embed")),
-    "norm": P.ParamSpec((D,), jnp.float32, ("embed",), P.ones),
-    "adapter": {"w": P.ParamSpec((D, D), jnp.float32, ("embed", "adapter"))},
-}
-
-
-def toy_loss(params, batch, key):
-    x = params["embed"][batch["tokens"]] * params["norm"][None, None]  # [B, L, D]
-    x = x + jnp.tanh(x @ params["adapter"]["w"])
-    x = x * jax.random.bernoulli(key, 0.9, x.shape) / 0.9
-    logp = jax.nn.log_softmax(x @ params["embed"].T, axis=-1)
-    nll = -jnp.take_along_axis(logp[:, :-1], batch["tokens"][:, 1:, None], axis=-1)[..., 0]
-    m = batch["loss_mask"][:, 1:].astype(jnp.float32)
-    return (nll * m).sum() / m.sum(), {"targets": m.sum()}  # NaN for an all-masked batch
+SEQ, B, N = 12, 4, 6
 
 
 def examples():
@@ -77,11 +64,11 @@ class Recording:
 def step():
     opt = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=2, total_steps=N,
                                      groups={"adapter": ParamGroup(lr_scale=0.3, clip_norm=0.5)}))
-    return make_train_step(toy_loss, opt, make_mesh(2, 2, 1), SPECS)
+    return make_train_step(toy_loss, opt, make_mesh(2, 2, 1), TOY_SPECS)
 
 
 def fresh_state(step, seed=0):
-    return step.init_state(jax.device_get(P.init(SPECS, jax.random.key(seed))), jax.random.key(42))
+    return step.init_state(jax.device_get(P.init(TOY_SPECS, jax.random.key(seed))), jax.random.key(42))
 
 
 def leaves(state):

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from toy_lm import TOY_SPECS, V, toy_loss
 
 from orl_jax import params as P
 from orl_jax.config import preset
@@ -21,24 +22,6 @@ from orl_jax.train.optim import (
     make_optimizer,
 )
 from orl_jax.train.step import make_train_step
-
-V, D = 32, 8
-TOY_SPECS = {
-    "embed": P.ParamSpec((V, D), jnp.float32, ("vocab", "embed")),
-    "norm": P.ParamSpec((D,), jnp.float32, ("embed",), P.ones),
-    "adapter": {"w": P.ParamSpec((D, D), jnp.float32, ("embed", "adapter"))},
-}
-
-
-def toy_loss(params, batch, key):
-    """Bigram LM with dropout; the mean over loss_mask is NaN when the mask is empty (a poisoned batch)."""
-    x = params["embed"][batch["tokens"]] * params["norm"][None, None]  # [B, L, D]
-    x = x + jnp.tanh(x @ params["adapter"]["w"])
-    x = x * jax.random.bernoulli(key, 0.9, x.shape) / 0.9
-    logp = jax.nn.log_softmax(x @ params["embed"].T, axis=-1)
-    nll = -jnp.take_along_axis(logp[:, :-1], batch["tokens"][:, 1:, None], axis=-1)[..., 0]
-    m = batch["loss_mask"][:, 1:].astype(jnp.float32)
-    return (nll * m).sum() / m.sum(), {}
 
 
 def test_schedule_warmup_then_cosine():
