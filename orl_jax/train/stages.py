@@ -7,6 +7,7 @@ not retrained, so `--resume` continues a killed run wherever it stopped.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import jax
@@ -156,5 +157,12 @@ def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: d
              "bound 0.1, self-conditioning residual (ORLResidual); mask family: threshold fill. TPF counts "
              "denoising and commit forwards; tokens/s is the batched decode after compilation.",
              f"Whole run: {time.perf_counter() - started:.0f} s on {jax.devices()[0].device_kind}."]
+    for name in ("stage2_orl", "stage2_orl_noaec"):
+        log_file = out / name / "logs" / "metrics.jsonl"
+        if log_file.exists():
+            ms = [json.loads(line) for line in log_file.read_text().splitlines()]
+            updates = sum("loss" in m for m in ms)
+            notes.append(f"{name}: {len(ms)} rounds, mean verified share {np.mean([m['verified'] for m in ms]):.2f}, "
+                         f"{updates} updates (a round whose responses all fail verification gives no gradient).")
     path = write_report(rows, out, "AR -> QwenDLM conversion (held-out)", notes)
     log(f"report: {path}")
