@@ -99,6 +99,7 @@ def _plot(rows, path, title):
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
     ax.set_xlabel("tokens per forward")
     ax.set_ylabel("held-out accuracy (%)")
+    ax.set_ylim(-2, 102)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
