@@ -17,10 +17,12 @@ def test_recipe_smoke_end_to_end_and_resume(tmp_path):
     train_qwendlm.main(["--preset", "smoke", "--out", str(out)])
     for f in ("report.md", "results.jsonl", "accuracy_vs_tpf.png", "stage0/params/config.json",
               "stage1/params/config.json", "stage0/logs/metrics.jsonl", "tokenizer/tokenizer.json",
-              "stage2_orl/params/config.json", "stage2_orl/logs/metrics.jsonl", "stage2_orl_noaec/params/config.json"):
+              "stage2_orl/params/config.json", "stage2_orl/logs/metrics.jsonl", "stage2_orl_noaec/params/config.json",
+              "stage2_rcd/params/config.json"):
         assert (out / f).exists(), f
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert [r["method"] for r in rows] == ["AR (greedy)", "QwenDLM", "QwenDLM+ORL", "QwenDLM+ORL (no AEC)"]
+    assert [r["method"] for r in rows] == ["AR (greedy)", "QwenDLM", "QwenDLM+ORL", "QwenDLM+ORL (no AEC)",
+                                           "QwenDLM+RCD"]
     assert all(0.0 <= r["accuracy"] <= 1.0 and r["tpf"] > 0 for r in rows)
     steps = [json.loads(line)["step"] for line in (out / "stage0/logs/metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 6

@@ -123,8 +123,11 @@ class DiffusionObjective:
         rand = jax.random.randint(k_tok, (b, n), 0, cfg.vocab_size, tokens.dtype)
         return jnp.where(flip, rand, tokens), resp.astype(jnp.float32)
 
-    def loss(self, params, cfg: ModelConfig, batch: dict, key):
-        """batch: tokens [B, N] (prompt + response, right-padded), prompt_lengths [B], lengths [B]."""
+    def loss(self, params, cfg: ModelConfig, batch: dict, key, reference_params=None):
+        """batch: tokens [B, N] (prompt + response, right-padded), prompt_lengths [B], lengths [B].
+
+        reference_params: the RCD baseline (METHOD.md §2) — the residual of every batch comes from this frozen
+        model's first pass on the noised state (off-policy), instead of the trained model's own."""
         tokens, pl, ln = batch["tokens"], batch["prompt_lengths"], batch["lengths"]
         b, n = tokens.shape
         k_noise, k_sc = jax.random.split(key)
@@ -134,17 +137,22 @@ class DiffusionObjective:
         both = jnp.concatenate([tokens, noisy], axis=1)  # [B, 2N]
         positions = jnp.concatenate([pos, pos], axis=1)
 
-        def run(z):
-            x = qwen3.embed(params, cfg, both)
+        def run(z, p=params):
+            x = qwen3.embed(p, cfg, both)
             if z is not None:
                 w = jnp.concatenate([jnp.zeros((b, n)), jnp.ones((b, n))], axis=1)
                 zz = jnp.concatenate([jnp.zeros_like(z), z], axis=1)
-                x = qwendlm.residual_embed(params, cfg, both, zz, w)
-            h, _, _ = qwen3.backbone(params, cfg, x, positions, mask, remat=self.remat)
-            return qwen3.logits(params, cfg, h[:, n:])  # [B, N, V] noisy half
+                x = qwendlm.residual_embed(p, cfg, both, zz, w)
+            h, _, _ = qwen3.backbone(p, cfg, x, positions, mask, remat=self.remat)
+            return qwen3.logits(p, cfg, h[:, n:])  # [B, N, V] noisy half
 
-        logits = run(None)
-        if cfg.noise == "uniform" and cfg.has_adapter and self.sc_prob > 0:
+        if reference_params is not None:
+            ref = jax.lax.stop_gradient(run(None, reference_params))
+            z = jax.lax.stop_gradient(qwendlm.soft_embed(reference_params, cfg, jax.nn.softmax(ref, axis=-1)))
+            logits = run(z)
+        else:
+            logits = run(None)
+        if reference_params is None and cfg.noise == "uniform" and cfg.has_adapter and self.sc_prob > 0:
             use_sc = jax.random.uniform(k_sc) < self.sc_prob
             z = qwendlm.soft_embed(params, cfg, jax.nn.softmax(jax.lax.stop_gradient(logits), axis=-1))
             z = jax.lax.stop_gradient(z)

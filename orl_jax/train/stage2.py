@@ -3,14 +3,19 @@ no-AEC ablation, each a sequence of rounds (rollout -> verify -> replay -> one u
 
 Prompts of round k are drawn from the train split with seed k, rollout keys are fold_in(key, k), and the round
 counter is checkpointed with the state, so `--resume` replays exactly the rounds that were not done yet.
-Not here yet (issue #6): the RCD baseline (off-policy residuals from a frozen reference model).
+The RCD baseline trains the same converted model off-policy: the block-diffusion objective on randomly noised
+training states, with the residual computed by the frozen converted model (DiffusionObjective(reference_params))
+and plain cross-entropy, for as many updates as ORL takes rounds. The frozen reference is closed over by the
+jitted step (embedded as constants): fine for the embedded models, to be passed as an argument for 4B runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from orl_jax import checkpoint
@@ -72,8 +77,29 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
     return params
 
 
+def run_rcd(r, args, out: Path, tok, cfg, params, log):
+    from orl_jax.data.pipeline import make_dataset
+    from orl_jax.train.objectives import DiffusionObjective
+    from orl_jax.train.stages import _encode, _examples, _run_stage
+
+    reference = jax.tree.map(np.asarray, params)
+    obj = DiffusionObjective(block_length=r.block_length)
+    rows = _encode(tok, _examples(r, "train", r.train_examples, args.seed + 3), r.seq_len)
+    data = make_dataset(rows, seq_len=r.seq_len, batch_size=r.batch, seed=args.seed + 3, pack=False)
+
+    def loss_fn(p, b, key):
+        batch = {"tokens": b["tokens"], "prompt_lengths": jnp.sum(b["prompt_mask"], axis=1),
+                 "lengths": jnp.sum(b["segment_ids"] > 0, axis=1)}
+        return obj.loss(p, cfg, batch, key, reference_params=reference)
+
+    optim = OptimConfig(lr=r.lr2, warmup_steps=0, total_steps=max(r.orl_rounds, 1), weight_decay=0.0,
+                        groups={"adapter": ParamGroup(lr_scale=0.5, clip_norm=1.0)})
+    log(f"stage 2 baseline: RCD (off-policy residuals from the frozen converted model), {r.orl_rounds} updates")
+    return _run_stage("stage2_rcd", out, cfg, params, loss_fn, optim, data, r.orl_rounds, log)
+
+
 def stage2(r, args, out: Path, tok, cfg, params, log) -> dict:
-    """{method: params} for ORL and ORL without AEC (uniform-family QwenDLM only)."""
+    """{method: params} for ORL, ORL without AEC and the RCD baseline (uniform-family QwenDLM only)."""
     if cfg.noise != "uniform":
         log("stage 2: ORL is implemented for the uniform family only; skipped for --noise mask")
         return {}
@@ -81,4 +107,5 @@ def stage2(r, args, out: Path, tok, cfg, params, log) -> dict:
     log(f"stage 2: ORL, {r.orl_rounds} rounds of {r.orl_prompts} prompts x {r.orl_group} responses")
     return {"QwenDLM+ORL": run_orl("stage2_orl", r, args, out, tok, cfg, params, base, log),
             "QwenDLM+ORL (no AEC)": run_orl("stage2_orl_noaec", r, args, out, tok, cfg, params,
-                                            base.__class__(**{**base.__dict__, "l_aec": 0.0}), log)}
+                                            dataclasses.replace(base, l_aec=0.0), log),
+            "QwenDLM+RCD": run_rcd(r, args, out, tok, cfg, params, log)}
