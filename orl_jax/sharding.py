@@ -28,7 +28,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "mlp": "tensor",
     "vocab": "tensor",
     "adapter": "tensor",
-    "experts": None,  # MoE expert axis (DiffusionGemma); expert parallelism is not wired yet
+    "experts": "tensor",  # expert parallelism: experts split over the tensor axis (their own "mlp" then stays whole)
 }
 
 

@@ -23,7 +23,9 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
+from orl_jax import params as P
 from orl_jax.config import ModelConfig
 from orl_jax.decode.residual import NoResidual, ORLResidual, RCDResidual, Residual, soft_embed
 from orl_jax.decode.samplers import MaskSampler, Sampler, UniformSampler
@@ -244,7 +246,7 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, *, key: jax.Array, max_
              block_length: int | None = None, sampler: Sampler | None = None, residual: Residual | None = None,
              max_steps: int | None = None, eos_token_id: int | Sequence[int] | None = None,
              pad_token_id: int | None = None, streamer: Callable[[np.ndarray, int], None] | None = None,
-             capture: bool = False, **sampler_options) -> GenerateOutput:
+             capture: bool = False, mesh: Mesh | None = None, **sampler_options) -> GenerateOutput:
     """Generate with a block-diffusion model; the whole generation is one device-side loop.
 
     prompt_ids: [B, P] int array, or a list of token lists of different lengths (left-padded internally).
@@ -255,6 +257,8 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, *, key: jax.Array, max_
     residual: NoResidual(), RCDResidual() or ORLResidual(); default NoResidual(), or ORLResidual() for a
     self-conditioning model (DiffusionGemma: its self-conditioning block is the adapter, w = 1).
     streamer(block_tokens [B, L], block_index) is called on the host as each block is finished.
+    mesh: run tensor / expert parallel over a jax.sharding.Mesh (sharding.make_mesh(tensor=...)): the weights are
+    placed by their logical axes and the same device-side loop runs partitioned.
     Returns GenerateOutput (tokens [B, T] with pad after EOS, lengths, forwards, commits, steps, TPF with and
     without the commit forwards).
     """
@@ -318,6 +322,12 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, *, key: jax.Array, max_
     dcfg = DecodeConfig(sampler=sampler, residual=residual, block_length=L, num_blocks=nb, max_steps=max_steps,
                         eos_token_ids=tuple(int(t) for t in eos), pad_token_id=int(pad), capture=bool(capture),
                         stream=streamer is not None)
+    if mesh is not None:
+        # tensor (heads / MLP / vocab) and expert parallelism come from the weights' logical axes; the loop itself
+        # is unchanged, XLA partitions it (GSPMD) and inserts the collectives
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        params = jax.device_put(params, P.shardings(model_module(cfg).param_specs(cfg), mesh))
     if streamer is None:
         return _generate(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
     with _stream_lock:
