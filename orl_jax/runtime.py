@@ -38,3 +38,29 @@ def configure(compilation_cache_dir: str | os.PathLike | None = "~/.cache/orl_ja
         jax.config.update("jax_compilation_cache_dir", str(path))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None, local_device_count: int | None = None) -> None:
+    """Join a multi-host (or multi-process) JAX job before any array is created.
+
+    With no arguments jax.distributed.initialize reads the cluster from the environment (SLURM, GKE, ...); on CPU
+    (tests, two processes on one machine) the cross-process collectives use gloo. Every process then sees the
+    global device list; data pipelines read their share by jax.process_index() (orl_jax.data.pipeline)."""
+    import jax
+
+    if local_device_count is not None:
+        jax.config.update("jax_num_cpu_devices", local_device_count)
+    if jax.config.jax_platforms in (None, "", "cpu") or not _has_gpu():
+        try:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        except (AttributeError, ValueError):
+            pass
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+
+
+def _has_gpu() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("jax_cuda12_plugin") is not None or \
+        importlib.util.find_spec("jax_cuda13_plugin") is not None

@@ -96,6 +96,12 @@ def parse_args(argv=None):
     ap.add_argument("--noise", choices=["uniform", "mask"], default="uniform",
                     help="QwenDLM variant: uniform-state canvas (default) or mask tokens")
     ap.add_argument("--skip-stage2", action="store_true", help="stop after the conversion (no ORL)")
+    ap.add_argument("--distributed", action="store_true",
+                    help="join a multi-host job (jax.distributed.initialize; cluster from the environment or the "
+                         "--coordinator/--num-processes/--process-id flags); each host reads its share of the data")
+    ap.add_argument("--coordinator", help="host:port of process 0 (with --distributed)")
+    ap.add_argument("--num-processes", type=int)
+    ap.add_argument("--process-id", type=int)
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 
@@ -111,6 +117,8 @@ def main(argv=None) -> None:
         raise SystemExit(f"{out} is not empty: pass --resume to continue it, or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     runtime.configure(out / "xla_cache")
+    if args.distributed:
+        runtime.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     from orl_jax.train import stages  # after runtime.configure: JAX starts there
 
     r = PRESETS[args.preset]

@@ -106,12 +106,11 @@ class TrainStep:
         P.check_tree(params, self.param_specs)
         target = self.abstract_state(rng)
         # A copy even when already placed: the step donates the state, and the caller's arrays must survive it.
-        params = jax.device_put(params, self.param_shardings, may_alias=False)
+        params = jax.tree.map(_place, params, self.param_shardings)
         opt_sh = jax.tree.map(lambda a: a.sharding, target.opt_state)
         opt_state = jax.jit(self.optimizer.init, out_shardings=opt_sh)(params)
-        zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), self.replicated)  # distinct buffers (donation)
-        return TrainState(step=zero(), params=params, opt_state=opt_state,
-                          rng=jax.device_put(rng, self.replicated, may_alias=False),
+        zero = lambda: _place(np.zeros((), np.int32), self.replicated)  # distinct buffers (donation)
+        return TrainState(step=zero(), params=params, opt_state=opt_state, rng=_place(rng, self.replicated),
                           nonfinite_count=zero(), consecutive_nonfinite=zero())
 
     def shard_batch(self, batch):
@@ -127,6 +126,20 @@ class TrainStep:
             return jax.device_put(batch, self.batch_sharding)
         return jax.tree.map(lambda x: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(x)),
                             batch)
+
+
+def _place(x, sharding):
+    """A fresh copy of x laid out by `sharding`. In a multi-process job every process holds the same host value and
+    contributes the shards on its own devices (device_put cannot target other processes' devices)."""
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding, may_alias=False)
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = np.asarray(jax.random.key_data(x))
+        impl = jax.random.key_impl(x)
+        return jax.random.wrap_key_data(jax.make_array_from_callback(data.shape, sharding, lambda i: data[i]),
+                                        impl=impl)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
 
 
 def _axes(p) -> tuple[str, ...]:
