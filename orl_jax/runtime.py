@@ -51,16 +51,10 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
 
     if local_device_count is not None:
         jax.config.update("jax_num_cpu_devices", local_device_count)
-    if jax.config.jax_platforms in (None, "", "cpu") or not _has_gpu():
-        try:
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        except (AttributeError, ValueError):
-            pass
+    # CPU devices need a collectives backend across processes; GPUs use NCCL whatever this says
+    try:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except (AttributeError, ValueError):  # a jax without the option: its CPU default applies
+        pass
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
 
-
-def _has_gpu() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("jax_cuda12_plugin") is not None or \
-        importlib.util.find_spec("jax_cuda13_plugin") is not None

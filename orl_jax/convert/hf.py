@@ -34,7 +34,7 @@ from orl_jax import params as P
 from orl_jax.atomic import atomic_directory
 from orl_jax.config import FULL, SLIDING, DiffusionGemmaConfig, ModelConfig, from_hf_config, to_hf_config
 from orl_jax.convert.safetensors_io import read_checkpoint, write_checkpoint
-from orl_jax.model import diffusion_gemma, qwen3
+from orl_jax.model.registry import model_module
 
 QWEN3_MAP: list[tuple[str, str, int]] = [
     ("model.embed_tokens.weight", "embed", 0),
@@ -107,17 +107,15 @@ DG_SKIPPED_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_visio
 @dataclass(frozen=True)
 class _Arch:
     table: list
-    param_specs: Callable
     stacks: Callable  # cfg -> {top-level key of a layer stack: the HF layer indices it holds, in order}
     embed_name: str  # the HF embedding that a tied lm_head.weight must equal
     skipped: tuple[str, ...] = ()  # HF name prefixes deliberately not loaded
     tied: tuple[tuple[str, str], ...] = ()  # (prefix of a redundant HF copy, prefix of the tensor it duplicates)
 
 
-_QWEN3 = _Arch(QWEN3_MAP, qwen3.param_specs, lambda cfg: {"layers": tuple(range(cfg.num_layers))},
+_QWEN3 = _Arch(QWEN3_MAP, lambda cfg: {"layers": tuple(range(cfg.num_layers))},
                "model.embed_tokens.weight")
-_DG = _Arch(DG_MAP, diffusion_gemma.param_specs,
-            lambda cfg: {"sliding": cfg.layer_indices(SLIDING), "full": cfg.layer_indices(FULL)},
+_DG = _Arch(DG_MAP, lambda cfg: {"sliding": cfg.layer_indices(SLIDING), "full": cfg.layer_indices(FULL)},
             "model.decoder.embed_tokens.weight", DG_SKIPPED_PREFIXES,
             (("model.encoder.language_model.", "model.decoder."),))
 
@@ -192,7 +190,7 @@ def load_hf(directory: str | os.PathLike, dtype: str = "bfloat16", *, mesh: Mesh
     cfg = read_config(directory, dtype)
     tensors = read_checkpoint(directory, allow_pickle)
     arch = _arch(cfg)
-    specs = arch.param_specs(cfg)
+    specs = model_module(cfg).param_specs(cfg)
     stacks = arch.stacks(cfg)
     shardings = None if mesh is None else P.shardings(specs, mesh)
     np_dtype = _NP_DTYPES[dtype]
@@ -247,7 +245,7 @@ def load_hf(directory: str | os.PathLike, dtype: str = "bfloat16", *, mesh: Mesh
 def hf_tensors(cfg: ModelConfig | DiffusionGemmaConfig, params: dict) -> dict[str, np.ndarray]:
     """Our params as HF-named host arrays (inverse of load_hf)."""
     arch = _arch(cfg)
-    P.check_tree(params, arch.param_specs(cfg))
+    P.check_tree(params, model_module(cfg).param_specs(cfg))
     stacks = arch.stacks(cfg)
     out = {}
     for hf_names, path, n_in in arch.table:

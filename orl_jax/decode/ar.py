@@ -10,10 +10,9 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from orl_jax.config import ModelConfig
-from orl_jax.decode.engine import _positive_int, _prompts, bucket_length
+from orl_jax.decode.engine import _positive_int, _prompts, left_pad, resolve_eos_pad
 from orl_jax.model import qwen3, qwendlm
 from orl_jax.model.attention import causal_segments, self_mask
 
@@ -49,17 +48,6 @@ def ar_generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, eo
     """Greedy AR decoding -> (tokens [B, max_new_tokens] with pad after EOS, forwards run)."""
     rows = _prompts(prompt_ids, cfg)
     max_new = _positive_int("max_new_tokens", max_new_tokens)
-    eos = cfg.eos_token_ids if eos_token_id is None else (
-        (eos_token_id,) if isinstance(eos_token_id, (int, np.integer)) else tuple(eos_token_id))
-    pad = pad_token_id if pad_token_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None
-                                                         else (eos[0] if eos else 0))
-    room = cfg.max_position_embeddings - max_new
-    longest = max(len(r) for r in rows)
-    if longest > room:
-        raise ValueError(f"prompt of {longest} tokens + {max_new} new tokens exceeds max_position_embeddings")
-    p = bucket_length(longest, room)
-    prompt = np.full((len(rows), p), pad, np.int32)
-    for i, r in enumerate(rows):
-        prompt[i, p - len(r):] = r
-    lengths = np.array([len(r) for r in rows], np.int32)
-    return _ar(params, prompt, lengths, cfg=cfg, max_new=max_new, eos=tuple(int(t) for t in eos), pad=int(pad))
+    eos, pad = resolve_eos_pad(cfg, eos_token_id, pad_token_id)
+    prompt, lengths = left_pad(rows, cfg, max_new, pad)
+    return _ar(params, prompt, lengths, cfg=cfg, max_new=max_new, eos=eos, pad=pad)

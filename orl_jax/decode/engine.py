@@ -227,6 +227,35 @@ def bucket_length(n: int, limit: int) -> int:
     return b if b <= limit else n
 
 
+def resolve_eos_pad(cfg, eos_token_id, pad_token_id) -> tuple[tuple[int, ...], int]:
+    """EOS ids (argument, else the config's) and the pad id (argument, else config, else the first EOS, else 0),
+    checked against the vocabulary."""
+    eos = cfg.eos_token_ids if eos_token_id is None else (
+        (eos_token_id,) if isinstance(eos_token_id, (int, np.integer)) else tuple(eos_token_id))
+    for t in eos:
+        if not isinstance(t, (int, np.integer)) or not 0 <= t < cfg.vocab_size:
+            raise ValueError(f"eos_token_id {t!r} is outside the vocabulary [0, {cfg.vocab_size})")
+    pad = pad_token_id if pad_token_id is not None else cfg.pad_token_id
+    pad = pad if pad is not None else (eos[0] if eos else 0)
+    if not isinstance(pad, (int, np.integer)) or not 0 <= pad < cfg.vocab_size:
+        raise ValueError(f"pad_token_id {pad!r} is outside the vocabulary [0, {cfg.vocab_size})")
+    return tuple(int(t) for t in eos), int(pad)
+
+
+def left_pad(rows: list[np.ndarray], cfg, new_tokens: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prompts left-padded with `pad` to their bucket length -> (prompt [B, P] int32, lengths [B] int32)."""
+    longest = max(len(r) for r in rows)
+    room = cfg.max_position_embeddings - new_tokens
+    if longest > room:
+        raise ValueError(f"prompt of {longest} tokens + {new_tokens} new tokens exceeds max_position_embeddings="
+                         f"{cfg.max_position_embeddings}")
+    p = bucket_length(longest, room)
+    prompt = np.full((len(rows), p), pad, np.int32)
+    for i, r in enumerate(rows):
+        prompt[i, p - len(r):] = r
+    return prompt, np.array([len(r) for r in rows], np.int32)
+
+
 def make_sampler(cfg: ModelConfig, **options) -> Sampler:
     """The default sampler of the model's family, with HF/dLLM-named options."""
     allowed = _MASK_OPTIONS if cfg.noise == "mask" else _UNIFORM_OPTIONS
@@ -296,38 +325,20 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, *, key: jax.Array, max_
     if isinstance(residual, ORLResidual) and not cfg.has_adapter:
         raise ValueError("ORLResidual needs the adapter g_phi (ModelConfig.adapter_hidden > 0)")
     max_steps = _positive_int("max_steps", sampler.max_steps(L) if max_steps is None else max_steps)
-    eos = cfg.eos_token_ids if eos_token_id is None else (
-        (eos_token_id,) if isinstance(eos_token_id, (int, np.integer)) else tuple(eos_token_id))
-    for t in eos:
-        if not isinstance(t, (int, np.integer)) or not 0 <= t < cfg.vocab_size:
-            raise ValueError(f"eos_token_id {t!r} is outside the vocabulary [0, {cfg.vocab_size})")
-    pad = pad_token_id if pad_token_id is not None else cfg.pad_token_id
-    pad = pad if pad is not None else (eos[0] if eos else 0)
-    if not isinstance(pad, (int, np.integer)) or not 0 <= pad < cfg.vocab_size:
-        raise ValueError(f"pad_token_id {pad!r} is outside the vocabulary [0, {cfg.vocab_size})")
+    eos, pad = resolve_eos_pad(cfg, eos_token_id, pad_token_id)
     if streamer is not None and not callable(streamer):
         raise TypeError(f"streamer must be callable(block_tokens, block_index), got {type(streamer).__name__}")
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
 
     nb = math.ceil(max_new_tokens / L)
-    longest = max(len(r) for r in rows)
-    room = cfg.max_position_embeddings - nb * L
-    if longest > room:
-        raise ValueError(f"prompt of {longest} tokens + {nb * L} new tokens exceeds max_position_embeddings="
-                         f"{cfg.max_position_embeddings}")
-    p = bucket_length(longest, room)
-    prompt = np.full((len(rows), p), pad, np.int32)
-    for i, r in enumerate(rows):
-        prompt[i, p - len(r):] = r
-    lengths = np.array([len(r) for r in rows], np.int32)
+    prompt, lengths = left_pad(rows, cfg, nb * L, pad)
     dcfg = DecodeConfig(sampler=sampler, residual=residual, block_length=L, num_blocks=nb, max_steps=max_steps,
-                        eos_token_ids=tuple(int(t) for t in eos), pad_token_id=int(pad), capture=bool(capture),
-                        stream=streamer is not None)
+                        eos_token_ids=eos, pad_token_id=pad, capture=bool(capture), stream=streamer is not None)
     if mesh is not None:
         # tensor (heads / MLP / vocab) and expert parallelism come from the weights' logical axes; the loop itself
         # is unchanged, XLA partitions it (GSPMD) and inserts the collectives
-        if not isinstance(mesh, Mesh):
-            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-        params = jax.device_put(params, P.shardings(model_module(cfg).param_specs(cfg), mesh))
+        params = jax.device_put(params, P.shardings(model.param_specs(cfg), mesh))
     if streamer is None:
         return _generate(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
     with _stream_lock:

@@ -57,11 +57,14 @@ def full_segments(batch: int, length: int) -> jax.Array:
     return jnp.zeros((batch, length), jnp.int32)
 
 
-def block_segments(batch: int, length: int, prompt_length: int, block_length: int) -> jax.Array:
-    """Block-causal: prompt tokens causal, then blocks of `block_length` bidirectional inside, causal across."""
-    i = jnp.arange(length, dtype=jnp.int32)
-    blk = prompt_length + (i - prompt_length) // block_length * block_length
-    return jnp.broadcast_to(jnp.where(i < prompt_length, i, blk), (batch, length))
+def block_segments(batch: int, length: int, prompt_length, block_length: int) -> jax.Array:
+    """Block-causal: prompt tokens causal, then blocks of `block_length` bidirectional inside, causal across.
+
+    prompt_length: one int for all rows, or [B] per row. Each token's value is the first index of its block."""
+    i = jnp.arange(length, dtype=jnp.int32)[None]  # [1, L]
+    p = jnp.asarray(prompt_length, jnp.int32).reshape(-1, 1)  # [1 or B, 1]
+    blk = p + (i - p) // block_length * block_length
+    return jnp.broadcast_to(jnp.where(i < p, i, blk), (batch, length))
 
 
 def self_mask(seg_start: jax.Array, valid: jax.Array | None = None) -> jax.Array:

@@ -25,10 +25,7 @@ def einsum(spec: str, x: jax.Array, w) -> jax.Array:
 
 def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
     """cos, sin of shape [B, L, H] (the two halves repeated, HF's rotate_half layout), in float32."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    ang = positions.astype(jnp.float32)[..., None] * inv_freq[None, None]  # [B, L, H/2]
-    ang = jnp.concatenate([ang, ang], axis=-1)  # [B, L, H]
-    return jnp.cos(ang), jnp.sin(ang)
+    return rope_angles_inv_freq(positions, rope_inv_freq(head_dim, theta))
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

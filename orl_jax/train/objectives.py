@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from orl_jax.config import ModelConfig
 from orl_jax.model import qwen3, qwendlm
+from orl_jax.model.attention import block_segments
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array):
@@ -70,7 +71,7 @@ def diffusion_mask(prompt_lengths: jax.Array, lengths: jax.Array, n: int, block:
     p, ln = prompt_lengths[:, None], lengths[:, None]
     valid = i[None] < ln  # [B, N]
     resp = (i[None] >= p) & valid
-    bstart = jnp.where(i[None] >= p, p + (i[None] - p) // block * block, i[None])  # [B, N] block start
+    bstart = block_segments(prompt_lengths.shape[0], n, prompt_lengths, block)  # [B, N] block start
     if prefix_attention == "causal":
         cc = i[None, None, :] <= i[None, :, None]
     else:  # block-causal: prompt causal, response blocks bidirectional inside

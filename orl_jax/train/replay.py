@@ -21,6 +21,7 @@ import numpy as np
 
 from orl_jax.decode.samplers import MaskSampler, UniformSampler
 from orl_jax.model import qwen3
+from orl_jax.model.attention import block_segments
 
 
 @dataclass
@@ -77,7 +78,7 @@ def build_replay(prompts, out, verified, *, block_length: int, pad_id: int, pref
         if prefix_attention == "causal":
             mask[r, :nc, :nc] = i[None, :] <= i[:, None]
         else:
-            seg = np.where(i < p, i, p + (i - p) // L * L)
+            seg = np.asarray(block_segments(1, nc, p, L))[0]
             mask[r, :nc, :nc] = seg[None, :] <= seg[:, None]
         last_of_block: dict[int, int] = {}  # block -> global index of its latest state
         last_rec: dict[int, int] = {}  # block -> capture record of its latest state

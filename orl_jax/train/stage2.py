@@ -15,7 +15,6 @@ import dataclasses
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from orl_jax import checkpoint
@@ -26,24 +25,25 @@ from orl_jax.model import qwen3
 from orl_jax.sharding import make_mesh
 from orl_jax.train.ckpt import CheckpointManager
 from orl_jax.train.metrics import MetricsWriter
-from orl_jax.train.optim import OptimConfig, ParamGroup, make_optimizer
+from orl_jax.train.objectives import DiffusionObjective
+from orl_jax.train.optim import OptimConfig, make_optimizer
 from orl_jax.train.orl import ORLConfig, make_orl_loss, orl_iteration
 from orl_jax.train.orl_losses import ORLLossConfig
+from orl_jax.train.stages import ADAPTER_GROUP, _run_stage, conversion_data, diffusion_loss_fn, load_export
 from orl_jax.train.step import make_train_step
 
 
 def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossConfig, log):
     """Train `params` with ORL for r.orl_rounds rounds; export to OUT/name/params (reused when present)."""
-    export = out / name / "params"
-    if export.exists():
-        log(f"{name}: reusing {export}")
-        return checkpoint.load_params(export, dtype=cfg.dtype)[1]
+    done = load_export(name, out, cfg, log)
+    if done is not None:
+        return done
     G, P = r.orl_group, r.orl_prompts
     ocfg = ORLConfig(group_size=G, max_new_tokens=r.eval_max_new, max_states=r.orl_states,
                      max_prompt=r.orl_max_prompt, loss=loss_cfg)
     sampler = UniformSampler(max_denoising_steps=r.orl_steps)  # sampled proposals: the policy explores
     optim = OptimConfig(lr=r.lr2, warmup_steps=0, total_steps=max(r.orl_rounds, 1), weight_decay=0.0,
-                        groups={"adapter": ParamGroup(lr_scale=0.5, clip_norm=1.0)})
+                        groups=ADAPTER_GROUP)
     step = make_train_step(make_orl_loss(cfg, sampler, G * P, loss_cfg), make_optimizer(optim),
                            make_mesh(data=1, fsdp=-1, tensor=1), qwen3.param_specs(cfg))
     stops = stop_token_ids(tok)
@@ -73,29 +73,18 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
                 log(f"{name} round {rnd + 1}/{r.orl_rounds}: verified {m['verified']:.2f}, rollout TPF "
                     f"{m['rollout_tpf']:.2f}, loss {m.get('loss', float('nan')):.4f}")
     params = jax.device_get(state.params)
-    checkpoint.save_params(export, cfg, params)
+    checkpoint.save_params(out / name / "params", cfg, params)
     return params
 
 
 def run_rcd(r, args, out: Path, tok, cfg, params, log):
-    from orl_jax.data.pipeline import make_dataset
-    from orl_jax.train.objectives import DiffusionObjective
-    from orl_jax.train.stages import _encode, _examples, _run_stage
-
     reference = jax.tree.map(np.asarray, params)
-    obj = DiffusionObjective(block_length=r.block_length)
-    rows = _encode(tok, _examples(r, "train", r.train_examples, args.seed + 3), r.seq_len)
-    data = make_dataset(rows, seq_len=r.seq_len, batch_size=r.batch, seed=args.seed + 3, pack=False)
-
-    def loss_fn(p, b, key):
-        batch = {"tokens": b["tokens"], "prompt_lengths": jnp.sum(b["prompt_mask"], axis=1),
-                 "lengths": jnp.sum(b["segment_ids"] > 0, axis=1)}
-        return obj.loss(p, cfg, batch, key, reference_params=reference)
-
+    loss_fn = diffusion_loss_fn(DiffusionObjective(block_length=r.block_length), cfg, reference_params=reference)
     optim = OptimConfig(lr=r.lr2, warmup_steps=0, total_steps=max(r.orl_rounds, 1), weight_decay=0.0,
-                        groups={"adapter": ParamGroup(lr_scale=0.5, clip_norm=1.0)})
+                        groups=ADAPTER_GROUP)
     log(f"stage 2 baseline: RCD (off-policy residuals from the frozen converted model), {r.orl_rounds} updates")
-    return _run_stage("stage2_rcd", out, cfg, params, loss_fn, optim, data, r.orl_rounds, log)
+    return _run_stage("stage2_rcd", out, cfg, params, loss_fn, optim, conversion_data(r, tok, args.seed + 3),
+                      r.orl_rounds, log)
 
 
 def stage2(r, args, out: Path, tok, cfg, params, log) -> dict:

@@ -49,12 +49,42 @@ def _encode(tok, examples, max_len: int):
     return rows
 
 
+# the residual pathway learns in its own group: lower rate, own clipping (METHOD.md §3)
+ADAPTER_GROUP = {"adapter": ParamGroup(lr_scale=0.5, clip_norm=1.0)}
+
+
+def conversion_data(r, tok, seed: int):
+    """Unpacked rows (one train example each, prompt_mask marking the prompt) for the block-diffusion objective."""
+    rows = _encode(tok, _examples(r, "train", r.train_examples, seed), r.seq_len)
+    return make_dataset(rows, seq_len=r.seq_len, batch_size=r.batch, seed=seed, pack=False)
+
+
+def diffusion_loss_fn(obj: DiffusionObjective, cfg, reference_params=None):
+    """loss_fn(params, batch, key) of the block-diffusion objective on conversion_data batches."""
+
+    def loss_fn(p, b, key):
+        batch = {"tokens": b["tokens"], "prompt_lengths": jnp.sum(b["prompt_mask"], axis=1),
+                 "lengths": jnp.sum(b["segment_ids"] > 0, axis=1)}
+        return obj.loss(p, cfg, batch, key, reference_params=reference_params)
+
+    return loss_fn
+
+
+def load_export(name: str, out: Path, cfg, log):
+    """The params a finished stage exported to OUT/name/params, or None."""
+    export = out / name / "params"
+    if not export.exists():
+        return None
+    log(f"{name}: reusing {export}")
+    return checkpoint.load_params(export, dtype=cfg.dtype)[1]
+
+
 def _run_stage(name, out: Path, cfg, params, loss_fn, optim: OptimConfig, data, steps: int, log):
     """Train `params` with `loss_fn` for `steps` updates (resuming OUT/name/ckpt if present); export the result."""
+    done = load_export(name, out, cfg, log)
+    if done is not None:
+        return done
     export = out / name / "params"
-    if export.exists():
-        log(f"{name}: reusing {export}")
-        return checkpoint.load_params(export, dtype=cfg.dtype)[1]
     mesh = make_mesh(data=1, fsdp=-1, tensor=1)
     step = make_train_step(loss_fn, make_optimizer(optim), mesh, qwen3.param_specs(cfg))
     it = iter(data)
@@ -69,8 +99,8 @@ def _run_stage(name, out: Path, cfg, params, loss_fn, optim: OptimConfig, data, 
     params = jax.device_get(state.params)
     if int(state.step) >= steps:  # finished (not preempted): export the stage
         checkpoint.save_params(export, cfg, params)
-    last = [json_line for json_line in (out / name / "logs" / "metrics.jsonl").read_text().splitlines()][-1:]
-    log(f"{name}: done at step {int(state.step)}; last metrics {last[0] if last else '-'}")
+    last = (out / name / "logs" / "metrics.jsonl").read_text().splitlines()[-1:] or ["-"]
+    log(f"{name}: done at step {int(state.step)}; last metrics {last[0]}")
     return params
 
 
@@ -112,22 +142,13 @@ def convert(r, args, out: Path, tok, ar_cfg: ModelConfig, ar_params, log):
     cfg = ar_cfg.replace(adapter_hidden=ar_cfg.hidden_size, block_length=r.block_length, noise=args.noise)
     adapter = P.init(qwen3.param_specs(cfg)["adapter"], jax.random.key(args.seed + 1))
     params = dict(jax.tree.map(jnp.asarray, ar_params), adapter=adapter)
-    obj = DiffusionObjective(block_length=r.block_length)
-    max_len = r.seq_len
-    rows = _encode(tok, _examples(r, "train", r.train_examples, args.seed + 1), max_len)
-    data = make_dataset(rows, seq_len=max_len, batch_size=r.batch, seed=args.seed + 1, pack=False)
-
-    def loss_fn(p, b, key):
-        lengths = jnp.sum(b["segment_ids"] > 0, axis=1)
-        batch = {"tokens": b["tokens"], "prompt_lengths": jnp.sum(b["prompt_mask"], axis=1), "lengths": lengths}
-        return obj.loss(p, cfg, batch, key)
-
-    # the residual pathway learns in its own group: lower rate, own clipping (METHOD.md §3). Self-conditioning
-    # only applies to the uniform family; the mask family's adapter waits for ORL (stage 2).
+    loss_fn = diffusion_loss_fn(DiffusionObjective(block_length=r.block_length), cfg)
+    # Self-conditioning only applies to the uniform family; the mask family's adapter waits for ORL (stage 2).
     optim = OptimConfig(lr=r.lr1, warmup_steps=max(r.stage1_steps // 20, 1), total_steps=r.stage1_steps,
-                        groups={"adapter": ParamGroup(lr_scale=0.5, clip_norm=1.0)})
+                        groups=ADAPTER_GROUP)
     log(f"stage 1: conversion to QwenDLM ({args.noise} noise, block {r.block_length})")
-    return cfg, _run_stage("stage1", out, cfg, params, loss_fn, optim, data, r.stage1_steps, log)
+    return cfg, _run_stage("stage1", out, cfg, params, loss_fn, optim, conversion_data(r, tok, args.seed + 1),
+                           r.stage1_steps, log)
 
 
 def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: dict, log, started: float):
