@@ -9,6 +9,7 @@ Run side by side with ../shared/peers/hf_diffusion_gemma_generate.py (benchmarks
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -23,6 +24,7 @@ ap.add_argument("--out", default="dg_bench.jsonl")
 ap.add_argument("--preset", default="diffusiongemma-26b-a4b")
 ap.add_argument("--prompt", type=int, default=512)
 ap.add_argument("--new", type=int, default=256)
+ap.add_argument("--expert", type=int, default=1, help="expert-parallel over the first N devices (mesh tensor=N)")
 args = ap.parse_args()
 runtime.configure(os.path.expanduser("~/.cache/orl_jax/xla"))
 
@@ -35,12 +37,13 @@ from orl_jax.config import DG_PRESETS  # noqa: E402
 from orl_jax.decode.engine import generate  # noqa: E402
 from orl_jax.decode.samplers import UniformSampler  # noqa: E402
 from orl_jax.model import diffusion_gemma  # noqa: E402
+from orl_jax.sharding import make_mesh  # noqa: E402
 
 T0 = time.perf_counter()
 
 
 def log(**kw):
-    kw |= {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "t": round(time.perf_counter() - T0, 1)}
+    kw |= {"expert_parallel": args.expert, "device": jax.devices()[0].device_kind, "jax": jax.__version__, "t": round(time.perf_counter() - T0, 1)}
     print(json.dumps(kw), flush=True)
     with open(args.out, "a") as f:
         f.write(json.dumps(kw) + "\n")
@@ -52,9 +55,17 @@ flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda s: is
 leaves = [s for _, s in flat]
 
 
-@jax.jit
-def _normal(key, like):
-    return (jax.random.normal(key, like.shape, jnp.bfloat16) * 0.02).astype(like.dtype)
+MESH = None if args.expert == 1 else make_mesh(data=1, fsdp=1, tensor=args.expert,
+                                               devices=jax.devices()[:args.expert])
+SHARDINGS = jax.tree.leaves(P.shardings(specs, MESH)) if MESH is not None else [None] * len(leaves)
+
+
+@functools.cache
+def _maker(shape, dtype, sharding, ones: bool):
+    if ones:
+        return jax.jit(lambda key: jnp.ones(shape, dtype), out_shardings=sharding)
+    return jax.jit(lambda key: (jax.random.normal(key, shape, jnp.bfloat16) * 0.02).astype(dtype),
+                   out_shardings=sharding)
 
 
 def _is_scale(path) -> bool:  # norm weights and per-layer scalars start at 1; everything else (router too) random
@@ -64,10 +75,11 @@ def _is_scale(path) -> bool:  # norm weights and per-layer scalars start at 1; e
 
 t = time.perf_counter()
 keys = jax.random.split(jax.random.key(0), len(leaves))
-# one leaf at a time and straight in bf16, so no float32 copy of a 10 GB expert stack is ever materialized
+# one leaf at a time, straight in bf16 and already sharded (experts split over the mesh with --expert), so no
+# float32 copy of a 10 GB expert stack is ever materialized
 params = jax.tree.unflatten(treedef, [
-    jnp.ones(s.shape, s.dtype) if _is_scale(path) else _normal(k, jax.ShapeDtypeStruct(s.shape, s.dtype))
-    for (path, s), k in zip(flat, keys)])
+    _maker(s.shape, s.dtype, sh, _is_scale(path))(k)
+    for (path, s), k, sh in zip(flat, keys, SHARDINGS)])
 jax.block_until_ready(params)
 n = sum(int(np.prod(s.shape)) for s in leaves)
 log(what="init", params_b=n / 1e9, seconds=time.perf_counter() - t)
@@ -75,7 +87,7 @@ log(what="init", params_b=n / 1e9, seconds=time.perf_counter() - t)
 prompt = np.random.default_rng(0).integers(0, min(200000, cfg.vocab_size) - 8, (1, args.prompt)).astype(np.int32)
 sampler = UniformSampler(max_denoising_steps=48, t_max=0.8, t_min=0.4, entropy_bound=0.1, stability=1,
                          confidence=0.0)
-kw = dict(key=jax.random.key(0), max_new_tokens=args.new, sampler=sampler, eos_token_id=())
+kw = dict(key=jax.random.key(0), max_new_tokens=args.new, sampler=sampler, eos_token_id=(), mesh=MESH)
 t = time.perf_counter()
 out = jax.block_until_ready(generate(params, cfg, prompt, **kw))
 first = time.perf_counter() - t

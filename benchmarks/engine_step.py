@@ -27,6 +27,7 @@ ap.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/orl_jax/xla"
 ap.add_argument("--out", default="engine_bench.jsonl")
 ap.add_argument("--prompt", type=int, default=512)
 ap.add_argument("--preset", default="qwen3-4b", help="model shape (tiny-qwen3 for a CPU smoke run)")
+ap.add_argument("--tensor", type=int, default=1, help="tensor-parallel over the first N devices (mesh tensor=N)")
 args = ap.parse_args()
 runtime.configure(args.cache_dir, xla_flags=() if args.xla_default else runtime.DEFAULT_XLA_FLAGS)
 
@@ -40,12 +41,13 @@ from orl_jax.decode.engine import generate  # noqa: E402
 from orl_jax.decode.samplers import MaskSampler, UniformSampler  # noqa: E402
 from orl_jax.model import qwen3, qwendlm  # noqa: E402
 from orl_jax.model.cache import KVCache  # noqa: E402
+from orl_jax.sharding import make_mesh, named_sharding  # noqa: E402
 
 T0 = time.perf_counter()
 
 
 def log(**kw):
-    kw |= {"phase": args.phase, "xla_flags": os.environ.get("XLA_FLAGS", ""), "device": jax.devices()[0].device_kind,
+    kw |= {"phase": args.phase, "tensor": args.tensor, "xla_flags": os.environ.get("XLA_FLAGS", ""), "device": jax.devices()[0].device_kind,
            "jax": jax.__version__, "t": round(time.perf_counter() - T0, 1)}
     print(json.dumps(kw), flush=True)
     with open(args.out, "a") as f:
@@ -76,6 +78,8 @@ def ceilings():
 
 cfg = preset(args.preset).replace(noise="mask", mask_token_id=preset(args.preset).vocab_size - 1)
 specs = qwen3.param_specs(cfg)
+MESH = None if args.tensor == 1 else make_mesh(data=1, fsdp=1, tensor=args.tensor,
+                                               devices=jax.devices()[:args.tensor])
 nbytes = sum(int(np.prod(s.shape)) * 2 for s in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P.ParamSpec)))
 
 
@@ -93,6 +97,8 @@ def step_inputs(L):
     sampler, c = sampler_for(L)
     S = args.prompt + L
     k = jax.random.normal(jax.random.key(1), (c.num_layers, 1, S, c.num_kv_heads, c.head_dim), jnp.bfloat16)
+    if MESH is not None:  # the cache split over kv heads, like the weights
+        k = jax.device_put(k, named_sharding(MESH, ("layers", "batch", "length", "kv_heads", "head_dim"), k.shape))
     cache = KVCache(k=k, v=k * 0.5, start=jnp.zeros((1,), jnp.int32), length=jnp.asarray(args.prompt, jnp.int32))
     canvas, sstate = sampler.init(jax.random.key(2), 1, L, c)
     return sampler, c, cache, canvas, sstate
@@ -125,6 +131,8 @@ def step_phase(params, bw):
             log(what="denoise_step", block=L, loop=mode, ms_per_forward=per * 1e3, roofline_ms=roof * 1e3,
                 pct_of_roofline=100 * roof / per, compile_s=compile_s)
 
+    if MESH is not None:
+        return
     # loop overhead: a tiny body (one [32,4096]x[4096,4096] matmul) in a dynamic while_loop vs a fori_loop
     w = jax.random.normal(jax.random.key(0), (4096, 4096), jnp.bfloat16) * 0.01
     x0 = jax.random.normal(jax.random.key(1), (32, 4096), jnp.bfloat16)
@@ -141,7 +149,8 @@ def generate_phase(params):
     prompt = np.random.default_rng(0).integers(0, 150000, (1, args.prompt)).astype(np.int32)
     for L in map(int, args.blocks.split(",")):
         sampler, c = sampler_for(L)
-        kw = dict(key=jax.random.key(0), max_new_tokens=256, block_length=L, sampler=sampler, eos_token_id=())
+        kw = dict(key=jax.random.key(0), max_new_tokens=256, block_length=L, sampler=sampler, eos_token_id=(),
+                  mesh=MESH)
         t = time.perf_counter()
         out = generate(params, c, prompt, **kw)
         jax.block_until_ready(out)
@@ -169,7 +178,7 @@ def breakdown_phase(params):
 
 bw = ceilings()
 t = time.perf_counter()
-params = P.init(specs, jax.random.key(0))
+params = P.init(specs, jax.random.key(0), MESH)
 jax.block_until_ready(params)
 log(what="init", params_gb=nbytes / 1e9, seconds=time.perf_counter() - t)
 if args.phase == "step":

@@ -29,19 +29,22 @@ def save_params(directory: str | os.PathLike, cfg: ModelConfig, params: dict, *,
         with ocp.StandardCheckpointer() as ckptr:
             ckptr.save(tmp / "params", params)
             ckptr.wait_until_finished()
-        (tmp / "config.json").write_text(json.dumps(to_hf_config(cfg) | {"dtype": cfg.dtype}, indent=2))
+        meta = {"dtype": cfg.dtype, "param_dtype": cfg.param_dtype}
+        (tmp / "config.json").write_text(json.dumps(to_hf_config(cfg) | meta, indent=2))
     return directory
 
 
-def load_params(directory: str | os.PathLike, *, dtype: str | None = None,
+def load_params(directory: str | os.PathLike, *, dtype: str | None = None, param_dtype: str | None = None,
                 mesh: Mesh | None = None) -> tuple[ModelConfig, dict]:
-    """Restore (config, params); `dtype` overrides the saved dtype, `mesh` shards the restored arrays."""
+    """Restore (config, params); `dtype` / `param_dtype` override the saved compute / storage dtypes (a
+    `dtype` alone stores the weights in it too), `mesh` shards the restored arrays."""
     directory = Path(directory).absolute()
     cfg_file = directory / "config.json"
     if not cfg_file.exists() or not (directory / "params").exists():
         raise ValueError(f"{str(directory)!r} is not an orl_jax params export (needs config.json and params/)")
     hf = json.loads(cfg_file.read_text())
     cfg = from_hf_config(hf, dtype=dtype or hf.get("dtype", "bfloat16"))
+    cfg = cfg.replace(param_dtype=param_dtype or (None if dtype else hf.get("param_dtype")))
     specs = qwen3.param_specs(cfg)
     target = P.abstract(specs)
     if mesh is not None:

@@ -33,7 +33,10 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 40960
-    dtype: str = "bfloat16"  # parameter and activation dtype; softmax and norms always run in float32
+    dtype: str = "bfloat16"  # activation (compute) dtype; softmax and norms always run in float32
+    # Storage dtype of the weights (None: same as dtype). Mixed-precision training keeps float32 master weights
+    # (param_dtype="float32") and computes in bfloat16: every weight is cast to `dtype` where it is used.
+    param_dtype: str | None = None
     # --- block diffusion (QwenDLM); inert for a causal model ---
     # uniform: the canvas starts as random tokens and is re-noised (DiffusionGemma's recipe, our reading for
     # QwenDLM); mask: the canvas starts as [MASK] tokens (LLaDA / SDAR style).
@@ -64,6 +67,9 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"ModelConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.param_dtype is not None and self.param_dtype not in _DTYPES:
+            raise ValueError(f"ModelConfig.param_dtype must be None or one of {sorted(_DTYPES)}, "
+                             f"got {self.param_dtype!r}")
         if self.noise not in ("uniform", "mask"):
             raise ValueError(f"ModelConfig.noise must be 'uniform' or 'mask', got {self.noise!r}")
         if self.prefix_attention not in ("causal", "block_causal"):
@@ -85,6 +91,10 @@ class ModelConfig:
     @property
     def jnp_dtype(self):
         return _DTYPES[self.dtype]
+
+    @property
+    def jnp_param_dtype(self):
+        return _DTYPES[self.param_dtype or self.dtype]
 
     @property
     def has_adapter(self) -> bool:

@@ -37,7 +37,7 @@ class Recipe:
     kv_heads: int
     head_dim: int
     mlp: int
-    seq_len: int  # stage-0 packed row length; stage-1 rows hold one example each
+    seq_len: int  # stage-0 packed row length
     batch: int
     stage0_steps: int
     stage1_steps: int
@@ -60,6 +60,12 @@ class Recipe:
     orl_max_prompt: int = 192
     orl_steps: int = 8  # max denoising steps per block during rollouts
     lr2: float = 3e-4
+    # Compute dtype of every stage; the weights stay float32 (master copy) either way.
+    compute_dtype: str = "float32"
+    # stage-1 row length (one example per row, right-padded); 0 = seq_len. Longer examples are left out of stage 1
+    # and of the held-out set (whose reference answer must also fit eval_max_new).
+    conv_len: int = 0
+    eval_fit: bool = True
 
 
 PRESETS = {
@@ -74,14 +80,15 @@ PRESETS = {
                     batch=4, stage0_steps=6, stage1_steps=4, lr0=3e-3, lr1=1e-3, block_length=8,
                     train_examples=40, eval_examples=4, eval_max_new=16, tasks=("arithmetic",),
                     eval_settings=((4, 0.3),), orl_rounds=2, orl_prompts=2, orl_group=2, orl_states=4,
-                    orl_max_prompt=320, orl_steps=4),
+                    orl_max_prompt=320, orl_steps=4, eval_fit=False),
     # one H200, each stage well inside 10 minutes.
     "h200": Recipe(vocab_size=4096, hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, mlp=1536, seq_len=1024,
                    batch=64, stage0_steps=2500, stage1_steps=2000, lr0=1e-3, lr1=5e-4, block_length=32,
                    train_examples=20000, eval_examples=256, eval_max_new=320,
                    tasks=("arithmetic", "list_ops", "program_output", "code_function"),
                    eval_settings=((32, 0.005), (16, 0.02), (8, 0.1), (4, 0.3)), orl_rounds=200, orl_prompts=16,
-                   orl_group=8, orl_states=16, orl_max_prompt=256, orl_steps=32, lr2=1e-4),
+                   orl_group=8, orl_states=16, orl_max_prompt=256, orl_steps=32, lr2=1e-4,
+                   compute_dtype="bfloat16", conv_len=512),
 }
 
 

@@ -77,15 +77,20 @@ def test_host_sharding_is_disjoint():
     assert all(len(p) == 8 for p in parts)
 
 
-def test_state_round_trip_resumes_exactly():
-    ds = make_dataset(examples(), seq_len=SEQ, batch_size=2, seed=7)  # infinite, packed, shuffled bins
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_state_round_trip_resumes_exactly(prefetch):
+    ds = make_dataset(examples(), seq_len=SEQ, batch_size=2, seed=7, prefetch=prefetch)  # infinite, packed
     it = iter(ds)
-    take(it, 5)
+    first = take(it, 5)
     state = json.loads(json.dumps(it.get_state()))  # what the checkpoint stores
     expected = take(it, 9)  # crosses an epoch boundary
-    fresh = iter(make_dataset(examples(), seq_len=SEQ, batch_size=2, seed=7))
+    fresh = iter(make_dataset(examples(), seq_len=SEQ, batch_size=2, seed=7, prefetch=prefetch))
     fresh.set_state(state)
     for a, b in zip(expected, take(fresh, 9)):
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k])
+    plain = take(iter(make_dataset(examples(), seq_len=SEQ, batch_size=2, seed=7, prefetch=0)), 14)
+    for a, b in zip(first + expected, plain):  # prefetching never changes the stream
         for k in a:
             np.testing.assert_array_equal(a[k], b[k])
 
@@ -98,6 +103,8 @@ def test_truncation_and_errors():
         next(iter(make_dataset(long, seq_len=SEQ, batch_size=1, truncate=False)))
     with pytest.raises(ValueError, match="seq_len"):
         make_dataset(examples(), seq_len=0, batch_size=1)
+    with pytest.raises(ValueError, match="prefetch"):
+        make_dataset(examples(), seq_len=SEQ, batch_size=1, prefetch=-1)
     with pytest.raises(ValueError, match="shard_index"):
         make_dataset(examples(), seq_len=SEQ, batch_size=1, shard_index=3, shard_count=3)
     with pytest.raises(ValueError, match="reserved"):

@@ -104,7 +104,7 @@ def _positive_int(name: str, v: Any) -> int:
 def make_dataset(source, *, seq_len: int, batch_size: int, seed: int = 0, shuffle: bool = True,
                  num_epochs: int | None = None, pack: bool = True, num_packing_bins: int | None = None,
                  features: Sequence[str] | None = None, truncate: bool = True, shard_index: int | None = None,
-                 shard_count: int | None = None, read_options: Any = None):
+                 shard_count: int | None = None, read_options: Any = None, prefetch: int = 2):
     """A grain IterDataset of batches {feature: [B, seq_len], "segment_ids": ..., "positions": ...}.
 
     source: sequence / random-access source / grain.MapDataset of examples. seed drives the shuffle and the
@@ -112,8 +112,9 @@ def make_dataset(source, *, seq_len: int, batch_size: int, seed: int = 0, shuffl
     each example to its own row instead of packing. num_packing_bins (default batch_size): rows packed at once;
     more bins, less padding. features selects / orders the packed features (default: all keys of an example).
     shard_index / shard_count: which slice of the source this host reads (default jax.process_index() /
-    jax.process_count()). batch_size is per host. Iterate with `iter(dataset)`; the iterator's
-    get_state()/set_state() resume exactly.
+    jax.process_count()). batch_size is per host. prefetch: batches built ahead in a background thread (0 = none),
+    so packing overlaps the device step. Iterate with `iter(dataset)`; the iterator's get_state()/set_state()
+    resume exactly (with prefetch too: the state is that of the last batch handed out).
     """
     grain = _grain()
     seq_len = _positive_int("seq_len", seq_len)
@@ -122,6 +123,8 @@ def make_dataset(source, *, seq_len: int, batch_size: int, seed: int = 0, shuffl
         num_epochs = _positive_int("num_epochs", num_epochs)
     if num_packing_bins is not None:
         num_packing_bins = _positive_int("num_packing_bins", num_packing_bins)
+    if not isinstance(prefetch, int | np.integer) or isinstance(prefetch, bool) or prefetch < 0:
+        raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
     if shard_index is None or shard_count is None:
         import jax
 
@@ -153,7 +156,10 @@ def make_dataset(source, *, seq_len: int, batch_size: int, seed: int = 0, shuffl
         ds = ds.map(_rename_packed(features))
     else:
         ds = ds.map(lambda ex: _pad(ex, seq_len))
-    return ds.batch(batch_size, drop_remainder=True)
+    ds = ds.batch(batch_size, drop_remainder=True)
+    if prefetch:
+        ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=int(prefetch))
+    return ds
 
 
 def _source(grain, source):

@@ -31,7 +31,7 @@ from orl_jax.params import ParamSpec, ones, zeros
 def param_specs(cfg: ModelConfig) -> dict:
     V, D, N, K, H, F, Ly = (cfg.vocab_size, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                             cfg.intermediate_size, cfg.num_layers)
-    dt = cfg.jnp_dtype
+    dt = cfg.jnp_param_dtype
     specs = {
         "embed": ParamSpec((V, D), dt, ("vocab", "embed")),
         "layers": {

@@ -37,9 +37,10 @@ def residual_embed(params: dict, cfg: ModelConfig, tokens: jax.Array, z: jax.Arr
 
 
 def soft_embed(params: dict, cfg: ModelConfig, probs: jax.Array) -> jax.Array:
-    """z = p @ E: [B, L, V] -> [B, L, D] in the model dtype."""
-    e = params["embed"]
-    return jnp.einsum("blv,vd->bld", probs.astype(e.dtype), e, preferred_element_type=jnp.float32).astype(e.dtype)
+    """z = p @ E: [B, L, V] -> [B, L, D] in the compute dtype."""
+    dt = cfg.jnp_dtype
+    return jnp.einsum("blv,vd->bld", probs.astype(dt), params["embed"].astype(dt),
+                      preferred_element_type=jnp.float32).astype(dt)
 
 
 def init_cache(cfg: ModelConfig, batch: int, size: int) -> KVCache:

@@ -53,10 +53,16 @@ def _encode(tok, examples, max_len: int):
 ADAPTER_GROUP = {"adapter": ParamGroup(lr_scale=0.5, clip_norm=1.0)}
 
 
+def conv_len(r) -> int:
+    return r.conv_len or r.seq_len
+
+
 def conversion_data(r, tok, seed: int):
-    """Unpacked rows (one train example each, prompt_mask marking the prompt) for the block-diffusion objective."""
-    rows = _encode(tok, _examples(r, "train", r.train_examples, seed), r.seq_len)
-    return make_dataset(rows, seq_len=r.seq_len, batch_size=r.batch, seed=seed, pack=False)
+    """Unpacked rows (one train example each, prompt_mask marking the prompt) for the block-diffusion objective;
+    examples longer than the row (conv_len) are left out, never truncated (a cut answer teaches nothing)."""
+    n = conv_len(r)
+    rows = [x for x in _encode(tok, _examples(r, "train", r.train_examples, seed), n + 1) if len(x["tokens"]) <= n]
+    return make_dataset(rows, seq_len=n, batch_size=r.batch, seed=seed, pack=False)
 
 
 def diffusion_loss_fn(obj: DiffusionObjective, cfg, reference_params=None):
@@ -76,7 +82,7 @@ def load_export(name: str, out: Path, cfg, log):
     if not export.exists():
         return None
     log(f"{name}: reusing {export}")
-    return checkpoint.load_params(export, dtype=cfg.dtype)[1]
+    return checkpoint.load_params(export, dtype=cfg.dtype, param_dtype=cfg.param_dtype)[1]
 
 
 def _run_stage(name, out: Path, cfg, params, loss_fn, optim: OptimConfig, data, steps: int, log):
@@ -94,8 +100,11 @@ def _run_stage(name, out: Path, cfg, params, loss_fn, optim: OptimConfig, data, 
             state = step.init_state(params, jax.random.key(1))
         else:
             log(f"{name}: resumed at step {int(state.step)}")
-        state = train(state, step, it, num_steps=steps, ckpt=ck, save_every=max(steps // 4, 1),
-                      log_every=max(steps // 20, 1), writer=w)
+        try:
+            state = train(state, step, it, num_steps=steps, ckpt=ck, save_every=max(steps // 4, 1),
+                          log_every=max(steps // 20, 1), writer=w)
+        finally:
+            it.close()  # stops the prefetch thread now, not at interpreter exit
     params = jax.device_get(state.params)
     if int(state.step) >= steps:  # finished (not preempted): export the stage
         checkpoint.save_params(export, cfg, params)
@@ -121,7 +130,8 @@ def base_model(r, args, out: Path, log):
     tok = load_tokenizer(tok_dir)
     cfg = ModelConfig(vocab_size=len(tok), hidden_size=r.hidden, num_layers=r.layers, num_heads=r.heads,
                       num_kv_heads=r.kv_heads, head_dim=r.head_dim, intermediate_size=r.mlp,
-                      max_position_embeddings=4096, dtype="float32", tie_word_embeddings=True,
+                      max_position_embeddings=4096, dtype=r.compute_dtype, param_dtype="float32",
+                      tie_word_embeddings=True,
                       eos_token_ids=stop_token_ids(tok), pad_token_id=tok.pad_token_id,
                       mask_token_id=tok.mask_token_id, block_length=r.block_length)
     log(f"stage 0: AR pretraining, {P.count(qwen3.param_specs(cfg)) / 1e6:.2f} M params, vocab {cfg.vocab_size}")
@@ -151,11 +161,28 @@ def convert(r, args, out: Path, tok, ar_cfg: ModelConfig, ar_params, log):
                            r.stage1_steps, log)
 
 
+def heldout_examples(r, tok, seed: int):
+    """r.eval_examples held-out examples whose reference fits the budgets: answer <= eval_max_new tokens and
+    prompt + answer <= conv_len (what stage 1 trains on). Drawn in order from a larger reproducible sample."""
+    pool = tasks.sample("heldout", 2 * r.eval_examples, seed, tasks=list(r.tasks))
+    fits = []  # r.eval_fit=False (the smoke preset's tiny budgets): the first examples, fitting or not
+    for ex in pool:
+        prompt, response = format_example(tok, ex)
+        if len(response) <= r.eval_max_new and len(prompt) + len(response) <= conv_len(r):
+            fits.append(ex)
+    if not r.eval_fit:
+        return pool[:r.eval_examples]
+    if len(fits) < r.eval_examples:
+        raise ValueError(f"only {len(fits)} of {len(pool)} held-out examples fit eval_max_new={r.eval_max_new} and "
+                         f"conv_len={conv_len(r)}; raise them")
+    return fits[:r.eval_examples]
+
+
 def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: dict, log, started: float):
     """AR greedy baseline, then every QwenDLM variant in `methods` ({name: params}) at every decoding setting."""
     import time
 
-    examples = tasks.sample("heldout", r.eval_examples, args.seed + 7, tasks=list(r.tasks))
+    examples = heldout_examples(r, tok, args.seed + 7)
     rows = [evaluate(ar_params, ar_cfg, tok, examples, method="AR (greedy)", setting="-", ar=True,
                      max_new_tokens=r.eval_max_new)]
     log(f"eval AR: {dataclasses.asdict(rows[-1])}")
@@ -173,7 +200,9 @@ def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: d
                                  max_new_tokens=r.eval_max_new, **kw))
             log(f"eval {method} {setting}: {dataclasses.asdict(rows[-1])}")
     notes = [f"Preset `{args.preset}`{' from ' + args.hf_model if args.hf_model else ''}; "
-             f"{len(examples)} held-out examples of {', '.join(r.tasks)}; max {r.eval_max_new} new tokens.",
+             f"{len(examples)} held-out examples of {', '.join(r.tasks)} (those whose reference answer fits "
+             f"{r.eval_max_new} new tokens and {conv_len(r)} tokens with its prompt); max {r.eval_max_new} new "
+             f"tokens; compute in {r.compute_dtype}, float32 master weights.",
              f"QwenDLM: {dlm_cfg.noise} noise, block {r.block_length}; uniform family: greedy proposals, entropy "
              "bound 0.1, self-conditioning residual (ORLResidual); mask family: threshold fill. TPF counts "
              "denoising and commit forwards; tokens/s is the batched decode after compilation.",
