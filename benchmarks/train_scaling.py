@@ -82,10 +82,13 @@ state = step.init_state(P.init(qwen3.param_specs(cfg), jax.random.key(0)), jax.r
 log(what="setup", params_m=P.count(qwen3.param_specs(cfg)) / 1e6, batch=r.batch, seq_len=r.seq_len,
     mesh=dict(mesh.shape))
 
-losses, tokens, t_start = [], 0, None
+losses, tokens, t_start, waited = [], 0, None, 0.0
 t0 = time.perf_counter()
 for i in range(args.steps):
+    t_data = time.perf_counter()
     batch = next(data)
+    if i >= args.warmup:
+        waited += time.perf_counter() - t_data
     state, m = step(state, step.shard_batch(batch))
     losses.append(m["loss"])
     if i == 0:
@@ -102,5 +105,6 @@ dt = time.perf_counter() - t_start
 losses = [float(x) for x in jax.device_get(losses)]
 for i in range(0, args.steps, 10):
     log(what="loss", step=i + 1, loss=losses[i])
-log(what="summary", steps=args.steps, timed_steps=args.steps - args.warmup, step_ms=dt * 1e3 / (args.steps - args.warmup),
-    tokens_per_s=tokens / dt, final_loss=float(np.mean(losses[-10:])))
+timed = args.steps - args.warmup
+log(what="summary", steps=args.steps, timed_steps=timed, step_ms=dt * 1e3 / timed, tokens_per_s=tokens / dt,
+    data_wait_ms=waited * 1e3 / timed, final_loss=float(np.mean(losses[-10:])))

@@ -2,8 +2,9 @@
 
 `train()` runs a TrainStep (step.py) until `state.step == num_steps` (an absolute step, so a resumed run is given
 the same `num_steps` as the original). Per step it pulls one host batch, places it (`step_fn.shard_batch`), runs
-the update and, every `log_every` steps, writes metrics (the step's own plus `tokens_per_s`, `step_time_s`) to a
-MetricsWriter and a tqdm bar (tokens = non-padding tokens, segment_ids > 0, of the global batch). Every
+the update and, every `log_every` steps, writes metrics (the step's own plus `tokens_per_s`, `step_time_s` and
+`data_wait_frac`, the share of wall time spent waiting for the input pipeline) to a MetricsWriter and a tqdm
+bar (tokens = non-padding tokens, segment_ids > 0, of the global batch). Every
 `save_every` steps, on preemption (SIGTERM / orbax sync point) and at the end it saves the TrainState with the
 data iterator's state; the iterator state is taken right after the step that consumed its batch, so restore +
 resume replays exactly the batches the uninterrupted run would have seen.
@@ -111,12 +112,14 @@ def train(state: TrainState, step_fn: Callable, data_iter: Iterator, *, num_step
     bar = _progress(progress, start, num_steps)
     pending = None  # (metrics, step) not yet checked for non-finite updates
     saved = None
-    t_mark, tokens, n_steps = time.perf_counter(), 0, 0
+    t_mark, tokens, n_steps, waited = time.perf_counter(), 0, 0, 0.0
     done = start
     try:
         for i in range(start, num_steps):
             try:
+                t_data = time.perf_counter()
                 host_batch = next(data_iter)
+                waited += time.perf_counter() - t_data
             except StopIteration:
                 log.warning("data iterator exhausted at step %d (num_steps=%d)", i, num_steps)
                 break
@@ -129,14 +132,15 @@ def train(state: TrainState, step_fn: Callable, data_iter: Iterator, *, num_step
             pending = (metrics, done)
             if i == start:  # exclude compilation from the first throughput window
                 jax.block_until_ready(metrics)
-                t_mark, tokens, n_steps = time.perf_counter(), 0, 0
+                t_mark, tokens, n_steps, waited = time.perf_counter(), 0, 0, 0.0
             if log_every and (done % log_every == 0 or done == num_steps):
                 values = to_host(metrics)
                 now = time.perf_counter()
                 dt = now - t_mark
                 values |= {"tokens_per_s": tokens / dt if dt > 0 and n_steps else 0.0,
-                           "step_time_s": dt / n_steps if n_steps else 0.0}
-                t_mark, tokens, n_steps = now, 0, 0
+                           "step_time_s": dt / n_steps if n_steps else 0.0,
+                           "data_wait_frac": waited / dt if dt > 0 else 0.0}
+                t_mark, tokens, n_steps, waited = now, 0, 0, 0.0
                 if writer is not None:
                     writer.write(done, values)
                 if bar is not None:
