@@ -65,6 +65,7 @@ class Recipe:
     # stage-1 row length (one example per row, right-padded); 0 = seq_len. Longer examples are left out of stage 1
     # and of the held-out set (whose reference answer must also fit eval_max_new).
     conv_len: int = 0
+    remat: bool = False  # recompute each layer in the backward pass of stage 1 (two passes over 2 x conv_len rows)
     eval_fit: bool = True  # False: evaluate the first held-out examples even when their answer cannot fit
 
 
@@ -89,7 +90,7 @@ PRESETS = {
                    tasks=("arithmetic", "list_ops", "program_output", "code_function"),
                    eval_settings=((32, 0.005), (16, 0.02), (8, 0.1), (4, 0.3)), orl_rounds=200, orl_prompts=16,
                    orl_group=8, orl_states=16, orl_max_prompt=256, orl_steps=32, lr2=1e-4,
-                   compute_dtype="bfloat16", conv_len=512),
+                   compute_dtype="bfloat16", conv_len=512, remat=True),
 }
 
 

@@ -148,7 +148,9 @@ def make_dataset(source, *, seq_len: int, batch_size: int, seed: int = 0, shuffl
     if shuffle:
         ds = ds.shuffle(seed=seed)
     ds = ds.repeat(num_epochs)
-    ds = ds.to_iter_dataset(read_options) if read_options is not None else ds.to_iter_dataset()
+    # grain's default read options start 16 reader threads whose bookkeeping costs 4x our cheap per-example map
+    # (measured: 99 vs 23 ms per 128 x 512 packed batch); one reader, with `prefetch` at the batch level instead
+    ds = ds.to_iter_dataset(read_options or grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
     if pack:
         ds = grain.experimental.FirstFitPackIterDataset(
             ds, length_struct={k: seq_len for k in features}, num_packing_bins=num_packing_bins or batch_size,

@@ -79,7 +79,8 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
 
 def run_rcd(r, args, out: Path, tok, cfg, params, log):
     reference = jax.tree.map(np.asarray, params)
-    loss_fn = diffusion_loss_fn(DiffusionObjective(block_length=r.block_length), cfg, reference_params=reference)
+    loss_fn = diffusion_loss_fn(DiffusionObjective(block_length=r.block_length, remat=r.remat), cfg,
+                                reference_params=reference)
     optim = OptimConfig(lr=r.lr2, warmup_steps=0, total_steps=max(r.orl_rounds, 1), weight_decay=0.0,
                         groups=ADAPTER_GROUP)
     log(f"stage 2 baseline: RCD (off-policy residuals from the frozen converted model), {r.orl_rounds} updates")
