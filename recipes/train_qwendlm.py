@@ -62,8 +62,8 @@ class Recipe:
     lr2: float = 3e-4
     # Compute dtype of every stage; the weights stay float32 (master copy) either way.
     compute_dtype: str = "float32"
-    # stage-1 row length (one example per row, right-padded); 0 = seq_len. Longer examples are left out of stage 1
-    # and of the held-out set (whose reference answer must also fit eval_max_new).
+    # stage-1 row length (whole examples packed, kept apart by the attention mask); 0 = seq_len. Longer examples are
+    # left out of stage 1 and of the held-out set (whose reference answer must also fit eval_max_new).
     conv_len: int = 0
     remat: bool = False  # recompute each layer in the backward pass of stage 1 (two passes over 2 x conv_len rows)
     eval_fit: bool = True  # False: evaluate the first held-out examples even when their answer cannot fit

@@ -10,7 +10,8 @@ from orl_jax import params as P
 from orl_jax.config import preset
 from orl_jax.decode.ar import ar_generate
 from orl_jax.model import qwen3, qwendlm
-from orl_jax.train.objectives import DiffusionObjective, causal_lm_loss, diffusion_mask
+from orl_jax.train.objectives import (DiffusionObjective, causal_lm_loss, diffusion_mask, packed_diffusion_mask,
+                                      packed_rows)
 
 BL = 4
 
@@ -73,11 +74,54 @@ def test_mask_noise_masks_at_least_one_per_block(model):
     mcfg = cfg.replace(noise="mask")
     obj = DiffusionObjective(block_length=BL, t_min=0.0)
     tokens = jnp.ones((64, 3 + 3 * BL), jnp.int32)
-    noisy, w = obj.noise(mcfg, tokens, jnp.full((64,), 3), jnp.full((64,), 3 + 3 * BL), jax.random.key(1))
+    rows = packed_rows({"tokens": tokens, "prompt_lengths": jnp.full((64,), 3), "lengths": jnp.full((64,), 3 + 3 * BL)})
+    noisy, w = obj.noise(mcfg, tokens, *rows, jax.random.key(1))
     blocks = np.asarray(w)[:, 3:].reshape(64, 3, BL)
     assert blocks.sum(-1).min() >= 1
     assert np.all((np.asarray(noisy) == mcfg.mask_token_id) == (np.asarray(w) > 0))
     assert np.all(np.asarray(w)[:, :3] == 0)  # the prompt is never noised
+
+
+@pytest.mark.parametrize("prefix_attention", ["causal", "block_causal"])
+def test_packed_rows_equal_separate_rows(model, prefix_attention):
+    """Two examples packed in one row (plus padding) give each example exactly the logits it gets alone."""
+    cfg, params = model
+    cfg = cfg.replace(prefix_attention=prefix_attention)
+    rng = np.random.default_rng(7)
+    shapes = [(3, 3 + 2 * BL), (2, 2 + BL + 2)]  # (prompt length, length): the second ends in a partial block
+    exs = [(rng.integers(0, 250, n), rng.integers(0, 250, n)) for _, n in shapes]
+    N = sum(n for _, n in shapes) + 3
+    row = {k: np.zeros((1, N), np.int32) for k in ("tokens", "noisy", "segment_ids", "positions", "prompt_mask")}
+    at = 0
+    for s_id, ((p, n), (clean, noisy)) in enumerate(zip(shapes, exs), 1):
+        sl = slice(at, at + n)
+        row["tokens"][0, sl], row["noisy"][0, sl], row["segment_ids"][0, sl] = clean, noisy, s_id
+        row["positions"][0, sl], row["prompt_mask"][0, sl] = np.arange(n), np.arange(n) < p
+        at += n
+    batch = {k: jnp.asarray(v) for k, v in row.items()}
+    seg, pos, plen = packed_rows(batch)
+    mask = packed_diffusion_mask(seg, pos, plen, BL, prefix_attention)
+
+    def noisy_logits(clean, noisy, pos, mask):
+        n = clean.shape[1]
+        both, pp = jnp.concatenate([clean, noisy], 1), jnp.concatenate([pos, pos], 1)
+        h, _, _ = qwen3.backbone(params, cfg, qwen3.embed(params, cfg, both), pp, mask)
+        return np.asarray(qwen3.logits(params, cfg, h[:, n:])[0])
+
+    packed = noisy_logits(batch["tokens"], batch["noisy"], batch["positions"], mask)
+    at = 0
+    for (p, n), (clean, noisy) in zip(shapes, exs):
+        alone = noisy_logits(jnp.asarray(clean)[None], jnp.asarray(noisy)[None], jnp.arange(n)[None],
+                             diffusion_mask(jnp.asarray([p]), jnp.asarray([n]), n, BL, prefix_attention))
+        np.testing.assert_allclose(packed[at + p:at + n], alone[p:], atol=2e-5)
+        at += n
+    m = np.asarray(mask)[0]
+    n1, n2 = shapes[0][1], shapes[1][1]
+    ex1, ex2 = np.arange(n1), np.arange(n1, n1 + n2)
+    both = lambda idx: np.concatenate([idx, idx + N])  # clean and noisy slots
+    assert not m[np.ix_(both(ex1), both(ex2))].any() and not m[np.ix_(both(ex2), both(ex1))].any()
+    pad = np.arange(n1 + n2, N)
+    assert not m[np.ix_(both(np.concatenate([ex1, ex2])), both(pad))].any()  # padding is never a visible key
 
 
 @pytest.mark.parametrize("noise", ["uniform", "mask"])

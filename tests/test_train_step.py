@@ -113,3 +113,27 @@ def test_errors(runs):
         make_train_step(lm_loss, step.optimizer, step.mesh, qwen3.param_specs(CFG), batch_axes=("rows",))
     with pytest.raises(TypeError, match="mesh"):
         make_train_step(lm_loss, step.optimizer, None, qwen3.param_specs(CFG))
+
+
+def test_frozen_model_is_an_argument_of_the_step(params0):
+    """A frozen pytree (RCD's reference model) reaches the loss as a sharded argument: the same step function
+    gives different losses for different frozen models, matching the closure version, and must be bound."""
+    mesh = make_mesh(1, 2, 1, devices=jax.devices()[:2])
+    opt = make_optimizer(OptimConfig(lr=1e-3, warmup_steps=1, total_steps=10))
+    specs = qwen3.param_specs(CFG)
+
+    def loss(params, batch, key, frozen):  # the plain LM loss plus a pull towards the frozen model's embedding
+        base, aux = lm_loss(params, batch, key)
+        return base + jnp.mean((params["embed"] - frozen["embed"]) ** 2), aux
+
+    step = make_train_step(loss, opt, mesh, specs, frozen_specs=specs)
+    with pytest.raises(ValueError, match="bind"):
+        step(step.init_state(params0, jax.random.key(0)), step.shard_batch(make_batch(0)))
+    batch = make_batch(0)
+    other = jax.tree.map(lambda x: x * 1.5, params0)
+    got = [float(step.bind(f)(step.init_state(params0, jax.random.key(0)), step.shard_batch(batch))[1]["loss"])
+           for f in (params0, other)]
+    closure = make_train_step(lambda p, b, k: loss(p, b, k, other), opt, mesh, specs)
+    want = float(closure(closure.init_state(params0, jax.random.key(0)), closure.shard_batch(batch))[1]["loss"])
+    assert got[0] < got[1]
+    np.testing.assert_allclose(got[1], want, rtol=1e-6)

@@ -26,7 +26,6 @@ import jax.numpy as jnp
 
 from orl_jax.config import ModelConfig
 from orl_jax.model import qwen3, qwendlm
-from orl_jax.model.attention import block_segments
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array):
@@ -61,23 +60,55 @@ def _packed_causal_mask(batch):
     return causal & (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)
 
 
+def packed_rows(batch: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(segment ids, positions, prompt length of each token's example), all [B, N], of a stage-1 batch.
+
+    Two batch forms: packed rows from the grain pipeline (segment_ids, positions and prompt_mask, several examples
+    per row) or one example per row (prompt_lengths [B] and lengths [B], right padding after `lengths`)."""
+    tokens = batch["tokens"]
+    b, n = tokens.shape
+    if "segment_ids" in batch:
+        seg, pos = batch["segment_ids"], batch["positions"]
+        same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)  # [B, N, N]
+        plen = jnp.einsum("bqk,bk->bq", same.astype(jnp.int32), batch["prompt_mask"].astype(jnp.int32))
+        return seg, pos, plen
+    i = jnp.arange(n, dtype=jnp.int32)[None]
+    seg = (i < batch["lengths"][:, None]).astype(jnp.int32)
+    return seg, jnp.broadcast_to(i, (b, n)), jnp.broadcast_to(batch["prompt_lengths"][:, None], (b, n))
+
+
+def block_starts(seg: jax.Array, pos: jax.Array, plen: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+    """(response flags, block start) [B, N]: a response token's block start is the row index of the first token of
+    its block; a prompt (or padding) token's is its own index (prompt tokens stay causal)."""
+    i = jnp.arange(seg.shape[1], dtype=jnp.int32)[None]
+    resp = (seg > 0) & (pos >= plen)
+    return resp, jnp.where(resp, i - (pos - plen) % block, i)
+
+
 def diffusion_mask(prompt_lengths: jax.Array, lengths: jax.Array, n: int, block: int,
                    prefix_attention: str = "causal") -> jax.Array:
-    """Visibility [B, 2N, 2N] for [clean | noisy] training rows (see the module docstring).
+    """Visibility [B, 2N, 2N] for [clean | noisy] rows holding one example each (right padding after `lengths`)."""
+    b = prompt_lengths.shape[0]
+    seg, pos, plen = packed_rows({"tokens": jnp.zeros((b, n), jnp.int32), "prompt_lengths": prompt_lengths,
+                                  "lengths": lengths})
+    return packed_diffusion_mask(seg, pos, plen, block, prefix_attention)
 
-    prompt_lengths, lengths [B]: prompt tokens and valid tokens of each row (right padding after `lengths`).
-    """
+
+def packed_diffusion_mask(seg: jax.Array, pos: jax.Array, plen: jax.Array, block: int,
+                          prefix_attention: str = "causal") -> jax.Array:
+    """Visibility [B, 2N, 2N] for [clean | noisy] rows that may pack several examples (see the module docstring):
+    nothing is visible across examples; inside one, the rules of a single example."""
+    b, n = seg.shape
     i = jnp.arange(n)
-    p, ln = prompt_lengths[:, None], lengths[:, None]
-    valid = i[None] < ln  # [B, N]
-    resp = (i[None] >= p) & valid
-    bstart = block_segments(prompt_lengths.shape[0], n, prompt_lengths, block)  # [B, N] block start
+    valid = seg > 0
+    same = (seg[:, :, None] == seg[:, None, :]) & valid[:, None, :]  # [B, q, k]
+    resp, bstart = block_starts(seg, pos, plen, block)
     if prefix_attention == "causal":
         cc = i[None, None, :] <= i[None, :, None]
     else:  # block-causal: prompt causal, response blocks bidirectional inside
         cc = bstart[:, None, :] <= bstart[:, :, None]
-    cc = cc & valid[:, None, :]
-    nc = (i[None, None, :] < bstart[:, :, None]) & valid[:, None, :] & resp[:, :, None]
+    cc = cc & same
+    nc = (i[None, None, :] < bstart[:, :, None]) & same & resp[:, :, None]
     nn = (bstart[:, :, None] == bstart[:, None, :]) & resp[:, :, None] & resp[:, None, :]
     eye = jnp.eye(n, dtype=bool)[None] & ~resp[:, :, None]  # non-response noisy slots see only themselves
     top = jnp.concatenate([cc, jnp.zeros_like(cc)], axis=2)
@@ -102,39 +133,36 @@ class DiffusionObjective:
         if not 0.0 <= self.sc_prob <= 1.0:
             raise ValueError(f"sc_prob must be in [0, 1], got {self.sc_prob}")
 
-    def noise(self, cfg: ModelConfig, tokens, prompt_lengths, lengths, key):
-        """Noisy tokens [B, N] and the supervised-position weights [B, N]."""
+    def noise(self, cfg: ModelConfig, tokens, seg, pos, plen, key):
+        """Noisy tokens [B, N] and the supervised-position weights [B, N] (per-token rows as from packed_rows)."""
         b, n = tokens.shape
         k_t, k_flip, k_tok = jax.random.split(key, 3)
-        i = jnp.arange(n)[None]
-        p, ln = prompt_lengths[:, None], lengths[:, None]
-        resp = (i >= p) & (i < ln)
-        blk = jnp.where(resp, (i - p) // self.block_length, 0)  # [B, N]
-        nblk = n // self.block_length + 2
-        t = jax.random.uniform(k_t, (b, nblk), minval=self.t_min, maxval=1.0)
-        t_tok = jnp.take_along_axis(t, blk, axis=1)  # [B, N]
+        resp, bstart = block_starts(seg, pos, plen, self.block_length)
+        t = jax.random.uniform(k_t, (b, n), minval=self.t_min, maxval=1.0)  # one level per block (by its start)
+        t_tok = jnp.take_along_axis(t, bstart, axis=1)  # [B, N]
         flip = (jax.random.uniform(k_flip, (b, n)) < t_tok) & resp
         if cfg.noise == "mask":
             # at least one masked token per block: the first response token of a block with none masked
-            counts = jax.vmap(lambda f, bk: jnp.zeros((nblk,), jnp.int32).at[bk].add(f.astype(jnp.int32)))(flip, blk)
-            first = resp & ((i - p) % self.block_length == 0)
-            flip = flip | (first & (jnp.take_along_axis(counts, blk, axis=1) == 0))
+            counts = jax.vmap(lambda f, bs: jnp.zeros((n,), jnp.int32).at[bs].add(f.astype(jnp.int32)))(flip, bstart)
+            first = resp & (jnp.arange(n)[None] == bstart)
+            flip = flip | (first & (jnp.take_along_axis(counts, bstart, axis=1) == 0))
             noisy = jnp.where(flip, cfg.mask_token_id, tokens)
             return noisy, flip.astype(jnp.float32)
         rand = jax.random.randint(k_tok, (b, n), 0, cfg.vocab_size, tokens.dtype)
         return jnp.where(flip, rand, tokens), resp.astype(jnp.float32)
 
     def loss(self, params, cfg: ModelConfig, batch: dict, key, reference_params=None):
-        """batch: tokens [B, N] (prompt + response, right-padded), prompt_lengths [B], lengths [B].
+        """batch: tokens [B, N] with either segment_ids / positions / prompt_mask [B, N] (packed rows, several
+        examples each) or prompt_lengths [B] / lengths [B] (one right-padded example per row); see packed_rows.
 
         reference_params: the RCD baseline (METHOD.md §2) — the residual of every batch comes from this frozen
         model's first pass on the noised state (off-policy), instead of the trained model's own."""
-        tokens, pl, ln = batch["tokens"], batch["prompt_lengths"], batch["lengths"]
+        tokens = batch["tokens"]
         b, n = tokens.shape
+        seg, pos, plen = packed_rows(batch)
         k_noise, k_sc = jax.random.split(key)
-        noisy, weights = self.noise(cfg, tokens, pl, ln, k_noise)
-        mask = diffusion_mask(pl, ln, n, self.block_length, cfg.prefix_attention)
-        pos = jnp.broadcast_to(jnp.arange(n), (b, n))
+        noisy, weights = self.noise(cfg, tokens, seg, pos, plen, k_noise)
+        mask = packed_diffusion_mask(seg, pos, plen, self.block_length, cfg.prefix_attention)
         both = jnp.concatenate([tokens, noisy], axis=1)  # [B, 2N]
         positions = jnp.concatenate([pos, pos], axis=1)
 

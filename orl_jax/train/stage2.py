@@ -5,8 +5,8 @@ Prompts of round k are drawn from the train split with seed k, rollout keys are 
 counter is checkpointed with the state, so `--resume` replays exactly the rounds that were not done yet.
 The RCD baseline trains the same converted model off-policy: the block-diffusion objective on randomly noised
 training states, with the residual computed by the frozen converted model (DiffusionObjective(reference_params))
-and plain cross-entropy, for as many updates as ORL takes rounds. The frozen reference is closed over by the
-jitted step (embedded as constants): fine for the embedded models, to be passed as an argument for 4B runs.
+and plain cross-entropy, for as many updates as ORL takes rounds. The frozen reference is a sharded argument of
+the jitted step (TrainStep.bind), never constants baked into it.
 """
 
 from __future__ import annotations
@@ -78,14 +78,13 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
 
 
 def run_rcd(r, args, out: Path, tok, cfg, params, log):
-    reference = jax.tree.map(np.asarray, params)
     loss_fn = diffusion_loss_fn(DiffusionObjective(block_length=r.block_length, remat=r.remat), cfg,
-                                reference_params=reference)
+                                with_reference=True)
     optim = OptimConfig(lr=r.lr2, warmup_steps=0, total_steps=max(r.orl_rounds, 1), weight_decay=0.0,
                         groups=ADAPTER_GROUP)
     log(f"stage 2 baseline: RCD (off-policy residuals from the frozen converted model), {r.orl_rounds} updates")
     return _run_stage("stage2_rcd", out, cfg, params, loss_fn, optim, conversion_data(r, tok, args.seed + 3),
-                      r.orl_rounds, log)
+                      r.orl_rounds, log, frozen=params)
 
 
 def stage2(r, args, out: Path, tok, cfg, params, log) -> dict:

@@ -58,22 +58,23 @@ def conv_len(r) -> int:
 
 
 def conversion_data(r, tok, seed: int):
-    """Unpacked rows (one train example each, prompt_mask marking the prompt) for the block-diffusion objective;
-    examples longer than the row (conv_len) are left out, never truncated (a cut answer teaches nothing)."""
+    """Packed rows of conv_len tokens (several whole train examples each; prompt_mask marks the prompts) for the
+    block-diffusion objective, which keeps the examples of a row apart (objectives.packed_diffusion_mask).
+    Examples longer than a row are left out, never truncated (a cut answer teaches nothing)."""
     n = conv_len(r)
     rows = [x for x in _encode(tok, _examples(r, "train", r.train_examples, seed), n + 1) if len(x["tokens"]) <= n]
-    return make_dataset(rows, seq_len=n, batch_size=r.batch, seed=seed, pack=False)
+    return make_dataset(rows, seq_len=n, batch_size=r.batch, seed=seed)
 
 
-def diffusion_loss_fn(obj: DiffusionObjective, cfg, reference_params=None):
-    """loss_fn(params, batch, key) of the block-diffusion objective on conversion_data batches."""
+def diffusion_loss_fn(obj: DiffusionObjective, cfg, with_reference: bool = False):
+    """loss_fn(params, batch, key) of the block-diffusion objective on conversion_data batches; with_reference:
+    loss_fn(params, batch, key, reference_params) (RCD: residuals from a frozen model, passed in each step)."""
 
-    def loss_fn(p, b, key):
-        batch = {"tokens": b["tokens"], "prompt_lengths": jnp.sum(b["prompt_mask"], axis=1),
-                 "lengths": jnp.sum(b["segment_ids"] > 0, axis=1)}
-        return obj.loss(p, cfg, batch, key, reference_params=reference_params)
+    def loss_fn(p, b, key, reference=None):
+        batch = {k: b[k] for k in ("tokens", "segment_ids", "positions", "prompt_mask")}
+        return obj.loss(p, cfg, batch, key, reference_params=reference)
 
-    return loss_fn
+    return loss_fn if with_reference else (lambda p, b, key: loss_fn(p, b, key))
 
 
 def load_export(name: str, out: Path, cfg, log):
@@ -85,14 +86,19 @@ def load_export(name: str, out: Path, cfg, log):
     return checkpoint.load_params(export, dtype=cfg.dtype, param_dtype=cfg.param_dtype)[1]
 
 
-def _run_stage(name, out: Path, cfg, params, loss_fn, optim: OptimConfig, data, steps: int, log):
-    """Train `params` with `loss_fn` for `steps` updates (resuming OUT/name/ckpt if present); export the result."""
+def _run_stage(name, out: Path, cfg, params, loss_fn, optim: OptimConfig, data, steps: int, log, frozen=None):
+    """Train `params` with `loss_fn` for `steps` updates (resuming OUT/name/ckpt if present); export the result.
+    frozen: params of a frozen model of the same config, passed to loss_fn(params, batch, key, frozen)."""
     done = load_export(name, out, cfg, log)
     if done is not None:
         return done
     export = out / name / "params"
     mesh = make_mesh(data=1, fsdp=-1, tensor=1)
-    step = make_train_step(loss_fn, make_optimizer(optim), mesh, qwen3.param_specs(cfg))
+    specs = qwen3.param_specs(cfg)
+    step = make_train_step(loss_fn, make_optimizer(optim), mesh, specs,
+                           frozen_specs=None if frozen is None else specs)
+    if frozen is not None:
+        step = step.bind(frozen)
     it = iter(data)
     with CheckpointManager(out / name / "ckpt", max_to_keep=2) as ck, MetricsWriter(out / name / "logs") as w:
         state = resume(ck, step.abstract_state(jax.random.key(1)), it)

@@ -80,9 +80,19 @@ class TrainStep:
     param_shardings: Any
     batch_sharding: NamedSharding
     replicated: NamedSharding
+    frozen_specs: Any = None
+    frozen: Any = None  # the bound frozen arrays (see bind)
 
     def __call__(self, state: TrainState, batch, key: jax.Array | None = None):
-        return self.fn(state, batch, key)
+        return self.fn(state, batch, key, self.frozen)
+
+    def bind(self, frozen) -> TrainStep:
+        """This step with `frozen` (a pytree matching frozen_specs) placed on its shardings and passed each call."""
+        if self.frozen_specs is None:
+            raise ValueError("bind() needs a step made with make_train_step(..., frozen_specs=...)")
+        P.check_tree(frozen, self.frozen_specs, where="frozen")
+        placed = jax.tree.map(lambda x, sh: jax.device_put(x, sh), frozen, P.shardings(self.frozen_specs, self.mesh))
+        return dataclasses.replace(self, frozen=placed)
 
     def state_shardings(self, rng: jax.Array | None = None) -> TrainState:
         abstract = self.abstract_state(rng)
@@ -147,8 +157,13 @@ def _axes(p) -> tuple[str, ...]:
 
 
 def make_train_step(loss_fn: LossFn, optimizer: Optimizer | optax.GradientTransformation, mesh: Mesh,
-                    param_specs, batch_axes: Sequence[str] = ("data", "fsdp"), *, donate: bool = True) -> TrainStep:
+                    param_specs, batch_axes: Sequence[str] = ("data", "fsdp"), *, donate: bool = True,
+                    frozen_specs=None) -> TrainStep:
     """Jit one sharded update of `loss_fn(params, batch, key) -> (loss, metrics)`.
+
+    frozen_specs: ParamSpecs of a frozen pytree the loss also reads (e.g. the RCD reference model); the loss is then
+    `loss_fn(params, batch, key, frozen)` and the step is used as `make_train_step(...).bind(frozen)`. The frozen
+    arrays are a sharded argument of the jitted step, never constants baked into it.
 
     Metrics returned per step (replicated scalars): the loss_fn's own, `loss`, `grad_norm` (+ per group),
     `lr` (+ per group), `skipped` (1 if this update was non-finite), `nonfinite_count`, `consecutive_nonfinite`.
@@ -167,10 +182,13 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer | optax.GradientTransf
     replicated = NamedSharding(mesh, PartitionSpec())
     batch_sharding = NamedSharding(mesh, PartitionSpec(batch_axes or None))
 
-    def step(state: TrainState, batch, key):
+    frozen_shardings = None if frozen_specs is None else P.shardings(frozen_specs, mesh)
+
+    def step(state: TrainState, batch, key, frozen):
         if key is None:
             key = jax.random.fold_in(state.rng, state.step)
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, key)
+        extra = () if frozen_specs is None else (frozen,)
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, key, *extra)
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)
         norms = group_grad_norms(optimizer, grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(norms["grad_norm"])
@@ -190,18 +208,22 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer | optax.GradientTransf
         return new_state, metrics
 
     ts = TrainStep(fn=None, mesh=mesh, optimizer=optimizer, param_specs=param_specs,
-                   param_shardings=param_shardings, batch_sharding=batch_sharding, replicated=replicated)
+                   param_shardings=param_shardings, batch_sharding=batch_sharding, replicated=replicated,
+                   frozen_specs=frozen_specs)
 
     # The state's shardings depend on the rng's key type, so they are resolved at the first call (jit's cache keys
     # on the input types, so this is one compile per key type, normally one).
     compiled: dict = {}
 
-    def call(state: TrainState, batch, key=None):
+    def call(state: TrainState, batch, key=None, frozen=None):
+        if (frozen is None) != (frozen_specs is None):
+            raise ValueError("this step was made with frozen_specs: call .bind(frozen) first" if frozen is None
+                             else "frozen arrays given to a step made without frozen_specs")
         sig = (tuple(state.rng.shape), str(state.rng.dtype))
         if sig not in compiled:
             state_sh = ts.state_shardings(state.rng)
-            compiled[sig] = jax.jit(step, in_shardings=(state_sh, batch_sharding, replicated),
+            compiled[sig] = jax.jit(step, in_shardings=(state_sh, batch_sharding, replicated, frozen_shardings),
                                     out_shardings=(state_sh, replicated), donate_argnums=(0,) if donate else ())
-        return compiled[sig](state, batch, key)
+        return compiled[sig](state, batch, key, frozen)
 
     return dataclasses.replace(ts, fn=call)
