@@ -33,7 +33,12 @@ class KVCache:
         return self.length - self.start[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None]
 
     def write(self, k_new: jax.Array, v_new: jax.Array) -> KVCache:
-        """Append [layers, B, L, K, H] at slot `length` (the commit)."""
+        """Append [layers, B, L, K, H] at slot `length` (the commit). The caller sizes the cache so that
+        length + L <= size (the engine does); past the end, XLA would clamp the slot and overwrite the tail."""
+        if k_new.shape[2] > self.k.shape[2]:
+            raise ValueError(f"cannot write {k_new.shape[2]} tokens into a KV cache of {self.k.shape[2]} slots")
+        if k_new.shape != v_new.shape or k_new.shape[:2] + k_new.shape[3:] != self.k.shape[:2] + self.k.shape[3:]:
+            raise ValueError(f"k/v of shapes {k_new.shape} / {v_new.shape} do not fit a cache of shape {self.k.shape}")
         at = (0, 0, self.length, 0, 0)
         return self.replace(k=jax.lax.dynamic_update_slice(self.k, k_new.astype(self.k.dtype), at),
                             v=jax.lax.dynamic_update_slice(self.v, v_new.astype(self.v.dtype), at),
