@@ -37,6 +37,10 @@ class ModelConfig:
     # Storage dtype of the weights (None: same as dtype). Mixed-precision training keeps float32 master weights
     # (param_dtype="float32") and computes in bfloat16: every weight is cast to `dtype` where it is used.
     param_dtype: str | None = None
+    # Attention of passes without a KV cache (training, replay): "orl_jax" (scores materialized in float32, the
+    # parity reference) or jax.nn.dot_product_attention with implementation "xla" or "cudnn" (fused flash
+    # attention on NVIDIA GPUs; bf16/fp16 only). Cached passes (prefill, decode, commit) always use orl_jax's.
+    attention_impl: Literal["orl_jax", "xla", "cudnn"] = "orl_jax"
     # --- block diffusion (QwenDLM); inert for a causal model ---
     # uniform: the canvas starts as random tokens and is re-noised (DiffusionGemma's recipe, our reading for
     # QwenDLM); mask: the canvas starts as [MASK] tokens (LLaDA / SDAR style).
@@ -70,6 +74,9 @@ class ModelConfig:
         if self.param_dtype is not None and self.param_dtype not in _DTYPES:
             raise ValueError(f"ModelConfig.param_dtype must be None or one of {sorted(_DTYPES)}, "
                              f"got {self.param_dtype!r}")
+        if self.attention_impl not in ("orl_jax", "xla", "cudnn"):
+            raise ValueError(f"ModelConfig.attention_impl must be 'orl_jax', 'xla' or 'cudnn', "
+                             f"got {self.attention_impl!r}")
         if self.noise not in ("uniform", "mask"):
             raise ValueError(f"ModelConfig.noise must be 'uniform' or 'mask', got {self.noise!r}")
         if self.prefix_attention not in ("causal", "block_causal"):

@@ -62,6 +62,7 @@ class Recipe:
     lr2: float = 3e-4
     # Compute dtype of every stage; the weights stay float32 (master copy) either way.
     compute_dtype: str = "float32"
+    attention_impl: str = "orl_jax"  # training attention: orl_jax | xla | cudnn (ModelConfig.attention_impl)
     # stage-1 row length (whole examples packed, kept apart by the attention mask); 0 = seq_len. Longer examples are
     # left out of stage 1 and of the held-out set (whose reference answer must also fit eval_max_new).
     conv_len: int = 0

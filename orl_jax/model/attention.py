@@ -18,12 +18,19 @@ import jax.numpy as jnp
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked row (left padding) stays NaN-free
 
 
-def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.Array:
+def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]], impl: str = "orl_jax"
+              ) -> jax.Array:
     """q [B, L, N, H]; parts: (k [B, S, K, H], v [B, S, K, H], mask [B, L, S]) -> [B, L, N, H].
 
     The parts (cache, self) share one softmax: their scores are concatenated, never their K/V, so a long cache is
     read once and not copied. Scores and softmax run in float32 (as HF's eager attention does).
+    impl "xla" / "cudnn" (one part only): jax.nn.dot_product_attention with that implementation, the mask passed
+    whole. A query row with no visible key then gives an arbitrary finite or zero output instead of ours (the
+    mean of all values); no loss reads such rows.
     """
+    if impl != "orl_jax" and len(parts) == 1:
+        k, v, mask = parts[0]
+        return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation=impl)
     return scaled_attention(q, parts, q.shape[-1] ** -0.5)
 
 

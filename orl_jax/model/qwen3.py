@@ -109,7 +109,7 @@ def _layer(cfg: ModelConfig, x, w, cos, sin, self_vis, cache_part):
     v = qkv[:, :, :, g + 1]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
-    x = x + einsum("blnh,nhd->bld", attention(q, parts), w["o"])
+    x = x + einsum("blnh,nhd->bld", attention(q, parts, cfg.attention_impl), w["o"])
     x = x + fused_gated_mlp(rms_norm(x, w["mlp_norm"], eps), w["gate_up"], w["down"])
     return x, k, v
 

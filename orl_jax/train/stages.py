@@ -126,7 +126,8 @@ def base_model(r, args, out: Path, log):
 
         cfg, params = load_hf(args.hf_model, dtype="bfloat16")
         tok = load_tokenizer(args.hf_model)
-        cfg = cfg.replace(eos_token_ids=stop_token_ids(tok), mask_token_id=tok.mask_token_id)
+        cfg = cfg.replace(eos_token_ids=stop_token_ids(tok), mask_token_id=tok.mask_token_id,
+                          attention_impl=r.attention_impl)
         log(f"loaded {args.hf_model}: {sum(x.size for x in jax.tree.leaves(params)) / 1e9:.2f} B params")
         return tok, cfg, params
     tok_dir = out / "tokenizer"
@@ -137,6 +138,7 @@ def base_model(r, args, out: Path, log):
     cfg = ModelConfig(vocab_size=len(tok), hidden_size=r.hidden, num_layers=r.layers, num_heads=r.heads,
                       num_kv_heads=r.kv_heads, head_dim=r.head_dim, intermediate_size=r.mlp,
                       max_position_embeddings=4096, dtype=r.compute_dtype, param_dtype="float32",
+                      attention_impl=r.attention_impl,
                       tie_word_embeddings=True,
                       eos_token_ids=stop_token_ids(tok), pad_token_id=tok.pad_token_id,
                       mask_token_id=tok.mask_token_id, block_length=r.block_length)
