@@ -1,4 +1,5 @@
-"""Tensor- and expert-parallel generate() on fake CPU devices equals the single-device output token for token."""
+"""Tensor-, expert- and data-parallel generate() on fake CPU devices equals the single-device output token for
+token."""
 
 import jax
 import numpy as np
@@ -27,6 +28,23 @@ def test_tensor_parallel_qwendlm_equals_single_device(tensor, fsdp):
     par = generate(params, cfg, PROMPTS, mesh=mesh, **kw)
     np.testing.assert_array_equal(np.asarray(one.tokens), np.asarray(par.tokens))
     np.testing.assert_array_equal(np.asarray(one.forwards), np.asarray(par.forwards))
+
+
+@pytest.mark.parametrize("data,fsdp", [(2, 1), (2, 2)])
+def test_data_parallel_rows_equal_single_device(data, fsdp):
+    """Rollouts spread over the data axes: 4 sampled rows split 2 or 4 ways, weights FSDP-split when fsdp > 1."""
+    cfg = preset("tiny-qwendlm").replace(block_length=4)
+    params = P.init(qwen3.param_specs(cfg), jax.random.key(0))
+    params["embed"] = params["embed"] * 4.0
+    prompts = PROMPTS + [[3, 4], [20, 21, 22, 23]]
+    kw = dict(key=jax.random.key(1), max_new_tokens=8, sampler=UniformSampler(max_denoising_steps=3),
+              residual=ORLResidual(), capture=True)
+    one = generate(params, cfg, prompts, **kw)
+    mesh = make_mesh(data=data, fsdp=fsdp, tensor=1, devices=jax.devices()[:data * fsdp])
+    par = generate(params, cfg, prompts, mesh=mesh, **kw)
+    assert par.tokens.sharding.spec[0] is not None, "the rows were not split over the data axes"
+    np.testing.assert_array_equal(np.asarray(one.tokens), np.asarray(par.tokens))
+    np.testing.assert_array_equal(np.asarray(one.capture["canvas"]), np.asarray(par.capture["canvas"]))
 
 
 def test_expert_parallel_diffusion_gemma_equals_single_device():

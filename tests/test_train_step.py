@@ -137,3 +137,15 @@ def test_frozen_model_is_an_argument_of_the_step(params0):
     want = float(closure(closure.init_state(params0, jax.random.key(0)), closure.shard_batch(batch))[1]["loss"])
     assert got[0] < got[1]
     np.testing.assert_allclose(got[1], want, rtol=1e-6)
+
+
+def test_init_state_copies_so_donation_never_deletes_the_callers_params(params0):
+    """The step donates its state; the state must hold copies, also of replicated weights on a multi-device mesh
+    (jax's device_put(may_alias=False) returned the caller's buffer as the device-0 shard there)."""
+    mesh = make_mesh(1, 4, 1)
+    step = make_train_step(lm_loss, make_optimizer(OptimConfig(lr=1e-3, warmup_steps=1, total_steps=10)), mesh,
+                           qwen3.param_specs(CFG))
+    params = jax.tree.map(jnp.asarray, params0)  # on device 0, like a freshly loaded model
+    state, _ = step(step.init_state(params, jax.random.key(0)), step.shard_batch(make_batch(0)))
+    jax.block_until_ready(state)
+    assert not any(a.is_deleted() for a in jax.tree.leaves(params))

@@ -31,6 +31,7 @@ from orl_jax.decode.residual import NoResidual, ORLResidual, RCDResidual, Residu
 from orl_jax.decode.samplers import MaskSampler, Sampler, UniformSampler
 from orl_jax.decode.state import DecodeState, GenerateOutput
 from orl_jax.model.registry import model_module
+from orl_jax.sharding import named_sharding
 
 MIN_BUCKET = 16
 
@@ -286,8 +287,9 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, *, key: jax.Array, max_
     residual: NoResidual(), RCDResidual() or ORLResidual(); default NoResidual(), or ORLResidual() for a
     self-conditioning model (DiffusionGemma: its self-conditioning block is the adapter, w = 1).
     streamer(block_tokens [B, L], block_index) is called on the host as each block is finished.
-    mesh: run tensor / expert parallel over a jax.sharding.Mesh (sharding.make_mesh(tensor=...)): the weights are
-    placed by their logical axes and the same device-side loop runs partitioned.
+    mesh: run over a jax.sharding.Mesh (sharding.make_mesh): the weights are placed by their logical axes (tensor /
+    expert parallel over "tensor", FSDP-split over "fsdp"), the rows are split over the data axes ("data" x
+    "fsdp") when their count divides, and the same device-side loop runs partitioned.
     Returns GenerateOutput (tokens [B, T] with pad after EOS, lengths, forwards, commits, steps, TPF with and
     without the commit forwards).
     """
@@ -339,6 +341,9 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, *, key: jax.Array, max_
         # tensor (heads / MLP / vocab) and expert parallelism come from the weights' logical axes; the loop itself
         # is unchanged, XLA partitions it (GSPMD) and inserts the collectives
         params = jax.device_put(params, P.shardings(model.param_specs(cfg), mesh))
+        rows_sh = named_sharding(mesh, ("batch", None), prompt.shape)  # replicated if B does not divide
+        prompt, lengths = jax.device_put(prompt, rows_sh), jax.device_put(lengths, named_sharding(mesh, ("batch",),
+                                                                                                   lengths.shape))
     if streamer is None:
         return _generate(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
     with _stream_lock:

@@ -94,14 +94,16 @@ def make_orl_loss(cfg, sampler, num_responses: int, loss_cfg: ORLLossConfig, res
 
 
 def rollout(params, cfg, prompts: Sequence[Sequence[int]], key, sampler, orl_cfg: ORLConfig, *,
-            eos_token_ids=(), pad_token_id: int = 0):
-    """G responses per prompt under the current params, with capture. Returns (rows' prompts, GenerateOutput)."""
+            eos_token_ids=(), pad_token_id: int = 0, mesh=None):
+    """G responses per prompt under the current params, with capture. Returns (rows' prompts, GenerateOutput).
+    mesh: the training mesh; the rows are then split over its data axes (generate(mesh=...))."""
     for i, p in enumerate(prompts):
         if len(p) > orl_cfg.max_prompt:
             raise ValueError(f"prompt {i} has {len(p)} tokens > ORLConfig.max_prompt={orl_cfg.max_prompt}")
     rows = [list(p) for p in prompts for _ in range(orl_cfg.group_size)]
     out = generate(params, cfg, rows, key=key, max_new_tokens=orl_cfg.max_new_tokens, sampler=sampler,
-                   residual=ORLResidual(), capture=True, eos_token_id=eos_token_ids, pad_token_id=pad_token_id)
+                   residual=ORLResidual(), capture=True, eos_token_id=eos_token_ids, pad_token_id=pad_token_id,
+                   mesh=mesh if mesh is not None and mesh.size > 1 else None)
     return rows, out
 
 
@@ -109,11 +111,12 @@ def orl_iteration(state, step_fn, cfg, prompts, verify: Callable[[int, np.ndarra
                   orl_cfg: ORLConfig, *, eos_token_ids=(), pad_token_id: int = 0):
     """One on-policy round: rollout (current params) -> verify -> replay -> exactly one update.
 
-    verify(row, response_tokens) -> bool for each of the len(prompts) * G responses. Returns (state, metrics,
-    replay arrays); metrics include the verified share and the rollout's TPF.
+    verify(row, response_tokens) -> bool for each of the len(prompts) * G responses. The rollout runs over the
+    step's mesh (rows split over its data axes). Returns (state, metrics, replay arrays); metrics include the
+    verified share and the rollout's TPF.
     """
     rows, out = rollout(state.params, cfg, prompts, key, sampler, orl_cfg, eos_token_ids=eos_token_ids,
-                        pad_token_id=pad_token_id)
+                        pad_token_id=pad_token_id, mesh=getattr(step_fn, "mesh", None))
     toks, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
     ok = [bool(verify(r, toks[r, :lengths[r]])) for r in range(len(rows))]
     batch = build_replay(rows, out, ok, block_length=cfg.block_length, pad_id=pad_token_id,

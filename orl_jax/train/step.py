@@ -142,6 +142,11 @@ def _place(x, sharding):
     """A fresh copy of x laid out by `sharding`. In a multi-process job every process holds the same host value and
     contributes the shards on its own devices (device_put cannot target other processes' devices)."""
     if jax.process_count() == 1:
+        if isinstance(x, jax.Array):
+            # device_put(..., may_alias=False) still hands back x's own buffer as the device-0 shard of a replicated
+            # multi-device layout (seen with jax 0.10); the step would then donate, i.e. delete, the caller's array.
+            # An explicit device-side copy first (jnp.array(copy=True) always writes a new buffer).
+            return jax.device_put(jnp.array(x, copy=True), sharding)
         return jax.device_put(x, sharding, may_alias=False)
     if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         data = np.asarray(jax.random.key_data(x))
