@@ -538,11 +538,12 @@ def test_26b_a4b_instantiates_abstractly():
 
 
 def test_dense_and_grouped_expert_paths_agree():
-    """The decode-size dense path (all experts, unchosen weighted 0) equals the grouped ragged_dot path."""
+    """The decode-size dense path (all experts, unchosen weighted 0) equals the grouped ragged_dot path and the
+    bucketed path (each expert's tokens in capacity slots)."""
     from orl_jax.model import moe
 
     ks = jax.random.split(jax.random.key(11), 5)
-    t, d, e, f, k = 24, 16, 8, 12, 3
+    t, d, e, f, k = 64, 16, 16, 12, 2
     x = jax.random.normal(ks[0], (t, d))
     gate_up = jax.random.normal(ks[1], (e, d, 2 * f)) * 0.3
     down = jax.random.normal(ks[2], (e, f, d)) * 0.3
@@ -552,3 +553,25 @@ def test_dense_and_grouped_expert_paths_agree():
     grouped = moe.grouped_experts_mlp(x, weights, experts, gate_up, down, "gelu_tanh")
     np.testing.assert_allclose(np.asarray(dense), np.asarray(grouped), atol=1e-5)
     assert float(jnp.abs(dense).max()) > 0.1
+    c = moe.capacity(t, k, e)
+    assert c < t and int(jnp.bincount(experts.reshape(-1), length=e).max()) <= c  # this routing fits the slots
+    bucketed = moe.bucketed_experts_mlp(x, weights, experts, gate_up, down, "gelu_tanh", c)
+    np.testing.assert_allclose(np.asarray(bucketed), np.asarray(dense), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(jax.jit(moe.experts_mlp, static_argnums=5)(
+        x, weights, experts, gate_up, down, "gelu_tanh")), np.asarray(dense), atol=1e-5)
+
+
+def test_overloaded_expert_falls_back_to_the_dense_path():
+    """When one expert gets more tokens than it has slots, experts_mlp is still exact (dense fallback)."""
+    from orl_jax.model import moe
+
+    ks = jax.random.split(jax.random.key(12), 4)
+    t, d, e, f, k = 64, 8, 16, 4, 2
+    x = jax.random.normal(ks[0], (t, d))
+    gate_up, down = jax.random.normal(ks[1], (e, d, 2 * f)), jax.random.normal(ks[2], (e, f, d))
+    experts = jnp.stack([jnp.zeros(t, jnp.int32), jnp.arange(t, dtype=jnp.int32) % (e - 1) + 1], axis=1)
+    assert t > moe.capacity(t, k, e)  # expert 0 takes every token: more than its slots
+    weights = jax.nn.softmax(jax.random.normal(ks[3], (t, k)), axis=-1)
+    dense = moe.dense_experts_mlp(x, weights, experts, gate_up, down, "gelu_tanh")
+    got = jax.jit(moe.experts_mlp, static_argnums=5)(x, weights, experts, gate_up, down, "gelu_tanh")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(dense), atol=1e-5)

@@ -13,7 +13,7 @@ Architecture (transformers' DiffusionGemmaForBlockDiffusion, text part; 26B-A4B 
   Full layers [K 2, H 512]: V is the K projection (K = V; k gets k_norm + RoPE, v the weightless norm),
   proportional RoPE [theta 1e6] rotating only the first quarter of the frequency pairs;
 - router: weightless RMSNorm * scale * D^-1/2 -> logits -> softmax (float32) -> top-k -> renormalize ->
-  * per-expert scale; experts only run on their routed tokens (model/moe.py, ragged_dot);
+  * per-expert scale; experts only run on their routed tokens (model/moe.py: capacity buckets, ragged_dot);
 - final RMSNorm, LM head tied to E, logits soft-capped: 30 * tanh(z / 30).
 
 Two modes over one set of weights (HF's encoder and decoder share every weight but two):

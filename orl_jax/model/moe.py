@@ -1,9 +1,13 @@
 """Mixture of experts: a softmax top-k router and expert MLPs that run only on the tokens routed to them.
 
-Dispatch: the T tokens x top-k choices are sorted by expert into M = T * k rows, so each expert's rows are
-contiguous; `grouped_matmul` multiplies each contiguous group by its own expert's matrix (`jax.lax.ragged_dot`),
-the rows are weighted, put back in token order and summed over the k choices. Nothing is dropped (no capacity
-factor), so the result equals the reference loop over experts.
+Dispatch, by size (experts_mlp); every path is exact (nothing is dropped) and equals the reference loop:
+- decode sizes (T <= DENSE_MAX_TOKENS): bucketed. Each expert gathers its routed tokens into `capacity` slots and
+  one batched product per projection runs [E, C, D] x [E, D, 2F]: every expert's weights are read once and the work
+  is E x C rows instead of E x T. If a call routes more tokens to one expert than it has slots, that call runs the
+  dense path instead (every token through every expert, unchosen ones weighted 0), chosen on the device by
+  `lax.cond` (on GPU its predicate is one small device-to-host copy per MoE layer);
+- larger T: the T * k assignments are sorted by expert into contiguous rows and `grouped_matmul` multiplies each
+  group by its own expert's matrix (`jax.lax.ragged_dot`); rows are weighted, put back in token order and summed.
 
 Note on lowering: `ragged_dot` states "each row times its own group's matrix". On GPU and TPU jax emits XLA's
 ragged-dot instruction (how it runs is the backend's choice); on CPU jax's generic lowering expands it into a
@@ -40,19 +44,57 @@ def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
     return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-# Up to this many tokens, every token runs through every expert and the unchosen results get weight 0. Exact, and
-# on an H200 far faster than XLA's ragged_dot at decode sizes: at DiffusionGemma's canvas (256 tokens x top-8,
-# 128 experts) ragged_dot took 3.2 ms per gate/up product vs 0.7 ms for the dense product over all experts
-# (benchmarks/ragged_dot_probe.py), because XLA's GPU ragged_dot does not skip unused groups' work. A grouped-GEMM
-# kernel that reads each expert once and computes only its rows is the real fix.
+# Up to this many tokens the experts run bucketed: each expert gathers its routed tokens into `capacity` slots and
+# one batched product per projection reads every expert's weights once. Exact: when any expert gets more tokens
+# than it has slots, that call takes the dense path (every token through every expert, unchosen ones weighted 0)
+# instead. On an H200, XLA's GPU ragged_dot took 3.2 ms per gate/up product at DiffusionGemma's canvas (256 tokens x
+# top-8, 128 experts) against 0.7 ms for the dense product (benchmarks/ragged_dot_probe.py): it does not skip
+# unused groups' work. Bucketing at 4x the mean load computes 4x less than dense at that size.
 DENSE_MAX_TOKENS = 512
+CAPACITY_FACTOR = 4
+
+
+def capacity(tokens: int, top_k: int, num_experts: int) -> int:
+    """Slots per expert: CAPACITY_FACTOR x the mean load, a multiple of 8, at most all tokens."""
+    mean = -(-tokens * top_k // num_experts)
+    return min(tokens, max(8, -(-CAPACITY_FACTOR * mean // 8) * 8))
 
 
 def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up, down, act: str) -> jax.Array:
     """sum_j weights[t, j] * MLP_{experts[t, j]}(x_t). x [T, D]; gate_up [E, D, 2F] (gate | up); down [E, F, D]."""
-    if experts.shape[0] <= DENSE_MAX_TOKENS:
+    t, k = experts.shape
+    if t > DENSE_MAX_TOKENS:
+        return grouped_experts_mlp(x, weights, experts, gate_up, down, act)
+    c = capacity(t, k, gate_up.shape[0])
+    if c >= t:  # every expert could take every token: bucketing saves nothing
         return dense_experts_mlp(x, weights, experts, gate_up, down, act)
-    return grouped_experts_mlp(x, weights, experts, gate_up, down, act)
+    load = jnp.bincount(experts.reshape(-1), length=gate_up.shape[0])
+    return jax.lax.cond(jnp.max(load) <= c,
+                        lambda: bucketed_experts_mlp(x, weights, experts, gate_up, down, act, c),
+                        lambda: dense_experts_mlp(x, weights, experts, gate_up, down, act))
+
+
+def bucketed_experts_mlp(x, weights, experts, gate_up, down, act: str, capacity: int) -> jax.Array:
+    """Each expert's routed tokens in `capacity` slots ([E, C, D]); exact only while no expert has more tokens
+    than slots (experts_mlp checks and falls back to the dense path)."""
+    t, k = experts.shape
+    num_experts = gate_up.shape[0]
+    flat = experts.reshape(-1)  # [M]: the (token, choice) assignments
+    m = flat.shape[0]
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=num_experts)
+    ranks = jnp.arange(m) - (jnp.cumsum(sizes) - sizes)[flat[order]]  # slot of each sorted assignment
+    slot = jnp.zeros((m,), jnp.int32).at[order].set(ranks.astype(jnp.int32))  # [M]
+    # dispatch tables [E, C]: the token in each slot (t = an all-zero row) and its routing weight
+    tok = jnp.full((num_experts, capacity), t, jnp.int32).at[flat, slot].set(jnp.arange(m) // k, mode="drop")
+    wts = jnp.zeros((num_experts, capacity), jnp.float32).at[flat, slot].set(weights.reshape(-1), mode="drop")
+    xs = jnp.take(jnp.concatenate([x, jnp.zeros_like(x[:1])]), tok, axis=0)  # [E, C, D]
+    gu = einsum("ecd,edf->ecf", xs, gate_up)  # [E, C, 2F]
+    g, u = jnp.split(gu, 2, axis=-1)
+    h = (ACTIVATIONS[act](g) * u).astype(jnp.float32) * wts[..., None]  # [E, C, F]
+    y = einsum("ecf,efd->ecd", h.astype(x.dtype), down)  # [E, C, D]
+    ya = y[flat, jnp.minimum(slot, capacity - 1)].reshape(t, k, -1)  # each assignment's weighted output
+    return jnp.sum(ya.astype(jnp.float32), axis=1).astype(x.dtype)  # [T, D]
 
 
 def dense_experts_mlp(x, weights, experts, gate_up, down, act: str) -> jax.Array:
