@@ -43,7 +43,8 @@ T0 = time.perf_counter()
 
 
 def log(**kw):
-    kw |= {"expert_parallel": args.expert, "device": jax.devices()[0].device_kind, "jax": jax.__version__, "t": round(time.perf_counter() - T0, 1)}
+    kw |= {"expert_parallel": args.expert, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+           "t": round(time.perf_counter() - T0, 1)}
     print(json.dumps(kw), flush=True)
     with open(args.out, "a") as f:
         f.write(json.dumps(kw) + "\n")

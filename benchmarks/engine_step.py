@@ -47,7 +47,8 @@ T0 = time.perf_counter()
 
 
 def log(**kw):
-    kw |= {"phase": args.phase, "tensor": args.tensor, "xla_flags": os.environ.get("XLA_FLAGS", ""), "device": jax.devices()[0].device_kind,
+    kw |= {"phase": args.phase, "tensor": args.tensor, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "device": jax.devices()[0].device_kind,
            "jax": jax.__version__, "t": round(time.perf_counter() - T0, 1)}
     print(json.dumps(kw), flush=True)
     with open(args.out, "a") as f:

@@ -10,8 +10,13 @@ from orl_jax import params as P
 from orl_jax.config import preset
 from orl_jax.decode.ar import ar_generate
 from orl_jax.model import qwen3, qwendlm
-from orl_jax.train.objectives import (DiffusionObjective, causal_lm_loss, diffusion_mask, packed_diffusion_mask,
-                                      packed_rows)
+from orl_jax.train.objectives import (
+    DiffusionObjective,
+    causal_lm_loss,
+    diffusion_mask,
+    packed_diffusion_mask,
+    packed_rows,
+)
 
 BL = 4
 

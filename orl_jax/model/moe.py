@@ -1,7 +1,7 @@
 """Mixture of experts: a softmax top-k router and expert MLPs that run only on the tokens routed to them.
 
 Dispatch, by size (experts_mlp); every path is exact (nothing is dropped) and equals the reference loop:
-- decode sizes (T <= DENSE_MAX_TOKENS): bucketed. Each expert gathers its routed tokens into `capacity` slots and
+- decode sizes (T <= BUCKETED_MAX_TOKENS): bucketed. Each expert gathers its routed tokens into `capacity` slots and
   one batched product per projection runs [E, C, D] x [E, D, 2F]: every expert's weights are read once and the work
   is E x C rows instead of E x T. If a call routes more tokens to one expert than it has slots, that call runs the
   dense path instead (every token through every expert, unchosen ones weighted 0), chosen on the device by
@@ -50,7 +50,7 @@ def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
 # instead. On an H200, XLA's GPU ragged_dot took 3.2 ms per gate/up product at DiffusionGemma's canvas (256 tokens x
 # top-8, 128 experts) against 0.7 ms for the dense product (benchmarks/ragged_dot_probe.py): it does not skip
 # unused groups' work. Bucketing at 4x the mean load computes 4x less than dense at that size.
-DENSE_MAX_TOKENS = 512
+BUCKETED_MAX_TOKENS = 512
 CAPACITY_FACTOR = 4
 
 
@@ -63,7 +63,7 @@ def capacity(tokens: int, top_k: int, num_experts: int) -> int:
 def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up, down, act: str) -> jax.Array:
     """sum_j weights[t, j] * MLP_{experts[t, j]}(x_t). x [T, D]; gate_up [E, D, 2F] (gate | up); down [E, F, D]."""
     t, k = experts.shape
-    if t > DENSE_MAX_TOKENS:
+    if t > BUCKETED_MAX_TOKENS:
         return grouped_experts_mlp(x, weights, experts, gate_up, down, act)
     c = capacity(t, k, gate_up.shape[0])
     if c >= t:  # every expert could take every token: bucketing saves nothing
