@@ -1,26 +1,31 @@
 #!/usr/bin/env bash
 # Several GPUs of one host, each measurement side by side with one GPU in the same call (never concurrently):
-#   1. data-parallel (FSDP) training, stage-0 step of the h200 recipe: 1 GPU vs N GPUs (loss curves + tokens/s),
-#      and the same step in float32 on 1 GPU (what mixed precision buys);
-#   2. Qwen3-4B-shape denoising step: tensor=1 vs tensor=N;
-#   3. DiffusionGemma 26B-A4B generate(): one GPU vs expert-parallel over N.
-# Usage: bash benchmarks/run_multi_gpu.sh OUTDIR [N]   (grain from carried wheels: ../shared/tools/gpu_wheels.sh)
+#   train  data-parallel (FSDP) training, stage-0 step of the h200 recipe: 1 GPU vs N GPUs (loss curves + tokens/s)
+#   tp     Qwen3-4B-shape denoising step: tensor=1 vs tensor=N
+#   dg     DiffusionGemma 26B-A4B generate(): one GPU vs expert-parallel over N
+#   probe  training attention: orl_jax vs jax.nn.dot_product_attention (xla, cudnn), one GPU
+# Usage: bash benchmarks/run_multi_gpu.sh OUTDIR [N] [PARTS]   (default PARTS "train tp dg"; grain from carried
+# wheels: ../shared/tools/gpu_wheels.sh). At most 6 files come back: gpu.txt, runs.log and one .jsonl per part.
 set -uo pipefail
-out=$1; n=${2:-2}; mkdir -p "$out"; export PYTHONUNBUFFERED=1
+out=$1; n=${2:-2}; parts=${3:-"train tp dg"}; mkdir -p "$out"; export PYTHONUNBUFFERED=1
+log=$out/runs.log
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m
   python3 -c "import jax; print('jax', jax.__version__, jax.devices())"; } > "$out/gpu.txt" 2>&1
-t=$out/train_scaling.jsonl
-timeout 150 python3 benchmarks/train_scaling.py --devices 1 --steps 150 --out "$t" > "$out/train_1.log" 2>&1
-timeout 150 python3 benchmarks/train_scaling.py --devices "$n" --steps 150 --out "$t" > "$out/train_$n.log" 2>&1
-timeout 120 python3 benchmarks/train_scaling.py --devices 1 --steps 60 --compute-dtype float32 --out "$t" \
-  > "$out/train_1_fp32.log" 2>&1
-e=$out/engine_tp.jsonl
-for tp in 1 "$n"; do
-  timeout 120 python3 benchmarks/engine_step.py --phase step --tensor "$tp" --out "$e" > "$out/engine_tp$tp.log" 2>&1
+run() { echo "== $*" >> "$log"; "$@" >> "$log" 2>&1; echo "== exit $?" >> "$log"; }
+for part in $parts; do
+  case $part in
+    train) for d in 1 "$n"; do
+             run timeout 150 python3 benchmarks/train_scaling.py --devices "$d" --steps 150 --out "$out/train_scaling.jsonl"
+           done ;;
+    tp)    for tp in 1 "$n"; do
+             run timeout 120 python3 benchmarks/engine_step.py --phase step --tensor "$tp" --out "$out/engine_tp.jsonl"
+           done ;;
+    dg)    for ep in 1 "$n"; do
+             run timeout 150 python3 benchmarks/diffusion_gemma_generate.py --expert "$ep" --out "$out/dg_ep.jsonl"
+           done ;;
+    probe) run timeout 150 python3 benchmarks/attention_probe.py --out "$out/attention_probe.jsonl" ;;
+    *)     echo "unknown part $part" >> "$log" ;;
+  esac
 done
-d=$out/dg_ep.jsonl
-for ep in 1 "$n"; do
-  timeout 150 python3 benchmarks/diffusion_gemma_generate.py --expert "$ep" --out "$d" > "$out/dg_ep$ep.log" 2>&1
-done
-grep -h summary "$t"; grep -h denoise_step "$e"; grep -h generate "$d"
-tail -n 3 "$out"/*.log
+grep -h '"summary"\|denoise_step\|"generate"\|ms_fwd_bwd\|error' "$out"/*.jsonl | cut -c1-400
+grep "^== exit [^0]" "$log"
