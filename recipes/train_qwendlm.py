@@ -66,7 +66,7 @@ class Recipe:
     # stage-1 row length (whole examples packed, kept apart by the attention mask); 0 = seq_len. Longer examples are
     # left out of stage 1 and of the held-out set (whose reference answer must also fit eval_max_new).
     conv_len: int = 0
-    remat: bool = False  # recompute each layer in the backward pass of stage 1 (two passes over 2 x conv_len rows)
+    remat: bool = False  # recompute each layer in the backward pass of stages 1-2 (long rows, two passes)
     eval_fit: bool = True  # False: evaluate the first held-out examples even when their answer cannot fit
 
 

@@ -97,6 +97,19 @@ def test_round_on_a_four_device_mesh_equals_one_device(setup):
     assert not any(a.is_deleted() for a in jax.tree.leaves(params)), "a step donated the caller's params"
 
 
+def test_remat_replay_gives_the_same_loss_and_gradients(setup):
+    cfg, params, loss_fn, step = setup
+    state = step.init_state(params, jax.random.key(0))
+    _, _, arrays = orl_iteration(state, step, cfg, PROMPTS, lambda row, toks: True, jax.random.key(3), SAMPLER,
+                                 OCFG)
+    remat_fn = make_orl_loss(cfg, SAMPLER, len(PROMPTS) * OCFG.group_size, OCFG.loss, remat=True)
+    (l0, _), g0 = jax.value_and_grad(loss_fn, has_aux=True)(params, arrays, None)
+    (l1, _), g1 = jax.value_and_grad(remat_fn, has_aux=True)(params, arrays, None)
+    np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
 def test_bad_orl_config():
     with pytest.raises(ValueError, match="group_size"):
         ORLConfig(group_size=0)

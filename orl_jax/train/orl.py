@@ -74,12 +74,13 @@ def replay_arrays_batch(arrays: dict) -> ReplayBatch:
     return ReplayBatch(**{k: v for k, v in arrays.items() if k in fields})
 
 
-def make_orl_loss(cfg, sampler, num_responses: int, loss_cfg: ORLLossConfig, residual=None):
-    """loss_fn(params, arrays, key) for train/step.py: the ORL loss of a padded replay batch (pad_replay)."""
+def make_orl_loss(cfg, sampler, num_responses: int, loss_cfg: ORLLossConfig, residual=None, remat: bool = False):
+    """loss_fn(params, arrays, key) for train/step.py: the ORL loss of a padded replay batch (pad_replay).
+    remat: recompute each layer in the backward pass (long replay rows)."""
     residual = ORLResidual() if residual is None else residual
 
     def loss_fn(params, arrays, key):
-        logits = replay_logits(params, cfg, residual, replay_arrays_batch(arrays))  # [S, L, V]
+        logits = replay_logits(params, cfg, residual, replay_arrays_batch(arrays), remat=remat)  # [S, L, V]
         beh = jax.lax.stop_gradient(behaviour_logp(sampler, logits, arrays["step"]))
         if hasattr(sampler, "t_max"):
             temps = jax.vmap(sampler.temperature)(arrays["step"])

@@ -124,12 +124,12 @@ def build_replay(prompts, out, verified, *, block_length: int, pad_id: int, pref
         valid=np.asarray(st["valid"], bool).reshape(n_states, L))
 
 
-def replay_logits(params, cfg, residual, batch: ReplayBatch) -> jax.Array:
+def replay_logits(params, cfg, residual, batch: ReplayBatch, remat: bool = False) -> jax.Array:
     """Logits [S, L, V] of every replayed state under `params` (one forward over the packed rows). Qwen3-family
-    models (QwenDLM); the residual form must be the rollout's."""
+    models (QwenDLM); the residual form must be the rollout's. remat: recompute each layer in the backward pass."""
     tokens = jnp.asarray(batch.tokens)
     x = residual.embed(params, cfg, tokens, jnp.asarray(batch.z), jnp.asarray(batch.a))
-    h, _, _ = qwen3.backbone(params, cfg, x, jnp.asarray(batch.positions), jnp.asarray(batch.mask))
+    h, _, _ = qwen3.backbone(params, cfg, x, jnp.asarray(batch.positions), jnp.asarray(batch.mask), remat=remat)
     L = batch.targets.shape[1]
     cols = jnp.asarray(batch.state_start)[:, None] + jnp.arange(L)[None]  # [S, L]
     hs = h[jnp.asarray(batch.state_row)[:, None], cols]  # [S, L, D]

@@ -44,7 +44,7 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
     sampler = UniformSampler(max_denoising_steps=r.orl_steps)  # sampled proposals: the policy explores
     optim = OptimConfig(lr=r.lr2, warmup_steps=0, total_steps=max(r.orl_rounds, 1), weight_decay=0.0,
                         groups=ADAPTER_GROUP)
-    step = make_train_step(make_orl_loss(cfg, sampler, G * P, loss_cfg), make_optimizer(optim),
+    step = make_train_step(make_orl_loss(cfg, sampler, G * P, loss_cfg, remat=r.remat), make_optimizer(optim),
                            make_mesh(data=1, fsdp=-1, tensor=1), qwen3.param_specs(cfg))
     stops = stop_token_ids(tok)
     key = jax.random.key(args.seed + 2)
