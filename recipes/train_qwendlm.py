@@ -4,6 +4,8 @@
   python recipes/train_qwendlm.py --preset h200        # one H200, <= 10 minutes per run, resumable
   python recipes/train_qwendlm.py --hf-model DIR       # start from a real Qwen3 checkpoint (skips stage 0)
   ... --resume                                         # continue a killed run from its checkpoints
+  ... --resume --stage2-methods orl --no-eval          # one stage-2 method per process / GPU (same --out);
+                                                       # a final --resume run evaluates every method
 
 Stages (each checkpointed with orbax under OUT/stage*/; a finished stage is reused, never recomputed):
   tokenizer  byte-level BPE trained on the train split of the task suite (embedded default only)
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -106,6 +109,11 @@ def parse_args(argv=None):
     ap.add_argument("--noise", choices=["uniform", "mask"], default="uniform",
                     help="QwenDLM variant: uniform-state canvas (default) or mask tokens")
     ap.add_argument("--skip-stage2", action="store_true", help="stop after the conversion (no ORL)")
+    ap.add_argument("--stage2-methods", default="orl,noaec,rcd",
+                    help="comma-separated stage-2 methods to train: orl, noaec (ORL without AEC), rcd. Separate "
+                         "processes (one GPU each, same --out, --resume, --no-eval) can train them side by side")
+    ap.add_argument("--no-eval", action="store_true",
+                    help="stop after training; a later --resume run evaluates (reusing every exported stage)")
     ap.add_argument("--distributed", action="store_true",
                     help="join a multi-host job (jax.distributed.initialize; cluster from the environment or the "
                          "--coordinator/--num-processes/--process-id flags); each host reads its share of the data")
@@ -113,7 +121,16 @@ def parse_args(argv=None):
     ap.add_argument("--num-processes", type=int)
     ap.add_argument("--process-id", type=int)
     ap.add_argument("--seed", type=int, default=0)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    methods = [m for m in args.stage2_methods.split(",") if m]
+    unknown = sorted(set(methods) - set(STAGE2_METHODS))
+    if unknown or not methods:
+        ap.error(f"--stage2-methods: unknown {unknown or 'empty list'}; choose from {', '.join(STAGE2_METHODS)}")
+    args.stage2_methods = tuple(m for m in STAGE2_METHODS if m in methods)
+    return args
+
+
+STAGE2_METHODS = ("orl", "noaec", "rcd")
 
 
 def log(msg: str) -> None:
@@ -134,7 +151,9 @@ def main(argv=None) -> None:
     r = PRESETS[args.preset]
     r = dataclasses.replace(r, stage0_steps=args.stage0_steps or r.stage0_steps,
                             stage1_steps=args.stage1_steps or r.stage1_steps)
-    (out / "recipe.json").write_text(json.dumps(dataclasses.asdict(r) | vars(args), indent=2, default=str))
+    tmp = out / f".recipe.json.{os.getpid()}"  # atomic: processes sharing --out may write it at once
+    tmp.write_text(json.dumps(dataclasses.asdict(r) | vars(args), indent=2, default=str))
+    os.replace(tmp, out / "recipe.json")
     t0 = time.perf_counter()
     tok, ar_cfg, ar_params = stages.base_model(r, args, out, log)
     dlm_cfg, dlm_params = stages.convert(r, args, out, tok, ar_cfg, ar_params, log)
@@ -142,7 +161,10 @@ def main(argv=None) -> None:
     if not args.skip_stage2:
         from orl_jax.train.stage2 import stage2
 
-        methods |= stage2(r, args, out, tok, dlm_cfg, dlm_params, log)
+        methods |= stage2(r, args, out, tok, dlm_cfg, dlm_params, log, args.stage2_methods)
+    if args.no_eval:
+        log("training done (--no-eval): evaluate with a later --resume run")
+        return
     stages.evaluate_all(r, args, out, tok, ar_cfg, ar_params, dlm_cfg, methods, log, started=t0)
 
 

@@ -35,3 +35,19 @@ def test_recipe_smoke_end_to_end_and_resume(tmp_path):
     before = (out / "stage1/params/config.json").stat().st_mtime
     train_qwendlm.main(["--preset", "smoke", "--out", str(out), "--resume"])  # stages reused, eval re-run
     assert (out / "stage1/params/config.json").stat().st_mtime == before
+
+
+def test_stage2_methods_split_over_processes_then_one_evaluation(tmp_path):
+    """Stage-2 methods trained by separate runs sharing --out (as one process per GPU would), evaluated once."""
+    out = tmp_path / "run"
+    train_qwendlm.main(["--preset", "smoke", "--out", str(out), "--stage2-methods", "noaec,rcd", "--no-eval"])
+    assert (out / "stage2_rcd/params/config.json").exists() and not (out / "stage2_orl").exists()
+    assert not (out / "report.md").exists()
+    train_qwendlm.main(["--preset", "smoke", "--out", str(out), "--resume", "--stage2-methods", "orl", "--no-eval"])
+    assert (out / "stage2_orl/params/config.json").exists()
+    train_qwendlm.main(["--preset", "smoke", "--out", str(out), "--resume"])  # reuses all three, evaluates
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in rows] == ["AR (greedy)", "QwenDLM", "QwenDLM+ORL", "QwenDLM+ORL (no AEC)",
+                                           "QwenDLM+RCD"]
+    with pytest.raises(SystemExit):
+        train_qwendlm.main(["--preset", "smoke", "--out", str(tmp_path / "x"), "--stage2-methods", "orl,ppo"])

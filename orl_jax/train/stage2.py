@@ -87,14 +87,17 @@ def run_rcd(r, args, out: Path, tok, cfg, params, log):
                       r.orl_rounds, log, frozen=params)
 
 
-def stage2(r, args, out: Path, tok, cfg, params, log) -> dict:
-    """{method: params} for ORL, ORL without AEC and the RCD baseline (uniform-family QwenDLM only)."""
+def stage2(r, args, out: Path, tok, cfg, params, log, methods=("orl", "noaec", "rcd")) -> dict:
+    """{method: params} for the chosen of ORL ("orl"), ORL without AEC ("noaec") and the RCD baseline ("rcd");
+    uniform-family QwenDLM only."""
     if cfg.noise != "uniform":
         log("stage 2: ORL is implemented for the uniform family only; skipped for --noise mask")
         return {}
     base = ORLLossConfig()
-    log(f"stage 2: ORL, {r.orl_rounds} rounds of {r.orl_prompts} prompts x {r.orl_group} responses")
-    return {"QwenDLM+ORL": run_orl("stage2_orl", r, args, out, tok, cfg, params, base, log),
-            "QwenDLM+ORL (no AEC)": run_orl("stage2_orl_noaec", r, args, out, tok, cfg, params,
-                                            dataclasses.replace(base, l_aec=0.0), log),
-            "QwenDLM+RCD": run_rcd(r, args, out, tok, cfg, params, log)}
+    log(f"stage 2 ({', '.join(methods)}): ORL, {r.orl_rounds} rounds of {r.orl_prompts} prompts x "
+        f"{r.orl_group} responses")
+    runs = {"orl": ("QwenDLM+ORL", lambda: run_orl("stage2_orl", r, args, out, tok, cfg, params, base, log)),
+            "noaec": ("QwenDLM+ORL (no AEC)", lambda: run_orl("stage2_orl_noaec", r, args, out, tok, cfg, params,
+                                                              dataclasses.replace(base, l_aec=0.0), log)),
+            "rcd": ("QwenDLM+RCD", lambda: run_rcd(r, args, out, tok, cfg, params, log))}
+    return {runs[m][0]: runs[m][1]() for m in methods}
