@@ -4,8 +4,9 @@
 #   tp     Qwen3-4B-shape denoising step: tensor=1 vs tensor=N
 #   dg     DiffusionGemma 26B-A4B generate(): one GPU vs expert-parallel over N
 #   probe  training attention: orl_jax vs jax.nn.dot_product_attention (xla, cudnn), one GPU
+#   layers where a Qwen3-4B layer's denoising time goes (benchmarks/layer_breakdown.py), one GPU
 # Usage: bash benchmarks/run_multi_gpu.sh OUTDIR [N] [PARTS]   (default PARTS "train tp dg"; grain from carried
-# wheels: ../shared/tools/gpu_wheels.sh). At most 6 files come back: gpu.txt, runs.log and one .jsonl per part.
+# wheels: ../shared/tools/gpu_wheels.sh). At most 7 files come back: gpu.txt, runs.log and one .jsonl per part.
 set -uo pipefail
 out=$1; n=${2:-2}; parts=${3:-"train tp dg"}; mkdir -p "$out"; export PYTHONUNBUFFERED=1
 log=$out/runs.log
@@ -24,8 +25,9 @@ for part in $parts; do
              run timeout 150 python3 benchmarks/diffusion_gemma_generate.py --expert "$ep" --out "$out/dg_ep.jsonl"
            done ;;
     probe) run timeout 150 python3 benchmarks/attention_probe.py --out "$out/attention_probe.jsonl" ;;
+    layers) run timeout 150 python3 benchmarks/layer_breakdown.py --out "$out/layer_breakdown.jsonl" ;;
     *)     echo "unknown part $part" >> "$log" ;;
   esac
 done
-grep -h '"summary"\|denoise_step\|"generate"\|ms_fwd_bwd\|error' "$out"/*.jsonl | cut -c1-400
+grep -h '"summary"\|denoise_step\|"generate"\|ms_fwd_bwd\|ms_per_layer\|error' "$out"/*.jsonl | cut -c1-400
 grep "^== exit [^0]" "$log"

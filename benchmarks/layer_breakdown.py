@@ -1,0 +1,108 @@
+"""Where one decoder layer's time goes in a denoising forward: Qwen3-4B shape, batch 1, a 512-token cache, canvas 32
+and 256, bf16. Each part of `qwen3._layer` is timed alone (jitted, run `--layers` times in a fori_loop over stacked
+weights so launch overhead is amortized the way the real scan amortizes it), next to the whole layer and to its
+roofline (weights read once at the copy bandwidth, FLOPs at 790 TFLOP/s).
+
+  python benchmarks/layer_breakdown.py --out layer_breakdown.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from orl_jax import runtime  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--out", default="layer_breakdown.jsonl")
+ap.add_argument("--preset", default="qwen3-4b")
+ap.add_argument("--blocks", default="32,256")
+ap.add_argument("--prompt", type=int, default=512)
+ap.add_argument("--layers", type=int, default=36, help="repetitions per timed call (the model's layer count)")
+args = ap.parse_args()
+runtime.configure(os.path.expanduser("~/.cache/orl_jax/xla"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from orl_jax import params as P  # noqa: E402
+from orl_jax.config import preset  # noqa: E402
+from orl_jax.model import qwen3  # noqa: E402
+from orl_jax.model.attention import attention, cache_mask, full_segments, self_mask  # noqa: E402
+from orl_jax.model.layers import apply_rope, einsum, fused_gated_mlp, rms_norm, rope_angles  # noqa: E402
+
+cfg = preset(args.preset)
+specs = qwen3.param_specs(cfg)
+params = P.init(specs, jax.random.key(0))
+W = params["layers"]
+D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+G = N // K
+REPS = args.layers
+
+
+def log(**kw):
+    kw |= {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
+    print(json.dumps(kw), flush=True)
+    with open(args.out, "a") as f:
+        f.write(json.dumps(kw) + "\n")
+
+
+def over_layers(part):
+    """part(x, w) -> x, applied with layer i's weights for i in range(REPS) (like the model's layer scan)."""
+    def run(x, ws):
+        return jax.lax.fori_loop(0, REPS, lambda i, x: part(x, jax.tree.map(lambda a: a[i % a.shape[0]], ws)), x)
+    return jax.jit(run)
+
+
+def median_ms(fn, *a, reps=20):
+    jax.block_until_ready(fn(*a))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*a))
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts)) * 1e3 / REPS
+
+
+for L in map(int, args.blocks.split(",")):
+    S = args.prompt
+    x = jax.random.normal(jax.random.key(1), (1, L, D), jnp.bfloat16)
+    ck = jax.random.normal(jax.random.key(2), (1, S, K, H), jnp.bfloat16)
+    cvis = cache_mask(jnp.zeros((1,), jnp.int32), jnp.asarray(S, jnp.int32), S, L)
+    svis = self_mask(full_segments(1, L))
+    cos, sin = rope_angles(S + jnp.arange(L)[None], H, cfg.rope_theta)
+    q0 = jax.random.normal(jax.random.key(3), (1, L, N, H), jnp.bfloat16)
+    kv0 = jax.random.normal(jax.random.key(4), (1, L, K, H), jnp.bfloat16)
+
+    def use(x, y):  # make y an input of the next repetition (so nothing is dead code), at negligible cost
+        return x + (jnp.sum(y.astype(jnp.float32)) * 1e-9).astype(x.dtype)
+
+    def qkv_part(x, w):
+        return use(x, einsum("bld,dkth->blkth", rms_norm(x, w["attn_norm"], 1e-6), w["qkv"]))
+
+    def rope_norm_part(x, w):
+        return use(x, apply_rope(rms_norm(q0 + x[..., :1, None], w["q_norm"], 1e-6), cos, sin))
+
+    def attention_part(x, w):
+        return use(x, attention(q0 + x[..., :1, None], [(ck, ck, cvis), (kv0, kv0, svis)]))
+
+    def o_part(x, w):
+        return use(x, einsum("blnh,nhd->bld", q0 + x[..., :1, None], w["o"]))
+
+    def mlp_part(x, w):
+        return use(x, fused_gated_mlp(rms_norm(x, w["mlp_norm"], 1e-6), w["gate_up"], w["down"]))
+
+    def whole(x, w):
+        return qwen3._layer(cfg, x, w, cos, sin, svis, (ck, ck, cvis))[0]
+
+    per_layer = sum(int(np.prod(a.shape[1:])) * 2 for a in jax.tree.leaves(W))  # bytes of one layer's weights
+    roof_ms = max(per_layer / 4.3e12, 2 * per_layer / 2 * L / 790e12) * 1e3
+    for name, part in (("qkv_gemm", qkv_part), ("q_norm_rope", rope_norm_part), ("attention", attention_part),
+                       ("o_gemm", o_part), ("mlp", mlp_part), ("whole_layer", whole)):
+        log(canvas=L, part=name, ms_per_layer=median_ms(over_layers(part), x, W), roofline_ms_per_layer=roof_ms)
