@@ -50,7 +50,7 @@ def test_one_update_lowers_l_pred_and_rollouts_are_always_fresh(setup):
     cfg, params, loss_fn, step = setup
     state = step.init_state(params, jax.random.key(0))
     p0 = jax.tree.map(np.asarray, state.params)  # the step donates its input state
-    accept_all = lambda row, toks: True  # noqa: E731
+    accept_all = lambda responses: [True] * len(responses)  # noqa: E731
     state1, m1, arrays1 = orl_iteration(state, step, cfg, PROMPTS, accept_all, jax.random.key(1), SAMPLER, OCFG)
     assert m1["replayed_states"] > 0 and m1["verified"] == 1.0
     assert int(state1.step) == 1  # exactly one update for the rollout batch
@@ -70,12 +70,15 @@ def test_one_update_lowers_l_pred_and_rollouts_are_always_fresh(setup):
 def test_failed_responses_give_no_gradient(setup):
     cfg, params, loss_fn, step = setup
     state = step.init_state(params, jax.random.key(0))
-    none = lambda row, toks: False  # noqa: E731
+    none = lambda responses: [False] * len(responses)  # noqa: E731
     state1, m, _ = orl_iteration(state, step, cfg, PROMPTS, none, jax.random.key(1), SAMPLER, OCFG)
     assert m["verified"] == 0.0 and m["replayed_states"] == 0 and int(state1.step) == 0
-    only_first = lambda row, toks: row == 0  # noqa: E731
+    only_first = lambda responses: [r == 0 for r in range(len(responses))]  # noqa: E731
     _, m, arrays = orl_iteration(state1, step, cfg, PROMPTS, only_first, jax.random.key(1), SAMPLER, OCFG)
     assert set(arrays["response_id"][arrays["state_valid"]].tolist()) == {0}
+    with pytest.raises(ValueError, match="verify returned 1 results for 4"):
+        orl_iteration(step.init_state(params, jax.random.key(0)), step, cfg, PROMPTS, lambda responses: [True],
+                      jax.random.key(1), SAMPLER, OCFG)  # a fresh state: the update above donated state1
 
 
 def test_round_on_a_four_device_mesh_equals_one_device(setup):
@@ -85,7 +88,7 @@ def test_round_on_a_four_device_mesh_equals_one_device(setup):
     opt = step4.optimizer
     step1 = make_train_step(loss_fn, opt, make_mesh(data=1, fsdp=1, tensor=1, devices=jax.devices()[:1]),
                             qwen3.param_specs(cfg))
-    accept_all = lambda row, toks: True  # noqa: E731
+    accept_all = lambda responses: [True] * len(responses)  # noqa: E731
     outs = [orl_iteration(s.init_state(params, jax.random.key(0)), s, cfg, PROMPTS, accept_all,
                           jax.random.key(1), SAMPLER, OCFG) for s in (step1, step4)]
     (st1, m1, a1), (st4, m4, a4) = outs
@@ -100,7 +103,7 @@ def test_round_on_a_four_device_mesh_equals_one_device(setup):
 def test_remat_replay_gives_the_same_loss_and_gradients(setup):
     cfg, params, loss_fn, step = setup
     state = step.init_state(params, jax.random.key(0))
-    _, _, arrays = orl_iteration(state, step, cfg, PROMPTS, lambda row, toks: True, jax.random.key(3), SAMPLER,
+    _, _, arrays = orl_iteration(state, step, cfg, PROMPTS, lambda rs: [True] * len(rs), jax.random.key(3), SAMPLER,
                                  OCFG)
     remat_fn = make_orl_loss(cfg, SAMPLER, len(PROMPTS) * OCFG.group_size, OCFG.loss, remat=True)
     (l0, _), g0 = jax.value_and_grad(loss_fn, has_aux=True)(params, arrays, None)

@@ -108,18 +108,21 @@ def rollout(params, cfg, prompts: Sequence[Sequence[int]], key, sampler, orl_cfg
     return rows, out
 
 
-def orl_iteration(state, step_fn, cfg, prompts, verify: Callable[[int, np.ndarray], bool], key, sampler,
-                  orl_cfg: ORLConfig, *, eos_token_ids=(), pad_token_id: int = 0):
+def orl_iteration(state, step_fn, cfg, prompts, verify: Callable[[list[np.ndarray]], Sequence[bool]], key,
+                  sampler, orl_cfg: ORLConfig, *, eos_token_ids=(), pad_token_id: int = 0):
     """One on-policy round: rollout (current params) -> verify -> replay -> exactly one update.
 
-    verify(row, response_tokens) -> bool for each of the len(prompts) * G responses. The rollout runs over the
+    verify(responses) -> one bool per response, given all len(prompts) * G response token arrays at once (row r
+    answers prompt r // G), so a verifier can check them in parallel (tasks.verify_many). The rollout runs over the
     step's mesh (rows split over its data axes). Returns (state, metrics, replay arrays); metrics include the
     verified share and the rollout's TPF.
     """
     rows, out = rollout(state.params, cfg, prompts, key, sampler, orl_cfg, eos_token_ids=eos_token_ids,
                         pad_token_id=pad_token_id, mesh=getattr(step_fn, "mesh", None))
     toks, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
-    ok = [bool(verify(r, toks[r, :lengths[r]])) for r in range(len(rows))]
+    ok = [bool(v) for v in verify([toks[r, :lengths[r]] for r in range(len(rows))])]
+    if len(ok) != len(rows):
+        raise ValueError(f"verify returned {len(ok)} results for {len(rows)} responses")
     batch = build_replay(rows, out, ok, block_length=cfg.block_length, pad_id=pad_token_id,
                          prefix_attention=cfg.prefix_attention,
                          mask_token_id=cfg.mask_token_id if cfg.noise == "mask" else None,

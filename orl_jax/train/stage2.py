@@ -59,9 +59,10 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
                 raise ValueError(f"too few train prompts fit ORL max_prompt={ocfg.max_prompt} tokens")
             prompts = [format_prompt(tok, ex.prompt) for ex in exs]
 
-            def verify(row, toks, exs=exs):
-                text = tok.decode(response_until_stop(tok, np.asarray(toks)), skip_special_tokens=True)
-                return tasks.verify(exs[row // G], text)
+            def verify(responses, exs=exs):  # all rows at once: the code task's sandboxes run in parallel
+                texts = [tok.decode(response_until_stop(tok, np.asarray(t)), skip_special_tokens=True)
+                         for t in responses]
+                return tasks.verify_many([exs[r // G] for r in range(len(responses))], texts)
 
             state, m, _ = orl_iteration(state, step, cfg, prompts, verify, jax.random.fold_in(key, rnd), sampler,
                                         ocfg, eos_token_ids=stops, pad_token_id=cfg.pad_token_id or 0)
