@@ -208,21 +208,25 @@ def test_rcd_reference_residual(model):
     assert all(float(jnp.abs(x).max()) == 0.0 for x in jax.tree.leaves(g))
 
 
+def _training_losses(lens: tuple[int, int], pad: int, rows: int, prompt: int, seed: int) -> dict:
+    """Stage-0 and stage-1 losses f(params, cfg) on packed rows of two examples (lengths `lens`) + `pad` padding."""
+    rng = np.random.default_rng(seed)
+    n = sum(lens) + pad
+    seg = np.repeat(np.array([[1] * lens[0] + [2] * lens[1] + [0] * pad]), rows, axis=0).astype(np.int32)
+    pos = np.where(seg == 1, np.arange(n), np.arange(n) - lens[0]) * (seg > 0)
+    batch = {"tokens": jnp.asarray(rng.integers(0, 250, seg.shape) * (seg > 0), jnp.int32),
+             "segment_ids": jnp.asarray(seg), "positions": jnp.asarray(pos, jnp.int32),
+             "prompt_mask": jnp.asarray((pos < prompt) & (seg > 0), jnp.int32), "loss_mask": jnp.asarray(seg > 0)}
+    obj = DiffusionObjective(block_length=BL, sc_prob=1.0)
+    return {"stage0": lambda p, c: causal_lm_loss(p, c, batch)[0],
+            "stage1": lambda p, c: obj.loss(p, c, batch, jax.random.key(2))[0]}
+
+
 def test_fused_attention_impl_gives_the_same_training_losses(model):
     """attention_impl="xla" (jax.nn.dot_product_attention, the stand-in on CPU for the fused cuDNN kernel) gives
     the same stage-0 and stage-1 losses and gradients as orl_jax's own attention, padding rows included."""
     cfg, params = model
-    rng = np.random.default_rng(11)
-    seg = np.repeat(np.array([[1] * 9 + [2] * 10 + [0] * 5]), 2, axis=0).astype(np.int32)
-    pos = np.where(seg == 1, np.arange(24), np.arange(24) - 9) * (seg > 0)
-    batch = {"tokens": jnp.asarray(rng.integers(0, 250, seg.shape) * (seg > 0), jnp.int32),
-             "segment_ids": jnp.asarray(seg), "positions": jnp.asarray(pos, jnp.int32),
-             "prompt_mask": jnp.asarray((pos < 3) & (seg > 0), jnp.int32), "loss_mask": jnp.asarray(seg > 0)}
-    obj = DiffusionObjective(block_length=BL, sc_prob=1.0)
-    key = jax.random.key(2)
-    losses = {"stage0": lambda p, c: causal_lm_loss(p, c, batch)[0],
-              "stage1": lambda p, c: obj.loss(p, c, batch, key)[0]}
-    for name, f in losses.items():
+    for name, f in _training_losses((9, 10), 5, rows=2, prompt=3, seed=11).items():
         ref, g_ref = jax.value_and_grad(f)(params, cfg)
         got, g = jax.value_and_grad(f)(params, cfg.replace(attention_impl="xla"))
         np.testing.assert_allclose(float(got), float(ref), rtol=1e-5, err_msg=name)
@@ -236,17 +240,7 @@ def test_cudnn_attention_gives_the_same_training_losses_on_gpu(model):
     stage-1 losses within bf16 noise, finite gradients of the same direction, padding rows included."""
     cfg, params = model
     cfg = cfg.replace(dtype="bfloat16", param_dtype="float32")
-    rng = np.random.default_rng(13)
-    seg = np.repeat(np.array([[1] * 40 + [2] * 50 + [0] * 6]), 4, axis=0).astype(np.int32)
-    pos = np.where(seg == 1, np.arange(96), np.arange(96) - 40) * (seg > 0)
-    batch = {"tokens": jnp.asarray(rng.integers(0, 250, seg.shape) * (seg > 0), jnp.int32),
-             "segment_ids": jnp.asarray(seg), "positions": jnp.asarray(pos, jnp.int32),
-             "prompt_mask": jnp.asarray((pos < 8) & (seg > 0), jnp.int32), "loss_mask": jnp.asarray(seg > 0)}
-    obj = DiffusionObjective(block_length=BL, sc_prob=1.0)
-    key = jax.random.key(2)
-    losses = {"stage0": lambda p, c: causal_lm_loss(p, c, batch)[0],
-              "stage1": lambda p, c: obj.loss(p, c, batch, key)[0]}
-    for name, f in losses.items():
+    for name, f in _training_losses((40, 50), 6, rows=4, prompt=8, seed=13).items():
         ref, g_ref = jax.jit(jax.value_and_grad(f), static_argnums=1)(params, cfg)
         got, g = jax.jit(jax.value_and_grad(f), static_argnums=1)(params, cfg.replace(attention_impl="cudnn"))
         np.testing.assert_allclose(float(got), float(ref), rtol=2e-2, err_msg=name)
