@@ -25,8 +25,9 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
     The parts (cache, self) share one softmax: their scores are concatenated, never their K/V, so a long cache is
     read once and not copied. Scores and softmax run in float32 (as HF's eager attention does).
     impl "xla" / "cudnn" (one part only): jax.nn.dot_product_attention with that implementation, the mask passed
-    whole. A query row with no visible key then gives an arbitrary finite or zero output instead of ours (the
-    mean of all values); no loss reads such rows.
+    whole. A query row with no visible key (padding) may then differ from ours (the mean of all values); no loss
+    reads such rows, but the value must stay finite, since masked keys still multiply it by 0 in later layers
+    (tests: test_objectives.py, the cuDNN one marked gpu).
     """
     if impl != "orl_jax" and len(parts) == 1:
         k, v, mask = parts[0]

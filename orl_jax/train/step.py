@@ -91,7 +91,9 @@ class TrainStep:
         if self.frozen_specs is None:
             raise ValueError("bind() needs a step made with make_train_step(..., frozen_specs=...)")
         P.check_tree(frozen, self.frozen_specs, where="frozen")
-        placed = jax.tree.map(lambda x, sh: jax.device_put(x, sh), frozen, P.shardings(self.frozen_specs, self.mesh))
+        # never donated, so a single process may alias the caller's arrays; several processes need _place
+        put = _place if jax.process_count() > 1 else jax.device_put
+        placed = jax.tree.map(put, frozen, P.shardings(self.frozen_specs, self.mesh))
         return dataclasses.replace(self, frozen=placed)
 
     def state_shardings(self, rng: jax.Array | None = None) -> TrainState:
