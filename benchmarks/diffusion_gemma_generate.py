@@ -25,6 +25,7 @@ ap.add_argument("--preset", default="diffusiongemma-26b-a4b")
 ap.add_argument("--prompt", type=int, default=512)
 ap.add_argument("--new", type=int, default=256)
 ap.add_argument("--expert", type=int, default=1, help="expert-parallel over the first N devices (mesh tensor=N)")
+ap.add_argument("--moe-impl", default="bucketed", choices=["bucketed", "dense"], help="DiffusionGemmaConfig.moe_impl")
 args = ap.parse_args()
 runtime.configure(os.path.expanduser("~/.cache/orl_jax/xla"))
 
@@ -43,14 +44,15 @@ T0 = time.perf_counter()
 
 
 def log(**kw):
-    kw |= {"expert_parallel": args.expert, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+    kw |= {"expert_parallel": args.expert, "moe_impl": args.moe_impl, "device": jax.devices()[0].device_kind,
+           "jax": jax.__version__,
            "t": round(time.perf_counter() - T0, 1)}
     print(json.dumps(kw), flush=True)
     with open(args.out, "a") as f:
         f.write(json.dumps(kw) + "\n")
 
 
-cfg = DG_PRESETS[args.preset].replace(dtype="bfloat16")
+cfg = DG_PRESETS[args.preset].replace(dtype="bfloat16", moe_impl=args.moe_impl)
 specs = diffusion_gemma.param_specs(cfg)
 flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda s: isinstance(s, P.ParamSpec))
 leaves = [s for _, s in flat]

@@ -2,7 +2,7 @@
 # Several GPUs of one host, each measurement side by side with one GPU in the same call (never concurrently):
 #   train  data-parallel (FSDP) training, stage-0 step of the h200 recipe: 1 GPU vs N GPUs (loss curves + tokens/s)
 #   tp     Qwen3-4B-shape denoising step: tensor=1 vs tensor=N
-#   dg     DiffusionGemma 26B-A4B generate(): one GPU vs expert-parallel over N
+#   dg     DiffusionGemma 26B-A4B generate(): dense vs bucketed experts on one GPU, expert-parallel over N
 #   probe  training attention: orl_jax vs jax.nn.dot_product_attention (xla, cudnn), one GPU
 #   layers where a Qwen3-4B layer's denoising time goes (benchmarks/layer_breakdown.py), one GPU
 # Usage: bash benchmarks/run_multi_gpu.sh OUTDIR [N] [PARTS]   (default PARTS "train tp dg"; grain from carried
@@ -21,7 +21,8 @@ for part in $parts; do
     tp)    for tp in 1 "$n"; do
              run timeout 120 python3 benchmarks/engine_step.py --phase step --tensor "$tp" --out "$out/engine_tp.jsonl"
            done ;;
-    dg)    for ep in 1 "$n"; do
+    dg)    run timeout 150 python3 benchmarks/diffusion_gemma_generate.py --moe-impl dense --out "$out/dg_ep.jsonl"
+           for ep in 1 "$n"; do
              run timeout 150 python3 benchmarks/diffusion_gemma_generate.py --expert "$ep" --out "$out/dg_ep.jsonl"
            done ;;
     probe) run timeout 150 python3 benchmarks/attention_probe.py --out "$out/attention_probe.jsonl" ;;

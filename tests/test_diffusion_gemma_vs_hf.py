@@ -579,13 +579,16 @@ def test_overloaded_expert_falls_back_to_the_dense_path():
 
 def test_bucketed_experts_inside_the_model_equal_the_dense_path(dg_ours, monkeypatch):
     """The whole model with the MoE in capacity buckets gives the logits of the dense path (which the HF parity
-    tests check). The tiny preset's 8 experts x top-3 never bucket at the default factor; factor 2 makes them."""
+    tests check). The tiny preset's 8 experts x top-3 never bucket at the default factor; factor 2 makes them.
+    moe_impl="dense" forces the dense path."""
+    with pytest.raises(ValueError, match="moe_impl"):
+        TINY.replace(moe_impl="sparse")
     from orl_jax.model import moe
 
     cfg, params = dg_ours
     tokens = jnp.asarray(_tokens((2, 48), 51))
-    dense = jax.jit(dg.forward, static_argnums=(1,))(params, cfg, tokens)
     monkeypatch.setattr(moe, "CAPACITY_FACTOR", 2)
+    dense = jax.jit(dg.forward, static_argnums=(1,))(params, cfg.replace(moe_impl="dense"), tokens)
     assert moe.capacity(96, cfg.top_k_experts, cfg.num_experts) < 96  # 2 x 48 tokens now bucket
     bucketed = jax.jit(dg.forward, static_argnums=(1,))(params, cfg, tokens)
     np.testing.assert_allclose(np.asarray(bucketed), np.asarray(dense), atol=2e-5)

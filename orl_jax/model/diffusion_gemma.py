@@ -204,7 +204,7 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     flat = x.reshape(b * l, d)  # [T, D]
     weights, experts = route(flat, w["router_scale"], w["router"], w["expert_scale"], cfg.top_k_experts, eps)
     moe = experts_mlp(rms_norm_fp32(flat, w["moe_norm"], eps), weights, experts, w["experts_gate_up"],
-                      w["experts_down"], ACT).reshape(b, l, d)  # [B, L, D]
+                      w["experts_down"], ACT, cfg.moe_impl).reshape(b, l, d)  # [B, L, D]
     ffw = rms_norm_fp32(mlp, w["post_mlp_norm"], eps) + rms_norm_fp32(moe, w["post_moe_norm"], eps)
     x = (x + rms_norm_fp32(ffw, w["post_ffw_norm"], eps)) * w[scalar][0]
     return x, k, v

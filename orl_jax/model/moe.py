@@ -60,13 +60,15 @@ def capacity(tokens: int, top_k: int, num_experts: int) -> int:
     return min(tokens, max(8, -(-CAPACITY_FACTOR * mean // 8) * 8))
 
 
-def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up, down, act: str) -> jax.Array:
-    """sum_j weights[t, j] * MLP_{experts[t, j]}(x_t). x [T, D]; gate_up [E, D, 2F] (gate | up); down [E, F, D]."""
+def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up, down, act: str,
+                impl: str = "bucketed") -> jax.Array:
+    """sum_j weights[t, j] * MLP_{experts[t, j]}(x_t). x [T, D]; gate_up [E, D, 2F] (gate | up); down [E, F, D].
+    impl (decode sizes): "bucketed" or "dense" (see the module docstring)."""
     t, k = experts.shape
     if t > BUCKETED_MAX_TOKENS:
         return grouped_experts_mlp(x, weights, experts, gate_up, down, act)
     c = capacity(t, k, gate_up.shape[0])
-    if c >= t:  # every expert could take every token: bucketing saves nothing
+    if impl == "dense" or c >= t:  # every expert could take every token: bucketing saves nothing
         return dense_experts_mlp(x, weights, experts, gate_up, down, act)
     load = jnp.bincount(experts.reshape(-1), length=gate_up.shape[0])
     return jax.lax.cond(jnp.max(load) <= c,
