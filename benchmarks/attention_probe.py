@@ -15,9 +15,10 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from timing import median_seconds  # noqa: E402
 
 from orl_jax import runtime  # noqa: E402
 
@@ -81,16 +82,6 @@ def dpa(impl):
     return f
 
 
-def timed(fn, *a):
-    jax.block_until_ready(fn(*a))
-    ts = []
-    for _ in range(args.reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*a))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
-
-
 rng = np.random.default_rng(0)
 for name, b, n, mask in cases(rng):
     kq, kk, kv, kr = jax.random.split(jax.random.key(0), 4)
@@ -114,7 +105,7 @@ for name, b, n, mask in cases(rng):
             err_o = float(jnp.max(jnp.abs(jnp.where(seen, o.astype(jnp.float32) - ref_o.astype(jnp.float32), 0))))
             err_g = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b_.astype(jnp.float32))))
                         for a, b_ in zip(g, ref_g))
-            ms = timed(fwd_bwd(f), q, k, v) * 1e3
+            ms = median_seconds(fwd_bwd(f), q, k, v, reps=args.reps) * 1e3
             log(case=name, variant=vname, ms_fwd_bwd=ms, max_abs_err_out=err_o, max_abs_err_grad=err_g,
                 rows=b, length=n)
         except Exception as e:  # noqa: BLE001 - a probe: record what failed and go on

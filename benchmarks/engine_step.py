@@ -17,6 +17,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from timing import median_seconds  # noqa: E402
+
 from orl_jax import runtime  # noqa: E402
 
 ap = argparse.ArgumentParser()
@@ -55,24 +57,14 @@ def log(**kw):
         f.write(json.dumps(kw) + "\n")
 
 
-def median_time(fn, reps=10):
-    jax.block_until_ready(fn())
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
-
-
 def ceilings():
     x = jnp.ones((512 * 2**20,), jnp.int32)  # 2 GiB
     f = jax.jit(lambda x: x + 1)
-    t = median_time(lambda: f(x))
+    t = median_seconds(lambda: f(x))
     bw = 2 * x.size * 4 / t
     a = jax.random.normal(jax.random.key(0), (8192, 8192), jnp.bfloat16)
     g = jax.jit(lambda a: a @ a)
-    tg = median_time(lambda: g(a))
+    tg = median_seconds(lambda: g(a))
     log(what="ceilings", copy_tb_s=bw / 1e12, gemm_tflop_s=2 * 8192**3 / tg / 1e12)
     return bw
 
@@ -126,7 +118,7 @@ def step_phase(params, bw):
             t = time.perf_counter()
             jax.block_until_ready(f(params, cache, canvas, 16, jax.random.key(3), mode == "fori"))
             compile_s = time.perf_counter() - t
-            per = median_time(lambda: f(params, cache, canvas, 16, jax.random.key(3), mode == "fori"), reps=5) / 16
+            per = median_seconds(lambda: f(params, cache, canvas, 16, jax.random.key(3), mode == "fori"), reps=5) / 16
             flops = 2 * (nbytes / 2) * L
             roof = max(nbytes / bw, flops / 790e12)
             log(what="denoise_step", block=L, loop=mode, ms_per_forward=per * 1e3, roofline_ms=roof * 1e3,
@@ -141,8 +133,8 @@ def step_phase(params, bw):
     wl = jax.jit(lambda x, n: jax.lax.while_loop(lambda c: (c[0] < n) & (c[1][0, 0] < 1e9),
                                                  lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, x))[1])
     fl = jax.jit(lambda x: jax.lax.fori_loop(0, n, lambda i, x: jnp.tanh(x @ w), x))
-    tw = median_time(lambda: wl(x0, n), reps=5) / n
-    tf = median_time(lambda: fl(x0), reps=5) / n
+    tw = median_seconds(lambda: wl(x0, n), reps=5) / n
+    tf = median_seconds(lambda: fl(x0), reps=5) / n
     log(what="loop_overhead", while_us=tw * 1e6, fori_us=tf * 1e6, dynamic_predicate_cost_us=(tw - tf) * 1e6)
 
 
@@ -156,7 +148,7 @@ def generate_phase(params):
         out = generate(params, c, prompt, **kw)
         jax.block_until_ready(out)
         first = time.perf_counter() - t
-        per = median_time(lambda: generate(params, c, prompt, **kw), reps=5)
+        per = median_seconds(lambda: generate(params, c, prompt, **kw), reps=5)
         fwd, com = int(out.total_forwards), int(out.commits)
         log(what="generate", block=L, first_call_s=first, seconds=per, new_tokens=256, denoise_forwards=fwd,
             commits=com, forced_tpf=256 / (fwd + com), tokens_per_s=256 / per,
@@ -174,7 +166,7 @@ def breakdown_phase(params):
         for name, fn in [("forward_with_head", lambda: fwd(params, cache, canvas)),
                          ("forward_hidden_only", lambda: hidden(params, cache, canvas)),
                          ("sampler_only", lambda: samp(logits, canvas, sstate, jax.random.key(0)))]:
-            log(what="breakdown", block=L, part=name, ms=median_time(fn, reps=20) * 1e3)
+            log(what="breakdown", block=L, part=name, ms=median_seconds(fn, reps=20) * 1e3)
 
 
 bw = ceilings()

@@ -12,9 +12,10 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from timing import median_seconds  # noqa: E402
 
 from orl_jax import runtime  # noqa: E402
 
@@ -60,16 +61,6 @@ def over_layers(part):
     return jax.jit(run)
 
 
-def median_ms(fn, *a, reps=20):
-    jax.block_until_ready(fn(*a))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*a))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts)) * 1e3 / REPS
-
-
 for L in map(int, args.blocks.split(",")):
     S = args.prompt
     x = jax.random.normal(jax.random.key(1), (1, L, D), jnp.bfloat16)
@@ -105,4 +96,5 @@ for L in map(int, args.blocks.split(",")):
     roof_ms = max(per_layer / 4.3e12, 2 * per_layer / 2 * L / 790e12) * 1e3
     for name, part in (("qkv_gemm", qkv_part), ("q_norm_rope", rope_norm_part), ("attention", attention_part),
                        ("o_gemm", o_part), ("mlp", mlp_part), ("whole_layer", whole)):
-        log(canvas=L, part=name, ms_per_layer=median_ms(over_layers(part), x, W), roofline_ms_per_layer=roof_ms)
+        ms = median_seconds(over_layers(part), x, W, reps=20) * 1e3 / REPS
+        log(canvas=L, part=name, ms_per_layer=ms, roofline_ms_per_layer=roof_ms)

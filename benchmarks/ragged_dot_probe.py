@@ -3,23 +3,15 @@ rows, 128 experts, D=2816 -> 2F=1408), against the dense GEMMs that bound it.
 
   python benchmarks/ragged_dot_probe.py
 """
-import time
-
 import jax
 import jax.numpy as jnp
-import numpy as np
+from timing import median_seconds
 
 M, E, K, N = 2048, 128, 2816, 1408
 
 
-def bench(f, *a, reps=10):
-    jax.block_until_ready(f(*a))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*a))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts)) * 1e3
+def bench(f, *a):
+    return median_seconds(f, *a) * 1e3
 
 
 x = jax.random.normal(jax.random.key(0), (M, K), jnp.bfloat16)

@@ -39,7 +39,6 @@ import numpy as np  # noqa: E402
 from train_qwendlm import PRESETS  # noqa: E402
 
 from orl_jax import params as P  # noqa: E402
-from orl_jax.config import ModelConfig  # noqa: E402
 from orl_jax.data.embedded_tokenizer import task_corpus, train_tokenizer  # noqa: E402
 from orl_jax.data.pipeline import make_dataset  # noqa: E402
 from orl_jax.data.tokenizer import load_tokenizer  # noqa: E402
@@ -47,7 +46,7 @@ from orl_jax.model import qwen3  # noqa: E402
 from orl_jax.sharding import make_mesh  # noqa: E402
 from orl_jax.train import stages  # noqa: E402
 from orl_jax.train.objectives import causal_lm_loss  # noqa: E402
-from orl_jax.train.optim import OptimConfig, make_optimizer  # noqa: E402
+from orl_jax.train.optim import make_optimizer  # noqa: E402
 from orl_jax.train.step import make_train_step  # noqa: E402
 
 if not 1 <= args.devices <= len(jax.devices()):
@@ -67,16 +66,12 @@ def log(**kw):
 with tempfile.TemporaryDirectory() as tmp:
     train_tokenizer(task_corpus(n_per_task=1000, tasks=list(r.tasks)), r.vocab_size, tmp)
     tok = load_tokenizer(tmp)
-cfg = ModelConfig(vocab_size=len(tok), hidden_size=r.hidden, num_layers=r.layers, num_heads=r.heads,
-                  num_kv_heads=r.kv_heads, head_dim=r.head_dim, intermediate_size=r.mlp, max_position_embeddings=4096,
-                  dtype=r.compute_dtype, param_dtype="float32", tie_word_embeddings=True)
-rows = [{"tokens": x["tokens"], "loss_mask": np.ones_like(x["tokens"])}
-        for x in stages._encode(tok, stages._examples(r, "train", r.train_examples, 0), r.seq_len)]
+cfg = stages.ar_config(r, tok)
 # one host feeds the whole global batch (a single process drives every local device)
-data = iter(make_dataset(rows, seq_len=r.seq_len, batch_size=r.batch, seed=0, shard_index=0, shard_count=1))
+data = iter(make_dataset(stages.ar_rows(r, tok, 0), seq_len=r.seq_len, batch_size=r.batch, seed=0, shard_index=0,
+                         shard_count=1))
 mesh = make_mesh(data=1, fsdp=args.devices, tensor=1, devices=jax.devices()[:args.devices])
-optim = OptimConfig(lr=r.lr0, warmup_steps=max(r.stage0_steps // 20, 1), total_steps=r.stage0_steps)
-step = make_train_step(lambda p, b, k: causal_lm_loss(p, cfg, b), make_optimizer(optim), mesh,
+step = make_train_step(lambda p, b, k: causal_lm_loss(p, cfg, b), make_optimizer(stages.ar_optim(r)), mesh,
                        qwen3.param_specs(cfg))
 state = step.init_state(P.init(qwen3.param_specs(cfg), jax.random.key(0)), jax.random.key(1))
 log(what="setup", params_m=P.count(qwen3.param_specs(cfg)) / 1e6, batch=r.batch, seq_len=r.seq_len,

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 import jax.numpy as jnp
 
+from orl_jax.checks import int_at_least
+
 NoiseMode = Literal["uniform", "mask"]
 PrefixAttention = Literal["causal", "block_causal"]
 
@@ -61,9 +63,7 @@ class ModelConfig:
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "intermediate_size", "block_length", "max_position_embeddings"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"ModelConfig.{name} must be a positive int, got {v!r}")
+            int_at_least(f"ModelConfig.{name}", getattr(self, name))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"ModelConfig.num_heads={self.num_heads} must be a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
@@ -324,9 +324,7 @@ class DiffusionGemmaConfig:
                      "num_global_kv_heads", "global_head_dim", "intermediate_size", "num_experts", "top_k_experts",
                      "moe_intermediate_size", "sliding_window", "max_position_embeddings", "block_length",
                      "max_denoising_steps"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"DiffusionGemmaConfig.{name} must be a positive int, got {v!r}")
+            int_at_least(f"DiffusionGemmaConfig.{name}", getattr(self, name))
         for name in ("num_kv_heads", "num_global_kv_heads"):
             if self.num_heads % getattr(self, name):
                 raise ValueError(f"DiffusionGemmaConfig.num_heads={self.num_heads} must be a multiple of "

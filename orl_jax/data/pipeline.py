@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from orl_jax.checks import int_at_least
+
 RESERVED = ("segment_ids", "positions")
 
 
@@ -95,12 +97,6 @@ def _rename_packed(features: Sequence[str]):
     return rename
 
 
-def _positive_int(name: str, v: Any) -> int:
-    if not isinstance(v, int | np.integer) or isinstance(v, bool) or v <= 0:
-        raise ValueError(f"{name} must be a positive int, got {v!r}")
-    return int(v)
-
-
 def make_dataset(source, *, seq_len: int, batch_size: int, seed: int = 0, shuffle: bool = True,
                  num_epochs: int | None = None, pack: bool = True, num_packing_bins: int | None = None,
                  features: Sequence[str] | None = None, truncate: bool = True, shard_index: int | None = None,
@@ -117,20 +113,19 @@ def make_dataset(source, *, seq_len: int, batch_size: int, seed: int = 0, shuffl
     resume exactly (with prefetch too: the state is that of the last batch handed out).
     """
     grain = _grain()
-    seq_len = _positive_int("seq_len", seq_len)
-    batch_size = _positive_int("batch_size", batch_size)
+    seq_len = int_at_least("seq_len", seq_len)
+    batch_size = int_at_least("batch_size", batch_size)
     if num_epochs is not None:
-        num_epochs = _positive_int("num_epochs", num_epochs)
+        num_epochs = int_at_least("num_epochs", num_epochs)
     if num_packing_bins is not None:
-        num_packing_bins = _positive_int("num_packing_bins", num_packing_bins)
-    if not isinstance(prefetch, int | np.integer) or isinstance(prefetch, bool) or prefetch < 0:
-        raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        num_packing_bins = int_at_least("num_packing_bins", num_packing_bins)
+    prefetch = int_at_least("prefetch", prefetch, 0)
     if shard_index is None or shard_count is None:
         import jax
 
         shard_index = jax.process_index() if shard_index is None else shard_index
         shard_count = jax.process_count() if shard_count is None else shard_count
-    shard_count = _positive_int("shard_count", shard_count)
+    shard_count = int_at_least("shard_count", shard_count)
     if not isinstance(shard_index, int | np.integer) or not 0 <= shard_index < shard_count:
         raise ValueError(f"shard_index must be an int in [0, shard_count={shard_count}), got {shard_index!r}")
     if isinstance(features, str):

@@ -11,8 +11,9 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from orl_jax.checks import int_at_least
 from orl_jax.config import ModelConfig
-from orl_jax.decode.engine import _positive_int, _prompts, left_pad, resolve_eos_pad
+from orl_jax.decode.engine import _prompts, left_pad, resolve_eos_pad
 from orl_jax.model import qwen3, qwendlm
 from orl_jax.model.attention import causal_segments, self_mask
 
@@ -47,7 +48,7 @@ def ar_generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, eo
                 pad_token_id: int | None = None):
     """Greedy AR decoding -> (tokens [B, max_new_tokens] with pad after EOS, forwards run)."""
     rows = _prompts(prompt_ids, cfg)
-    max_new = _positive_int("max_new_tokens", max_new_tokens)
+    max_new = int_at_least("max_new_tokens", max_new_tokens)
     eos, pad = resolve_eos_pad(cfg, eos_token_id, pad_token_id)
     prompt, lengths = left_pad(rows, cfg, max_new, pad)
     return _ar(params, prompt, lengths, cfg=cfg, max_new=max_new, eos=eos, pad=pad)

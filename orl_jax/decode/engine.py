@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from orl_jax import params as P
+from orl_jax.checks import int_at_least
 from orl_jax.config import ModelConfig
 from orl_jax.decode.residual import NoResidual, ORLResidual, RCDResidual, Residual, soft_embed
 from orl_jax.decode.samplers import MaskSampler, Sampler, UniformSampler
@@ -188,12 +189,6 @@ _UNIFORM_OPTIONS = {"t_max", "t_min", "max_denoising_steps", "entropy_bound", "s
                     "rng"}
 
 
-def _positive_int(name, v):
-    if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
-        raise ValueError(f"{name} must be a positive int, got {v!r}")
-    return int(v)
-
-
 def _prompts(prompt_ids, cfg: ModelConfig) -> list[np.ndarray]:
     if isinstance(prompt_ids, (list, tuple)):
         if not prompt_ids:
@@ -304,8 +299,8 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, *, key: jax.Array, max_
     rows = _prompts(prompt_ids, cfg)
     if hasattr(model, "check_prompt_ids"):  # model-specific refusals (DiffusionGemma: image placeholders)
         model.check_prompt_ids(rows, cfg)
-    max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
-    L = _positive_int("block_length", cfg.block_length if block_length is None else block_length)
+    max_new_tokens = int_at_least("max_new_tokens", max_new_tokens)
+    L = int_at_least("block_length", cfg.block_length if block_length is None else block_length)
     if sampler is None:
         sampler = make_sampler(cfg, **sampler_options)
     elif sampler_options:
@@ -326,7 +321,7 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, *, key: jax.Array, max_
         raise ValueError("RCDResidual injects at [MASK] positions: it needs a noise='mask' model")
     if isinstance(residual, ORLResidual) and not cfg.has_adapter:
         raise ValueError("ORLResidual needs the adapter g_phi (ModelConfig.adapter_hidden > 0)")
-    max_steps = _positive_int("max_steps", sampler.max_steps(L) if max_steps is None else max_steps)
+    max_steps = int_at_least("max_steps", sampler.max_steps(L) if max_steps is None else max_steps)
     eos, pad = resolve_eos_pad(cfg, eos_token_id, pad_token_id)
     if streamer is not None and not callable(streamer):
         raise TypeError(f"streamer must be callable(block_tokens, block_index), got {type(streamer).__name__}")

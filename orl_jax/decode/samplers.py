@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from orl_jax.checks import int_at_least
 from orl_jax.config import ModelConfig
 
 
@@ -85,11 +86,9 @@ class MaskSampler:
         _check_unit("edit_threshold", self.edit_threshold, allow_none=True)
         _check_temperature("temperature", self.temperature, allow_zero=True)
         _check_rng(self.rng)
-        tps = self.tokens_per_step
-        if tps is not None and (not isinstance(tps, int) or tps <= 0):
-            raise ValueError(f"tokens_per_step must be a positive int, got {self.tokens_per_step!r}")
-        if not isinstance(self.max_edit_steps, int) or self.max_edit_steps < 0:
-            raise ValueError(f"max_edit_steps must be an int >= 0, got {self.max_edit_steps!r}")
+        if self.tokens_per_step is not None:
+            int_at_least("tokens_per_step", self.tokens_per_step)
+        int_at_least("max_edit_steps", self.max_edit_steps, 0)
 
     def check_length(self, length: int) -> None:
         if self.tokens_per_step is not None and length % self.tokens_per_step:
@@ -165,8 +164,7 @@ class UniformSampler:
     def __post_init__(self):
         _check_temperature("t_max (temperature)", self.t_max, allow_zero=False)
         _check_temperature("t_min", self.t_min, allow_zero=False)
-        if not isinstance(self.max_denoising_steps, int) or self.max_denoising_steps <= 0:
-            raise ValueError(f"max_denoising_steps must be a positive int, got {self.max_denoising_steps!r}")
+        int_at_least("max_denoising_steps", self.max_denoising_steps)
         eb = self.entropy_bound
         if not isinstance(eb, (int, float)) or math.isnan(eb) or eb <= 0:
             raise ValueError(f"entropy_bound must be > 0, got {self.entropy_bound!r}")

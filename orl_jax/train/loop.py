@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from orl_jax.checks import int_at_least
 from orl_jax.train.ckpt import CheckpointManager
 from orl_jax.train.metrics import MetricsWriter, to_host
 from orl_jax.train.step import TrainState
@@ -94,8 +95,7 @@ def train(state: TrainState, step_fn: Callable, data_iter: Iterator, *, num_step
         raise TypeError(f"state must be a TrainState, got {type(state).__name__}")
     for name, v, lo in (("num_steps", num_steps, 0), ("save_every", save_every, 0), ("log_every", log_every, 0),
                         ("max_consecutive_nonfinite", max_consecutive_nonfinite, 1)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        int_at_least(name, v, lo)
     if ckpt is not None and not isinstance(ckpt, CheckpointManager):
         raise TypeError(f"ckpt must be a CheckpointManager or None, got {type(ckpt).__name__}")
     shard = getattr(step_fn, "shard_batch", lambda b: b)

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from orl_jax.config import ModelConfig
+from orl_jax.data.pipeline import segment_mask
 from orl_jax.model import qwen3, qwendlm
 
 
@@ -39,25 +40,15 @@ def causal_lm_loss(params, cfg: ModelConfig, batch: dict, key=None, *, remat: bo
     """Stage 0: next-token cross-entropy. batch: tokens [B, N], loss_mask [B, N] (1 where token i+1 is a target
     of position i), optional segment_ids/positions for packed rows."""
     tokens = batch["tokens"]
-    mask = _packed_causal_mask(batch)
+    seg = batch.get("segment_ids")
+    mask = None if seg is None else segment_mask(seg)  # None: plain causal
     logits = qwen3.forward(params, cfg, tokens, mask=mask, positions=batch.get("positions"), remat=remat)
     w = batch["loss_mask"][:, 1:].astype(jnp.float32)
-    seg = batch.get("segment_ids")
     if seg is not None:  # never predict across a packed example boundary or into padding
         w = w * ((seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0))
     s, n = cross_entropy(logits[:, :-1], tokens[:, 1:], w)
     loss = s / jnp.maximum(n, 1.0)
     return loss, {"loss": loss, "tokens": n}
-
-
-def _packed_causal_mask(batch):
-    tokens = batch["tokens"]
-    b, n = tokens.shape
-    causal = jnp.tril(jnp.ones((n, n), bool))[None]
-    seg = batch.get("segment_ids")
-    if seg is None:
-        return jnp.broadcast_to(causal, (b, n, n))
-    return causal & (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)
 
 
 def packed_rows(batch: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -69,9 +60,10 @@ def packed_rows(batch: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
     b, n = tokens.shape
     if "segment_ids" in batch:
         seg, pos = batch["segment_ids"], batch["positions"]
-        same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)  # [B, N, N]
-        plen = jnp.einsum("bqk,bk->bq", same.astype(jnp.int32), batch["prompt_mask"].astype(jnp.int32))
-        return seg, pos, plen
+        # prompt tokens per segment id (ids < N + 1), read back at every token of the segment
+        count = jax.vmap(lambda s, m: jnp.zeros((n + 1,), jnp.int32).at[s].add(m))(
+            seg, batch["prompt_mask"].astype(jnp.int32) * (seg > 0))
+        return seg, pos, jnp.take_along_axis(count, seg, axis=1)
     i = jnp.arange(n, dtype=jnp.int32)[None]
     seg = (i < batch["lengths"][:, None]).astype(jnp.int32)
     return seg, jnp.broadcast_to(i, (b, n)), jnp.broadcast_to(batch["prompt_lengths"][:, None], (b, n))

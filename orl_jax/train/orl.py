@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from orl_jax.checks import int_at_least
 from orl_jax.decode.engine import generate
 from orl_jax.decode.residual import ORLResidual
 from orl_jax.train.orl_losses import ORLLossConfig, orl_loss
@@ -36,9 +37,7 @@ class ORLConfig:
 
     def __post_init__(self):
         for name in ("group_size", "max_new_tokens", "max_states", "max_prompt"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"ORLConfig.{name} must be a positive int, got {v!r}")
+            int_at_least(f"ORLConfig.{name}", getattr(self, name))
 
 
 def pad_replay(batch: ReplayBatch, rows: int, width: int, states: int) -> dict:

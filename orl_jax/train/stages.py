@@ -135,22 +135,33 @@ def base_model(r, args, out: Path, log):
         train_tokenizer(task_corpus(n_per_task=min(r.train_examples, 1000), tasks=list(r.tasks)), r.vocab_size,
                         tok_dir)
     tok = load_tokenizer(tok_dir)
-    cfg = ModelConfig(vocab_size=len(tok), hidden_size=r.hidden, num_layers=r.layers, num_heads=r.heads,
-                      num_kv_heads=r.kv_heads, head_dim=r.head_dim, intermediate_size=r.mlp,
-                      max_position_embeddings=4096, dtype=r.compute_dtype, param_dtype="float32",
-                      attention_impl=r.attention_impl,
-                      tie_word_embeddings=True,
-                      eos_token_ids=stop_token_ids(tok), pad_token_id=tok.pad_token_id,
-                      mask_token_id=tok.mask_token_id, block_length=r.block_length)
+    cfg = ar_config(r, tok)
     log(f"stage 0: AR pretraining, {P.count(qwen3.param_specs(cfg)) / 1e6:.2f} M params, vocab {cfg.vocab_size}")
-    rows = [{"tokens": x["tokens"], "loss_mask": np.ones_like(x["tokens"])}
-            for x in _encode(tok, _examples(r, "train", r.train_examples, args.seed), r.seq_len)]
-    data = make_dataset(rows, seq_len=r.seq_len, batch_size=r.batch, seed=args.seed)
+    data = make_dataset(ar_rows(r, tok, args.seed), seq_len=r.seq_len, batch_size=r.batch, seed=args.seed)
     params = P.init(qwen3.param_specs(cfg), jax.random.key(args.seed))
-    optim = OptimConfig(lr=r.lr0, warmup_steps=max(r.stage0_steps // 20, 1), total_steps=r.stage0_steps)
-    params = _run_stage("stage0", out, cfg, params, lambda p, b, k: causal_lm_loss(p, cfg, b), optim, data,
+    params = _run_stage("stage0", out, cfg, params, lambda p, b, k: causal_lm_loss(p, cfg, b), ar_optim(r), data,
                         r.stage0_steps, log)
     return tok, cfg, params
+
+
+def ar_config(r, tok) -> ModelConfig:
+    """The embedded stage-0 model: the recipe's Qwen3 shape, float32 master weights, compute in r.compute_dtype."""
+    return ModelConfig(vocab_size=len(tok), hidden_size=r.hidden, num_layers=r.layers, num_heads=r.heads,
+                       num_kv_heads=r.kv_heads, head_dim=r.head_dim, intermediate_size=r.mlp,
+                       max_position_embeddings=4096, dtype=r.compute_dtype, param_dtype="float32",
+                       attention_impl=r.attention_impl, tie_word_embeddings=True,
+                       eos_token_ids=stop_token_ids(tok), pad_token_id=tok.pad_token_id,
+                       mask_token_id=tok.mask_token_id, block_length=r.block_length)
+
+
+def ar_rows(r, tok, seed: int) -> list[dict]:
+    """Stage-0 examples (every token a target), to be packed into r.seq_len rows."""
+    return [{"tokens": x["tokens"], "loss_mask": np.ones_like(x["tokens"])}
+            for x in _encode(tok, _examples(r, "train", r.train_examples, seed), r.seq_len)]
+
+
+def ar_optim(r) -> OptimConfig:
+    return OptimConfig(lr=r.lr0, warmup_steps=max(r.stage0_steps // 20, 1), total_steps=r.stage0_steps)
 
 
 def convert(r, args, out: Path, tok, ar_cfg: ModelConfig, ar_params, log):
@@ -173,13 +184,13 @@ def heldout_examples(r, tok, seed: int):
     """r.eval_examples held-out examples whose reference fits the budgets: answer <= eval_max_new tokens and
     prompt + answer <= conv_len (what stage 1 trains on). Drawn in order from a larger reproducible sample."""
     pool = tasks.sample("heldout", 2 * r.eval_examples, seed, tasks=list(r.tasks))
-    fits = []  # r.eval_fit=False (the smoke preset's tiny budgets): the first examples, fitting or not
+    if not r.eval_fit:  # the smoke preset's tiny budgets: the first examples, fitting or not
+        return pool[:r.eval_examples]
+    fits = []
     for ex in pool:
         prompt, response = format_example(tok, ex)
         if len(response) <= r.eval_max_new and len(prompt) + len(response) <= conv_len(r):
             fits.append(ex)
-    if not r.eval_fit:
-        return pool[:r.eval_examples]
     if len(fits) < r.eval_examples:
         raise ValueError(f"only {len(fits)} of {len(pool)} held-out examples fit eval_max_new={r.eval_max_new} and "
                          f"conv_len={conv_len(r)}; raise them")
