@@ -6,6 +6,8 @@
   ... --resume                                         # continue a killed run from its checkpoints
   ... --resume --stage2-methods orl --no-eval          # one stage-2 method per process / GPU (same --out);
                                                        # a final --resume run evaluates every method
+A stage stopped by SIGTERM saves its checkpoint and the run exits with status 75 before any later stage or
+evaluation; `--resume` continues it.
 
 Stages (each checkpointed with orbax under OUT/stage*/; a finished stage is reused, never recomputed):
   tokenizer  byte-level BPE trained on the train split of the task suite (embedded default only)
@@ -106,6 +108,9 @@ def parse_args(argv=None):
     ap.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
     ap.add_argument("--stage0-steps", type=int)
     ap.add_argument("--stage1-steps", type=int)
+    ap.add_argument("--orl-rounds", type=int,
+                    help="stage-2 rounds (ORL) and updates (RCD); lowering it below a run's saved round count "
+                         "ends that stage there")
     ap.add_argument("--noise", choices=["uniform", "mask"], default="uniform",
                     help="QwenDLM variant: uniform-state canvas (default) or mask tokens")
     ap.add_argument("--skip-stage2", action="store_true", help="stop after the conversion (no ORL)")
@@ -127,10 +132,15 @@ def parse_args(argv=None):
     if unknown or not methods:
         ap.error(f"--stage2-methods: unknown {unknown or 'empty list'}; choose from {', '.join(STAGE2_METHODS)}")
     args.stage2_methods = tuple(m for m in STAGE2_METHODS if m in methods)
+    for name in ("stage0_steps", "stage1_steps", "orl_rounds"):
+        v = getattr(args, name)
+        if v is not None and v <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be a positive number of steps, got {v}")
     return args
 
 
 STAGE2_METHODS = ("orl", "noaec", "rcd")
+EXIT_STOPPED = 75  # a stage was stopped (SIGTERM) and checkpointed: run again with --resume (sysexits' TEMPFAIL)
 
 
 def log(msg: str) -> None:
@@ -150,18 +160,23 @@ def main(argv=None) -> None:
 
     r = PRESETS[args.preset]
     r = dataclasses.replace(r, stage0_steps=args.stage0_steps or r.stage0_steps,
-                            stage1_steps=args.stage1_steps or r.stage1_steps)
+                            stage1_steps=args.stage1_steps or r.stage1_steps,
+                            orl_rounds=args.orl_rounds or r.orl_rounds)
     tmp = out / f".recipe.json.{os.getpid()}"  # atomic: processes sharing --out may write it at once
     tmp.write_text(json.dumps(dataclasses.asdict(r) | vars(args), indent=2, default=str))
     os.replace(tmp, out / "recipe.json")
     t0 = time.perf_counter()
-    tok, ar_cfg, ar_params = stages.base_model(r, args, out, log)
-    dlm_cfg, dlm_params = stages.convert(r, args, out, tok, ar_cfg, ar_params, log)
-    methods = {"QwenDLM": dlm_params}
-    if not args.skip_stage2:
-        from orl_jax.train.stage2 import stage2
+    try:
+        tok, ar_cfg, ar_params = stages.base_model(r, args, out, log)
+        dlm_cfg, dlm_params = stages.convert(r, args, out, tok, ar_cfg, ar_params, log)
+        methods = {"QwenDLM": dlm_params}
+        if not args.skip_stage2:
+            from orl_jax.train.stage2 import stage2
 
-        methods |= stage2(r, args, out, tok, dlm_cfg, dlm_params, log, args.stage2_methods)
+            methods |= stage2(r, args, out, tok, dlm_cfg, dlm_params, log, args.stage2_methods)
+    except stages.StageStopped as e:
+        log(str(e))
+        raise SystemExit(EXIT_STOPPED) from None
     if args.no_eval:
         log("training done (--no-eval): evaluate with a later --resume run")
         return

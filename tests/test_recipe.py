@@ -51,3 +51,31 @@ def test_stage2_methods_split_over_processes_then_one_evaluation(tmp_path):
                                            "QwenDLM+RCD"]
     with pytest.raises(SystemExit):
         train_qwendlm.main(["--preset", "smoke", "--out", str(tmp_path / "x"), "--stage2-methods", "orl,ppo"])
+
+
+def test_stopped_stage_exits_before_later_stages_then_resume_finishes(tmp_path, monkeypatch):
+    """SIGTERM during a stage (here: CheckpointManager.should_stop) saves, exports nothing, runs no later stage or
+    evaluation, exits with EXIT_STOPPED; --resume continues. Stage 2 (ORL rounds) stops the same way."""
+    from orl_jax.train.ckpt import CheckpointManager
+
+    out = tmp_path / "run"
+    args = ["--preset", "smoke", "--out", str(out), "--stage2-methods", "orl", "--no-eval"]
+    monkeypatch.setattr(CheckpointManager, "should_stop", lambda self, step: step >= 3)
+    with pytest.raises(SystemExit) as e:
+        train_qwendlm.main(args)
+    assert e.value.code == train_qwendlm.EXIT_STOPPED
+    assert (out / "stage0/ckpt").exists() and not (out / "stage0/params").exists() and not (out / "stage1").exists()
+    monkeypatch.setattr(CheckpointManager, "should_stop", lambda self, step: "stage2" in self.directory.parent.name)
+    with pytest.raises(SystemExit) as e:
+        train_qwendlm.main(args + ["--resume"])
+    assert e.value.code == train_qwendlm.EXIT_STOPPED
+    steps = [json.loads(line)["step"] for line in (out / "stage0/logs/metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 6 and (out / "stage1/params/config.json").exists()
+    assert len((out / "stage2_orl/logs/metrics.jsonl").read_text().splitlines()) == 1
+    assert not (out / "stage2_orl/params").exists()
+    monkeypatch.undo()
+    train_qwendlm.main(args + ["--resume"])
+    assert len((out / "stage2_orl/logs/metrics.jsonl").read_text().splitlines()) == 2
+    assert (out / "stage2_orl/params/config.json").exists()
+    with pytest.raises(SystemExit):
+        train_qwendlm.main(args + ["--orl-rounds", "0"])

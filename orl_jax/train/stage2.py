@@ -29,7 +29,14 @@ from orl_jax.train.objectives import DiffusionObjective
 from orl_jax.train.optim import OptimConfig, make_optimizer
 from orl_jax.train.orl import ORLConfig, make_orl_loss, orl_iteration
 from orl_jax.train.orl_losses import ORLLossConfig
-from orl_jax.train.stages import ADAPTER_GROUP, _run_stage, conversion_data, diffusion_loss_fn, load_export
+from orl_jax.train.stages import (
+    ADAPTER_GROUP,
+    StageStopped,
+    _run_stage,
+    conversion_data,
+    diffusion_loss_fn,
+    load_export,
+)
 from orl_jax.train.step import make_train_step
 
 
@@ -68,11 +75,14 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
                                         ocfg, eos_token_ids=stops, pad_token_id=cfg.pad_token_id or 0)
             m = {k: float(v) for k, v in jax.device_get(m).items() if np.ndim(v) == 0}
             w.write(rnd + 1, m)
-            if (rnd + 1) % max(r.orl_rounds // 4, 1) == 0 or rnd + 1 == r.orl_rounds:
+            stop = ck.should_stop(rnd + 1)
+            if stop or (rnd + 1) % max(r.orl_rounds // 4, 1) == 0 or rnd + 1 == r.orl_rounds:
                 ck.save(state, {"round": rnd + 1}, step=rnd + 1)
             if (rnd + 1) % max(r.orl_rounds // 10, 1) == 0:
                 log(f"{name} round {rnd + 1}/{r.orl_rounds}: verified {m['verified']:.2f}, rollout TPF "
                     f"{m['rollout_tpf']:.2f}, loss {m.get('loss', float('nan')):.4f}")
+            if stop and rnd + 1 < r.orl_rounds:
+                raise StageStopped(name, rnd + 1, r.orl_rounds)
     params = jax.device_get(state.params)
     checkpoint.save_params(out / name / "params", cfg, params)
     return params

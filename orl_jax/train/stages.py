@@ -77,6 +77,15 @@ def diffusion_loss_fn(obj: DiffusionObjective, cfg, with_reference: bool = False
     return loss_fn if with_reference else (lambda p, b, key: loss_fn(p, b, key))
 
 
+class StageStopped(Exception):
+    """A training stage stopped before its last step (SIGTERM / preemption): its checkpoint is saved, nothing is
+    exported, and the later stages must not run on its unfinished params. `--resume` continues it."""
+
+    def __init__(self, name: str, step: int, steps: int):
+        super().__init__(f"{name} stopped at step {step} of {steps} (checkpoint saved): rerun with --resume")
+        self.name, self.step, self.steps = name, step, steps
+
+
 def load_export(name: str, out: Path, cfg, log):
     """The params a finished stage exported to OUT/name/params, or None."""
     export = out / name / "params"
@@ -111,10 +120,11 @@ def _run_stage(name, out: Path, cfg, params, loss_fn, optim: OptimConfig, data, 
                           log_every=max(steps // 20, 1), writer=w)
         finally:
             it.close()  # stops the prefetch thread now, not at interpreter exit
-    params = jax.device_get(state.params)
-    if int(state.step) >= steps:  # finished (not preempted): export the stage
-        checkpoint.save_params(export, cfg, params)
     last = (out / name / "logs" / "metrics.jsonl").read_text().splitlines()[-1:] or ["-"]
+    if int(state.step) < steps:
+        raise StageStopped(name, int(state.step), steps)
+    params = jax.device_get(state.params)
+    checkpoint.save_params(export, cfg, params)
     log(f"{name}: done at step {int(state.step)}; last metrics {last[0]}")
     return params
 
