@@ -79,3 +79,22 @@ def test_stopped_stage_exits_before_later_stages_then_resume_finishes(tmp_path, 
     assert (out / "stage2_orl/params/config.json").exists()
     with pytest.raises(SystemExit):
         train_qwendlm.main(args + ["--orl-rounds", "0"])
+
+
+def test_conversion_responses_fill_their_last_block_with_end_of_turn(tmp_path):
+    from orl_jax.data.embedded_tokenizer import task_corpus, train_tokenizer
+    from orl_jax.data.prompt_format import end_of_turn_id
+    from orl_jax.data.tokenizer import load_tokenizer
+    from orl_jax.train import stages
+
+    r = train_qwendlm.PRESETS["smoke"]
+    train_tokenizer(task_corpus(n_per_task=40, tasks=list(r.tasks)), r.vocab_size, tmp_path)
+    tok = load_tokenizer(tmp_path)
+    examples = stages._examples(r, "train", 16, 0)
+    plain, filled = stages._encode(tok, examples, 10_000), stages._encode(tok, examples, 10_000, r.block_length)
+    eot = end_of_turn_id(tok)
+    assert any(len(a["tokens"]) < len(b["tokens"]) for a, b in zip(plain, filled))
+    for a, b in zip(plain, filled):
+        n, plen = len(a["tokens"]), int(a["prompt_mask"].sum())
+        assert (len(b["tokens"]) - plen) % r.block_length == 0 and int(b["prompt_mask"].sum()) == plen
+        assert (b["tokens"][:n] == a["tokens"]).all() and (b["tokens"][n - 1:] == eot).all()

@@ -39,10 +39,15 @@ def _examples(r, split: str, n_per_task: int, seed: int):
     return tasks.sample(split, n_per_task * len(r.tasks), seed, tasks=list(r.tasks))
 
 
-def _encode(tok, examples, max_len: int):
+def _encode(tok, examples, max_len: int, block: int = 0):
+    """Rows of prompt + response ids (cut at max_len) and their prompt_mask. block > 0: the response is filled up
+    to a whole number of blocks with its end-of-turn token, so the last block trains what the engine's last
+    block holds after the answer ends (without it, no block ever shows a position past the end of turn)."""
     rows = []
     for ex in examples:
         prompt, response = format_example(tok, ex)
+        if block:
+            response = response + response[-1:] * (-len(response) % block)
         ids = (prompt + response)[:max_len]
         rows.append({"tokens": np.asarray(ids, np.int32),
                      "prompt_mask": (np.arange(len(ids)) < len(prompt)).astype(np.int32)})
@@ -60,9 +65,11 @@ def conv_len(r) -> int:
 def conversion_data(r, tok, seed: int):
     """Packed rows of conv_len tokens (several whole train examples each; prompt_mask marks the prompts) for the
     block-diffusion objective, which keeps the examples of a row apart (objectives.packed_diffusion_mask).
-    Examples longer than a row are left out, never truncated (a cut answer teaches nothing)."""
+    Responses end on a block boundary (filled with end-of-turn tokens, see _encode). Examples longer than a row are
+    left out, never truncated (a cut answer teaches nothing)."""
     n = conv_len(r)
-    rows = [x for x in _encode(tok, _examples(r, "train", r.train_examples, seed), n + 1) if len(x["tokens"]) <= n]
+    examples = _examples(r, "train", r.train_examples, seed)
+    rows = [x for x in _encode(tok, examples, n + 1, r.block_length) if len(x["tokens"]) <= n]
     return make_dataset(rows, seq_len=n, batch_size=r.batch, seed=seed)
 
 
