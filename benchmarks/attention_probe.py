@@ -91,21 +91,22 @@ for name, b, n, mask in cases(rng):
     r = jax.random.normal(kr, (b, n, N, H), jnp.bfloat16)
     seen = jnp.any(mask, axis=-1)[:, :, None, None]  # rows with a visible key
 
-    def fwd_bwd(f):
-        def loss(q, k, v):
+    def fwd_bwd(f):  # mask and r are arguments: closed-over arrays get constant-folded (minutes of compile)
+        def loss(q, k, v, mask, r):
+            seen = jnp.any(mask, axis=-1)[:, :, None, None]  # rows with a visible key
             return jnp.sum(jnp.where(seen, f(q, k, v, mask), 0).astype(jnp.float32) * r)
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
     ref_o = jax.jit(ours)(q, k, v, mask)
-    ref_g = fwd_bwd(ours)(q, k, v)[1]
+    ref_g = fwd_bwd(ours)(q, k, v, mask, r)[1]
     for vname, f in (("orl_jax", ours), ("dpa_xla", dpa("xla")), ("dpa_cudnn", dpa("cudnn"))):
         try:
             o = jax.jit(f)(q, k, v, mask)
-            g = fwd_bwd(f)(q, k, v)[1]
+            g = fwd_bwd(f)(q, k, v, mask, r)[1]
             err_o = float(jnp.max(jnp.abs(jnp.where(seen, o.astype(jnp.float32) - ref_o.astype(jnp.float32), 0))))
             err_g = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b_.astype(jnp.float32))))
                         for a, b_ in zip(g, ref_g))
-            ms = median_seconds(fwd_bwd(f), q, k, v, reps=args.reps) * 1e3
+            ms = median_seconds(fwd_bwd(f), q, k, v, mask, r, reps=args.reps) * 1e3
             log(case=name, variant=vname, ms_fwd_bwd=ms, max_abs_err_out=err_o, max_abs_err_grad=err_g,
                 rows=b, length=n)
         except Exception as e:  # noqa: BLE001 - a probe: record what failed and go on

@@ -64,7 +64,7 @@ class Recipe:
     orl_states: int = 8  # replayed states per verified response
     orl_max_prompt: int = 192
     orl_steps: int = 8  # max denoising steps per block during rollouts
-    lr2: float = 3e-4
+    lr2: float = 3e-4  # stage-2 peak rate (warmup: a tenth of the rounds); the h200 run diverged at 1e-4
     # Compute dtype of every stage; the weights stay float32 (master copy) either way.
     compute_dtype: str = "float32"
     attention_impl: str = "orl_jax"  # training attention: orl_jax | xla | cudnn (ModelConfig.attention_impl)
@@ -95,7 +95,7 @@ PRESETS = {
                    train_examples=20000, eval_examples=256, eval_max_new=320,
                    tasks=("arithmetic", "list_ops", "program_output", "code_function"),
                    eval_settings=((32, 0.005), (16, 0.02), (8, 0.1), (4, 0.3)), orl_rounds=200, orl_prompts=16,
-                   orl_group=8, orl_states=16, orl_max_prompt=256, orl_steps=32, lr2=1e-4,
+                   orl_group=8, orl_states=16, orl_max_prompt=256, orl_steps=32, lr2=1e-5,
                    compute_dtype="bfloat16", conv_len=512, remat=True),
 }
 

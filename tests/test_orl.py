@@ -94,9 +94,10 @@ def test_round_on_a_four_device_mesh_equals_one_device(setup):
     (st1, m1, a1), (st4, m4, a4) = outs
     np.testing.assert_array_equal(a1["tokens"], a4["tokens"])  # identical rollouts
     np.testing.assert_allclose(float(m1["loss"]), float(m4["loss"]), rtol=1e-5)
-    # Adam divides by sqrt(v): a near-zero gradient summed in another order moves by up to ~1e-5 after one step
+    # Adam divides by sqrt(v): a near-zero gradient summed in another order can move a weight by a few percent of
+    # the step (lr 3e-3) differently; 1e-4 is 3% of one update
     for x, y in zip(jax.tree.leaves(jax.device_get(st1.params)), jax.tree.leaves(jax.device_get(st4.params))):
-        np.testing.assert_allclose(x, y, atol=5e-5)
+        np.testing.assert_allclose(x, y, atol=1e-4)
     assert not any(a.is_deleted() for a in jax.tree.leaves(params)), "a step donated the caller's params"
 
 

@@ -75,3 +75,28 @@ def test_unverified_responses_are_dropped(rollout):
     batch = build_replay(PROMPTS, out, [False, True], block_length=BL, pad_id=0)
     assert set(batch.state_row.tolist()) == {0} and batch.tokens.shape[0] == 1
     assert batch.tokens[0, :len(PROMPTS[1])].tolist() == PROMPTS[1]
+
+
+def test_state_selection_takes_whole_blocks_in_a_random_order():
+    from orl_jax.train.replay import select_states
+
+    recs, blocks = list(range(10)), [0, 0, 0, 1, 1, 2, 2, 2, 2, 3]
+    assert select_states(recs, blocks, None) == recs
+    assert select_states(recs, blocks, 20, np.random.default_rng(0)) == recs
+    assert select_states(recs, blocks, 4) == [0, 1, 2, 3]  # no rng: the first ones
+    seen = set()
+    for seed in range(20):
+        got = select_states(recs, blocks, 5, np.random.default_rng(seed))
+        assert got == sorted(got) and 0 < len(got) <= 5
+        chosen = {blocks[i] for i in got}
+        assert all(i in got for i in recs if blocks[i] in chosen)  # whole blocks only
+        seen |= chosen
+    assert seen == {0, 1, 2, 3}  # every block gets its turn
+    assert select_states(recs, [0] * 10, 3, np.random.default_rng(0)) == [0, 1, 2]  # one long block: its first
+
+
+def test_orl_config_rejects_unknown_state_selection():
+    from orl_jax.train.orl import ORLConfig
+
+    with pytest.raises(ValueError, match="state_selection"):
+        ORLConfig(state_selection="last")

@@ -31,13 +31,18 @@ from orl_jax.train.replay import ReplayBatch, behaviour_logp, build_replay, repl
 class ORLConfig:
     group_size: int = 4  # responses per prompt (G)
     max_new_tokens: int = 64
-    max_states: int = 16  # replayed states per response (the first ones, in decoding order)
+    max_states: int = 16  # replayed states per response
     max_prompt: int = 128  # prompts longer than this are rejected (fixed replay width)
     loss: ORLLossConfig = ORLLossConfig()
+    # which states, when a response has more than max_states: "blocks" = whole blocks in a random order (every
+    # block of an answer is trained over the rounds), "first" = the first ones in decoding order
+    state_selection: str = "blocks"
 
     def __post_init__(self):
         for name in ("group_size", "max_new_tokens", "max_states", "max_prompt"):
             int_at_least(f"ORLConfig.{name}", getattr(self, name))
+        if self.state_selection not in ("blocks", "first"):
+            raise ValueError(f"ORLConfig.state_selection must be 'blocks' or 'first', got {self.state_selection!r}")
 
 
 def pad_replay(batch: ReplayBatch, rows: int, width: int, states: int) -> dict:
@@ -107,6 +112,16 @@ def rollout(params, cfg, prompts: Sequence[Sequence[int]], key, sampler, orl_cfg
     return rows, out
 
 
+def _selection_rng(key, orl_cfg: ORLConfig):
+    """numpy Generator for the round's state selection, derived from the round key (resumes reproducibly)."""
+    if orl_cfg.state_selection == "first":
+        return None
+    k = jax.random.fold_in(key, 1)
+    if jnp.issubdtype(k.dtype, jax.dtypes.prng_key):
+        k = jax.random.key_data(k)
+    return np.random.default_rng(np.asarray(k).ravel().tolist())
+
+
 def orl_iteration(state, step_fn, cfg, prompts, verify: Callable[[list[np.ndarray]], Sequence[bool]], key,
                   sampler, orl_cfg: ORLConfig, *, eos_token_ids=(), pad_token_id: int = 0):
     """One on-policy round: rollout (current params) -> verify -> replay -> exactly one update.
@@ -125,7 +140,7 @@ def orl_iteration(state, step_fn, cfg, prompts, verify: Callable[[list[np.ndarra
     batch = build_replay(rows, out, ok, block_length=cfg.block_length, pad_id=pad_token_id,
                          prefix_attention=cfg.prefix_attention,
                          mask_token_id=cfg.mask_token_id if cfg.noise == "mask" else None,
-                         max_states=orl_cfg.max_states)
+                         max_states=orl_cfg.max_states, rng=_selection_rng(key, orl_cfg))
     n = len(rows)
     L = cfg.block_length
     width = orl_cfg.max_prompt + orl_cfg.max_new_tokens + L + orl_cfg.max_states * L

@@ -42,9 +42,32 @@ class ReplayBatch:
     valid: np.ndarray  # [S, L] positions inside the response (before its end)
 
 
+def select_states(recs: list[int], blocks: list[int], max_states: int | None, rng=None) -> list[int]:
+    """Which capture records of one response to replay, in decoding order. rng None: the first max_states.
+    With an rng: whole blocks in a random order while they fit max_states (a block longer than max_states gives
+    its first max_states states), so every block of a long answer gets trained over the rounds and adjacent
+    states of a block stay together for the AEC term."""
+    if max_states is None or len(recs) <= max_states:
+        return list(recs)
+    if rng is None:
+        return list(recs[:max_states])
+    by_block: dict[int, list[int]] = {}
+    for rec, blk in zip(recs, blocks):
+        by_block.setdefault(blk, []).append(rec)
+    chosen: list[int] = []
+    for blk in rng.permutation(sorted(by_block)):
+        group = by_block[int(blk)]
+        if not chosen and len(group) > max_states:
+            return group[:max_states]
+        if len(chosen) + len(group) <= max_states:
+            chosen += group
+    return sorted(chosen)
+
+
 def build_replay(prompts, out, verified, *, block_length: int, pad_id: int, prefix_attention: str = "causal",
-                 mask_token_id: int | None = None, max_states: int | None = None) -> ReplayBatch:
+                 mask_token_id: int | None = None, max_states: int | None = None, rng=None) -> ReplayBatch:
     """prompts: list of token lists; out: GenerateOutput from generate(..., capture=True); verified [B] bool.
+    max_states / rng: which states of each response to replay (select_states).
 
     Unresolved positions of a state: [MASK] positions of its canvas when mask_token_id is given (mask family);
     otherwise (uniform family, where every step re-decides the canvas) the positions the previous step of the
@@ -56,9 +79,7 @@ def build_replay(prompts, out, verified, *, block_length: int, pad_id: int, pref
     per_row = []
     for b in rows:
         recs = [i for i in range(n_rec) if cap["active"][i, b]]
-        if max_states is not None:
-            recs = recs[:max_states]
-        per_row.append(recs)
+        per_row.append(select_states(recs, [int(cap["block"][i]) for i in recs], max_states, rng))
     p_len = [len(prompts[b]) for b in rows]
     n_clean = [p + int(lengths[b]) for p, b in zip(p_len, rows)]
     width = max([c + len(r) * L for c, r in zip(n_clean, per_row)] + [1])

@@ -102,12 +102,16 @@ def load_export(name: str, out: Path, cfg, log):
     return checkpoint.load_params(export, dtype=cfg.dtype, param_dtype=cfg.param_dtype)[1]
 
 
-def _run_stage(name, out: Path, cfg, params, loss_fn, optim: OptimConfig, data, steps: int, log, frozen=None):
-    """Train `params` with `loss_fn` for `steps` updates (resuming OUT/name/ckpt if present); export the result.
-    frozen: params of a frozen model of the same config, passed to loss_fn(params, batch, key, frozen)."""
+def _run_stage(name, out: Path, cfg, init_params, loss_fn, optim: OptimConfig, make_data, steps: int, log,
+               frozen=None):
+    """Train `init_params()` with `loss_fn` for `steps` updates (resuming OUT/name/ckpt if present); export the result.
+    init_params and make_data are callables, run only when the stage is not exported yet (building a stage's dataset
+    tokenizes its whole train split). frozen: params of a frozen model of the same config, passed to
+    loss_fn(params, batch, key, frozen)."""
     done = load_export(name, out, cfg, log)
     if done is not None:
         return done
+    params, data = init_params(), make_data()
     export = out / name / "params"
     mesh = make_mesh(data=1, fsdp=-1, tensor=1)
     specs = qwen3.param_specs(cfg)
@@ -154,9 +158,10 @@ def base_model(r, args, out: Path, log):
     tok = load_tokenizer(tok_dir)
     cfg = ar_config(r, tok)
     log(f"stage 0: AR pretraining, {P.count(qwen3.param_specs(cfg)) / 1e6:.2f} M params, vocab {cfg.vocab_size}")
-    data = make_dataset(ar_rows(r, tok, args.seed), seq_len=r.seq_len, batch_size=r.batch, seed=args.seed)
-    params = P.init(qwen3.param_specs(cfg), jax.random.key(args.seed))
-    params = _run_stage("stage0", out, cfg, params, lambda p, b, k: causal_lm_loss(p, cfg, b), ar_optim(r), data,
+    params = _run_stage("stage0", out, cfg, lambda: P.init(qwen3.param_specs(cfg), jax.random.key(args.seed)),
+                        lambda p, b, k: causal_lm_loss(p, cfg, b), ar_optim(r),
+                        lambda: make_dataset(ar_rows(r, tok, args.seed), seq_len=r.seq_len, batch_size=r.batch,
+                                             seed=args.seed),
                         r.stage0_steps, log)
     return tok, cfg, params
 
@@ -186,15 +191,18 @@ def convert(r, args, out: Path, tok, ar_cfg: ModelConfig, ar_params, log):
     if args.noise == "mask" and ar_cfg.mask_token_id is None:
         raise ValueError("--noise mask needs a tokenizer with a mask token")
     cfg = ar_cfg.replace(adapter_hidden=ar_cfg.hidden_size, block_length=r.block_length, noise=args.noise)
-    adapter = P.init(qwen3.param_specs(cfg)["adapter"], jax.random.key(args.seed + 1))
-    params = dict(jax.tree.map(jnp.asarray, ar_params), adapter=adapter)
+
+    def params():  # the AR model + a fresh adapter (only when stage 1 is not exported yet)
+        adapter = P.init(qwen3.param_specs(cfg)["adapter"], jax.random.key(args.seed + 1))
+        return dict(jax.tree.map(jnp.asarray, ar_params), adapter=adapter)
+
     loss_fn = diffusion_loss_fn(DiffusionObjective(block_length=r.block_length, remat=r.remat), cfg)
     # Self-conditioning only applies to the uniform family; the mask family's adapter waits for ORL (stage 2).
     optim = OptimConfig(lr=r.lr1, warmup_steps=max(r.stage1_steps // 20, 1), total_steps=r.stage1_steps,
                         groups=ADAPTER_GROUP)
     log(f"stage 1: conversion to QwenDLM ({args.noise} noise, block {r.block_length})")
-    return cfg, _run_stage("stage1", out, cfg, params, loss_fn, optim, conversion_data(r, tok, args.seed + 1),
-                           r.stage1_steps, log)
+    return cfg, _run_stage("stage1", out, cfg, params, loss_fn, optim,
+                           lambda: conversion_data(r, tok, args.seed + 1), r.stage1_steps, log)
 
 
 def heldout_examples(r, tok, seed: int):
