@@ -30,6 +30,8 @@ ap.add_argument("--out", default="engine_bench.jsonl")
 ap.add_argument("--prompt", type=int, default=512)
 ap.add_argument("--preset", default="qwen3-4b", help="model shape (tiny-qwen3 for a CPU smoke run)")
 ap.add_argument("--tensor", type=int, default=1, help="tensor-parallel over the first N devices (mesh tensor=N)")
+ap.add_argument("--cached-attention", choices=["orl_jax", "pallas"], default="orl_jax",
+                help="attention of the cached passes: einsum reference or fused kernel (kernels/decode_attention)")
 args = ap.parse_args()
 runtime.configure(args.cache_dir, xla_flags=() if args.xla_default else runtime.DEFAULT_XLA_FLAGS)
 
@@ -49,7 +51,8 @@ T0 = time.perf_counter()
 
 
 def log(**kw):
-    kw |= {"phase": args.phase, "tensor": args.tensor, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    kw |= {"phase": args.phase, "tensor": args.tensor, "cached_attention": args.cached_attention,
+           "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "device": jax.devices()[0].device_kind,
            "jax": jax.__version__, "t": round(time.perf_counter() - T0, 1)}
     print(json.dumps(kw), flush=True)
@@ -69,7 +72,8 @@ def ceilings():
     return bw
 
 
-cfg = preset(args.preset).replace(noise="mask", mask_token_id=preset(args.preset).vocab_size - 1)
+cfg = preset(args.preset).replace(noise="mask", mask_token_id=preset(args.preset).vocab_size - 1,
+                                  cached_attention_impl=args.cached_attention)
 specs = qwen3.param_specs(cfg)
 MESH = None if args.tensor == 1 else make_mesh(data=1, fsdp=1, tensor=args.tensor,
                                                devices=jax.devices()[:args.tensor])

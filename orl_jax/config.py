@@ -41,8 +41,11 @@ class ModelConfig:
     param_dtype: str | None = None
     # Attention of passes without a KV cache (training, replay): "orl_jax" (scores materialized in float32, the
     # parity reference) or jax.nn.dot_product_attention with implementation "xla" or "cudnn" (fused flash
-    # attention on NVIDIA GPUs; bf16/fp16 only). Cached passes (prefill, decode, commit) always use orl_jax's.
+    # attention on NVIDIA GPUs; bf16/fp16 only). Cached passes (prefill, decode, commit) use cached_attention_impl.
     attention_impl: Literal["orl_jax", "xla", "cudnn"] = "orl_jax"
+    # Attention of passes with a KV cache: "orl_jax" (the reference einsums) or "pallas" (the fused kernel in
+    # kernels/decode_attention; interpret mode on CPU; shapes it does not support fall back to orl_jax's).
+    cached_attention_impl: Literal["orl_jax", "pallas"] = "orl_jax"
     # --- block diffusion (QwenDLM); inert for a causal model ---
     # uniform: the canvas starts as random tokens and is re-noised (DiffusionGemma's recipe, our reading for
     # QwenDLM); mask: the canvas starts as [MASK] tokens (LLaDA / SDAR style).
@@ -77,6 +80,9 @@ class ModelConfig:
         if self.attention_impl not in ("orl_jax", "xla", "cudnn"):
             raise ValueError(f"ModelConfig.attention_impl must be 'orl_jax', 'xla' or 'cudnn', "
                              f"got {self.attention_impl!r}")
+        if self.cached_attention_impl not in ("orl_jax", "pallas"):
+            raise ValueError(f"ModelConfig.cached_attention_impl must be 'orl_jax' or 'pallas', "
+                             f"got {self.cached_attention_impl!r}")
         if self.noise not in ("uniform", "mask"):
             raise ValueError(f"ModelConfig.noise must be 'uniform' or 'mask', got {self.noise!r}")
         if self.prefix_attention not in ("causal", "block_causal"):

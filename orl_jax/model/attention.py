@@ -24,12 +24,20 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
 
     The parts (cache, self) share one softmax: their scores are concatenated, never their K/V, so a long cache is
     read once and not copied. Scores and softmax run in float32 (as HF's eager attention does).
+    impl "pallas" (cache + self parts, shapes the kernel supports): kernels/decode_attention's fused kernel.
     impl "xla" / "cudnn" (one part only): jax.nn.dot_product_attention with that implementation, the mask passed
     whole. A query row with no visible key (padding) may then differ from ours (the mean of all values); no loss
     reads such rows, but the value must stay finite, since masked keys still multiply it by 0 in later layers
     (tests: test_objectives.py, the cuDNN one marked gpu).
     """
-    if impl != "orl_jax" and len(parts) == 1:
+    if impl == "pallas" and len(parts) == 2:
+        from orl_jax_kernels.decode_attention.kernel import cached_attention, supported
+
+        (kc, vc, cm), (ks, vs, sm) = parts
+        if supported(q.shape[1], kc.shape[1], q.shape[-1]):
+            return cached_attention(q, kc, vc, cm, ks, vs, sm, scale=q.shape[-1] ** -0.5,
+                                    interpret=jax.default_backend() == "cpu")
+    elif impl in ("xla", "cudnn") and len(parts) == 1:
         k, v, mask = parts[0]
         return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation=impl)
     return scaled_attention(q, parts, q.shape[-1] ** -0.5)

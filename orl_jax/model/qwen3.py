@@ -109,7 +109,8 @@ def _layer(cfg: ModelConfig, x, w, cos, sin, self_vis, cache_part):
     v = qkv[:, :, :, g + 1]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
-    x = x + einsum("blnh,nhd->bld", attention(q, parts, cfg.attention_impl), w["o"])
+    impl = cfg.attention_impl if cache_part is None else cfg.cached_attention_impl
+    x = x + einsum("blnh,nhd->bld", attention(q, parts, impl), w["o"])
     x = x + fused_gated_mlp(rms_norm(x, w["mlp_norm"], eps), w["gate_up"], w["down"])
     return x, k, v
 
@@ -123,6 +124,8 @@ def backbone(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
     """
     cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
     cvis = None if cache is None else cache_mask(cache.start, cache.length, cache.size, x.shape[1])
+    if cache is not None and cfg.cached_attention_impl == "pallas":  # the kernel reads int8 masks: convert once
+        cvis, self_vis = cvis.astype(jnp.int8), self_vis.astype(jnp.int8)
 
     def body(x, xs):
         w, ck, cv = xs

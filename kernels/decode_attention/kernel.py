@@ -1,0 +1,109 @@
+"""Fused attention for passes with a KV cache (denoising steps, commits, prefill): [cache | own tokens], one
+softmax, without materializing the scores.
+
+Why: in a batch-1 denoising forward of Qwen3-4B at block 32, XLA's attention (scores, mask, softmax, values as
+separate kernels) costs ~37 us per layer for 32 queries over ~544 keys, 27% of the layer
+(benchmarks/results/2026-11-29_profile_h200.md). Here one program per (batch row, query head, query tile)
+streams its kv head's cache and the pass's own keys in chunks through two tensor-core dots with an online
+(running-max) softmax, reading the visibility masks as int8 tiles.
+
+Semantics equal orl_jax.model.attention.attention with two parts (cache, self): scores in float32, masked keys at
+a finite large negative value (a row with no visible key averages all values, as the reference does), the
+probabilities cast to the value dtype for the second dot. The online softmax rescales partial sums, so results
+differ from the reference by rounding only.
+
+Pallas, Triton lowering (pallas.triton); interpret mode on CPU for tests.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # = orl_jax.model.attention._NEG
+
+
+@dataclass(frozen=True)
+class Blocks:
+    bl: int = 64  # queries per program (fewer when the pass is shorter)
+    bs: int = 64  # keys per chunk (fewer when a part is shorter)
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _tile(n: int, want: int) -> int:
+    """The largest power of two <= want dividing n (0 if below 16: tensor-core dots need 16)."""
+    t = want
+    while t >= 16 and n % t:
+        t //= 2
+    return t if t >= 16 else 0
+
+
+def supported(l: int, s: int, h: int, blocks: Blocks = Blocks()) -> bool:
+    """Queries per pass l, cache slots s, head dim h: tiles of >= 16 must divide l, s; h a power of two >= 16."""
+    return bool(_tile(l, blocks.bl) and _tile(s, blocks.bs) and _tile(l, blocks.bs)) and h >= 16 and not h & (h - 1)
+
+
+def _kernel(q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref, ms_ref, o_ref, *, scale: float, cs: int, ss: int):
+    q = q_ref[0, :, 0, :]  # [BL, H]
+    bl, h = q.shape
+
+    def stream(k_ref, v_ref, m_ref, chunk, carry):
+        def body(j, carry):
+            m, l, acc = carry
+            s0 = pl.multiple_of(j * chunk, chunk)
+            k = k_ref[0, pl.ds(s0, chunk), 0, :]  # [C, H]
+            v = v_ref[0, pl.ds(s0, chunk), 0, :]
+            vis = m_ref[0, :, pl.ds(s0, chunk)] != 0  # [BL, C]
+            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+            s = jnp.where(vis, s, NEG)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            alpha = jnp.exp(m - m_new)
+            p = jnp.exp(s - m_new[:, None])
+            acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            return m_new, l * alpha + jnp.sum(p, axis=1), acc
+
+        return jax.lax.fori_loop(0, k_ref.shape[1] // chunk, body, carry)
+
+    carry = (jnp.full((bl,), -jnp.inf, jnp.float32), jnp.zeros((bl,), jnp.float32), jnp.zeros((bl, h), jnp.float32))
+    carry = stream(kc_ref, vc_ref, mc_ref, cs, carry)
+    _, l, acc = stream(ks_ref, vs_ref, ms_ref, ss, carry)
+    o_ref[0, :, 0, :] = (acc / l[:, None]).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
+def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask, *, scale: float,
+                     blocks: Blocks = Blocks(), interpret: bool = False):
+    """q [B, L, N, H]; k/v_cache [B, S, K, H]; cache_mask [B, L, S]; k/v_self [B, L, K, H]; self_mask [B, L, L]
+    (bool or int8; int8 avoids a conversion per call) -> [B, L, N, H]. Shapes: see `supported`."""
+    b, l, n, h = q.shape
+    s, kv = k_cache.shape[1], k_cache.shape[2]
+    if not supported(l, s, h, blocks):
+        raise ValueError(f"cached_attention: L={l}, S={s}, H={h} not supported with {blocks}")
+    bl, cs, ss = _tile(l, blocks.bl), _tile(s, blocks.bs), _tile(l, blocks.bs)
+    g = n // kv
+    kwargs = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+
+        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=blocks.num_warps,
+                                                            num_stages=blocks.num_stages)
+    return pl.pallas_call(
+        functools.partial(_kernel, scale=scale, cs=cs, ss=ss),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(b, n, l // bl),
+        in_specs=[pl.BlockSpec((1, bl, 1, h), lambda i, j, t: (i, t, j, 0)),
+                  pl.BlockSpec((1, s, 1, h), lambda i, j, t: (i, 0, j // g, 0)),
+                  pl.BlockSpec((1, s, 1, h), lambda i, j, t: (i, 0, j // g, 0)),
+                  pl.BlockSpec((1, bl, s), lambda i, j, t: (i, t, 0)),
+                  pl.BlockSpec((1, l, 1, h), lambda i, j, t: (i, 0, j // g, 0)),
+                  pl.BlockSpec((1, l, 1, h), lambda i, j, t: (i, 0, j // g, 0)),
+                  pl.BlockSpec((1, bl, l), lambda i, j, t: (i, t, 0))],
+        out_specs=pl.BlockSpec((1, bl, 1, h), lambda i, j, t: (i, t, j, 0)),
+        interpret=interpret,
+        **kwargs,
+    )(q, k_cache, v_cache, cache_mask.astype(jnp.int8), k_self, v_self, self_mask.astype(jnp.int8))

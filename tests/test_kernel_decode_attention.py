@@ -1,0 +1,76 @@
+"""The fused cached-pass attention kernel against orl_jax's attention: interpret mode on CPU, compiled on a GPU;
+and generate() with cached_attention_impl="pallas" against the default, token for token."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from orl_jax.model.attention import attention, cache_mask, full_segments, self_mask
+from orl_jax_kernels.decode_attention.kernel import Blocks, cached_attention, supported
+
+
+def _inputs(key, b=2, l=32, s=96, n=4, kv=2, h=32, dtype=jnp.float32):
+    ks = jax.random.split(key, 5)
+    q = jax.random.normal(ks[0], (b, l, n, h), dtype)
+    kc, vc = (jax.random.normal(k, (b, s, kv, h), dtype) for k in ks[1:3])
+    kself, vself = (jax.random.normal(k, (b, l, kv, h), dtype) for k in ks[3:5])
+    start, length = jnp.array([0, 40]), 70  # row 1: left padding; slots >= 70: not filled yet
+    cm = cache_mask(start, length, s, l)
+    valid = jnp.arange(l)[None] < jnp.array([[l], [l - 8]])  # row 1: the last 8 canvas keys invalid
+    sm = self_mask(full_segments(b, l), valid)
+    sm = sm.at[1, 3].set(False)  # a query row with no visible self key ...
+    cm = cm.at[1, 3].set(False)  # ... and no cache key: the reference averages all values
+    return q, kc, vc, cm, kself, vself, sm
+
+
+@pytest.mark.parametrize("blocks", [Blocks(), Blocks(bl=16, bs=32)])
+def test_kernel_equals_reference_in_interpret_mode(blocks):
+    q, kc, vc, cm, kself, vself, sm = _inputs(jax.random.key(0))
+    want = attention(q, [(kc, vc, cm), (kself, vself, sm)])
+    got = cached_attention(q, kc, vc, cm, kself, vself, sm, scale=q.shape[-1] ** -0.5, blocks=blocks,
+                           interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    # the check can fail: a mask the kernel ignored would show
+    bad = cached_attention(q, kc, vc, cm.at[0, :, 5].set(False), kself, vself, sm, scale=q.shape[-1] ** -0.5,
+                           blocks=blocks, interpret=True)
+    assert float(jnp.abs(bad - want).max()) > 1e-3
+
+
+def test_supported_shapes():
+    assert supported(32, 544, 128) and supported(256, 768, 128) and supported(16, 16, 16)
+    assert not supported(8, 64, 64)  # a block of 8 queries: below the 16-row dot
+    assert not supported(32, 40, 64) and not supported(32, 64, 96)
+    with pytest.raises(ValueError, match="not supported"):
+        q, kc, vc, cm, kself, vself, sm = _inputs(jax.random.key(0), l=8)
+        cached_attention(q, kc, vc, cm, kself, vself, sm, scale=1.0, interpret=True)
+
+
+def test_generate_with_the_kernel_equals_the_default():
+    from orl_jax import params as P
+    from orl_jax.config import preset
+    from orl_jax.decode.engine import generate
+    from orl_jax.decode.residual import ORLResidual
+    from orl_jax.decode.samplers import UniformSampler
+    from orl_jax.model import qwen3
+
+    cfg = preset("tiny-qwendlm").replace(block_length=16)
+    params = P.init(qwen3.param_specs(cfg), jax.random.key(0))
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    kw = dict(key=jax.random.key(1), max_new_tokens=32, sampler=UniformSampler(max_denoising_steps=4),
+              residual=ORLResidual(), eos_token_id=(), pad_token_id=0)
+    want = generate(params, cfg, prompts, **kw)
+    fused = cfg.replace(cached_attention_impl="pallas")
+    assert "pallas_call" in str(jax.make_jaxpr(lambda p: generate(p, fused, prompts, **kw).tokens)(params))
+    got = generate(params, fused, prompts, **kw)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    assert int(got.total_forwards) == int(want.total_forwards)
+
+
+@pytest.mark.gpu
+def test_kernel_compiled_on_gpu_bf16():
+    q, kc, vc, cm, kself, vself, sm = _inputs(jax.random.key(0), l=32, s=544, n=32, kv=8, h=128,
+                                              dtype=jnp.bfloat16)
+    want = attention(q, [(kc, vc, cm), (kself, vself, sm)])
+    got = cached_attention(q, kc, vc, cm, kself, vself, sm, scale=q.shape[-1] ** -0.5)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
