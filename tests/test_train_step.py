@@ -149,3 +149,20 @@ def test_init_state_copies_so_donation_never_deletes_the_callers_params(params0)
     state, _ = step(step.init_state(params, jax.random.key(0)), step.shard_batch(make_batch(0)))
     jax.block_until_ready(state)
     assert not any(a.is_deleted() for a in jax.tree.leaves(params))
+
+
+def test_activations_stay_split_over_the_batch(params0):
+    """Under the step's mesh (jax.set_mesh, as the step traces) the model constrains its residual stream to the
+    data axes, so no device holds whole-batch activations next to FSDP-sharded weights."""
+    from orl_jax import params as P
+
+    mesh = make_mesh(1, 4, 1)
+    params = jax.device_put(params0, P.shardings(qwen3.param_specs(CFG), mesh))
+    rows = {k: np.concatenate([v, make_batch(1)[k]]) for k, v in make_batch(0).items()}  # 8 rows: no shape clash
+    batch = jax.device_put(rows, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp")))
+    grad = jax.jit(lambda p, b: jax.grad(lambda p: lm_loss(p, b, None)[0])(p))
+    whole, split = f"[{2 * B},{L},{CFG.intermediate_size}]", f"[{2 * B // 4},{L},{CFG.intermediate_size}]"  # MLP
+    with jax.set_mesh(mesh):
+        hlo = grad.lower(params, batch).compile().as_text()
+    assert whole not in hlo and split in hlo
+    assert whole in grad.lower(params, batch).compile().as_text()  # without the mesh: the check can fail
