@@ -7,7 +7,7 @@ themselves, first thing, or sets the same things by hand):
   (batch-1 decoding) GEMMs of a 4B model on an H200; cuBLAS reaches ~57% (../shared/REFERENCE.md: a Qwen3-4B
   block-32 step costs 7.8 ms vs 4.5 ms). Only the GPU backend reads it.
 - a persistent compilation cache, so a second process reuses compiled programs (generate() on a 4B model takes
-  minutes to compile cold).
+  minutes to compile cold); GPU / TPU installs only (see configure).
 
 Loop mode: the engine's while_loop has a data-dependent predicate, which XLA copies to the host each iteration
 unless WHILE/CONDITIONAL command buffers are on; those made a step slower in our probe, so they stay off
@@ -16,6 +16,7 @@ unless WHILE/CONDITIONAL command buffers are on; those made a step slower in our
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -24,7 +25,11 @@ DEFAULT_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false",)
 
 def configure(compilation_cache_dir: str | os.PathLike | None = "~/.cache/orl_jax/xla",
               xla_flags: tuple[str, ...] = DEFAULT_XLA_FLAGS) -> None:
-    """Set orl_jax's XLA flags (unless the user already set the same flag) and the compilation cache."""
+    """Set orl_jax's XLA flags (unless the user already set the same flag) and the compilation cache.
+
+    The persistent cache is for accelerators only: on the CPU backend a multi-device program (several fake
+    devices, collectives inside the layer scan) reloaded from it deadlocked its devices (jax 0.10.2, seen in
+    tests/test_recipe.py's resume), and CPU programs compile in seconds anyway."""
     current = os.environ.get("XLA_FLAGS", "")
     have = {f.split("=")[0] for f in current.split()}
     add = [f for f in xla_flags if f.split("=")[0] not in have]
@@ -32,12 +37,22 @@ def configure(compilation_cache_dir: str | os.PathLike | None = "~/.cache/orl_ja
         os.environ["XLA_FLAGS"] = " ".join([current, *add]).strip()
     import jax
 
-    if compilation_cache_dir is not None:
+    if compilation_cache_dir is not None and _accelerator_installed():
         path = Path(compilation_cache_dir).expanduser()
         path.mkdir(parents=True, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", str(path))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def _accelerator_installed() -> bool:
+    """A GPU / TPU PJRT plugin is importable and JAX_PLATFORMS does not pin the CPU (checked without starting
+    JAX's backends, which jax.distributed.initialize must precede)."""
+    platforms = [p.strip() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if platforms and set(platforms) <= {"cpu"}:
+        return False
+    return any(importlib.util.find_spec(n) for n in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins",
+                                                      "libtpu"))
 
 
 def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,

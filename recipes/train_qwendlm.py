@@ -111,6 +111,9 @@ def parse_args(argv=None):
     ap.add_argument("--orl-rounds", type=int,
                     help="stage-2 rounds (ORL) and updates (RCD); lowering it below a run's saved round count "
                          "ends that stage there")
+    ap.add_argument("--lr2", type=float, help="stage-2 peak learning rate (ORL and RCD); default: the preset's")
+    ap.add_argument("--attention-impl", choices=["orl_jax", "xla", "cudnn"],
+                    help="training attention (ModelConfig.attention_impl); default: the preset's")
     ap.add_argument("--noise", choices=["uniform", "mask"], default="uniform",
                     help="QwenDLM variant: uniform-state canvas (default) or mask tokens")
     ap.add_argument("--skip-stage2", action="store_true", help="stop after the conversion (no ORL)")
@@ -136,6 +139,8 @@ def parse_args(argv=None):
         v = getattr(args, name)
         if v is not None and v <= 0:
             ap.error(f"--{name.replace('_', '-')} must be a positive number of steps, got {v}")
+    if args.lr2 is not None and not 0 < args.lr2 < 1:
+        ap.error(f"--lr2 must be in (0, 1), got {args.lr2}")
     return args
 
 
@@ -161,7 +166,8 @@ def main(argv=None) -> None:
     r = PRESETS[args.preset]
     r = dataclasses.replace(r, stage0_steps=args.stage0_steps or r.stage0_steps,
                             stage1_steps=args.stage1_steps or r.stage1_steps,
-                            orl_rounds=args.orl_rounds or r.orl_rounds)
+                            orl_rounds=args.orl_rounds or r.orl_rounds, lr2=args.lr2 or r.lr2,
+                            attention_impl=args.attention_impl or r.attention_impl)
     tmp = out / f".recipe.json.{os.getpid()}"  # atomic: processes sharing --out may write it at once
     tmp.write_text(json.dumps(dataclasses.asdict(r) | vars(args), indent=2, default=str))
     os.replace(tmp, out / "recipe.json")

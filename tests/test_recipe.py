@@ -77,8 +77,9 @@ def test_stopped_stage_exits_before_later_stages_then_resume_finishes(tmp_path, 
     train_qwendlm.main(args + ["--resume"])
     assert len((out / "stage2_orl/logs/metrics.jsonl").read_text().splitlines()) == 2
     assert (out / "stage2_orl/params/config.json").exists()
-    with pytest.raises(SystemExit):
-        train_qwendlm.main(args + ["--orl-rounds", "0"])
+    for bad in (["--orl-rounds", "0"], ["--lr2", "-1e-5"], ["--attention-impl", "flash"]):
+        with pytest.raises(SystemExit):
+            train_qwendlm.main(args + bad)
 
 
 def test_conversion_responses_fill_their_last_block_with_end_of_turn(tmp_path):
