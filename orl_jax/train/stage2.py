@@ -40,11 +40,13 @@ from orl_jax.train.stages import (
 from orl_jax.train.step import make_train_step
 
 
-def orl_warmup(r) -> int:
-    """Stage-2 warmup: a tenth of the updates. The optimizer starts with fresh moments, and an Adam step at the full
-    rate on one round's noisy gradient moves every weight by ~lr: at lr 1e-4 without warmup the H200 run's policy
-    lost its verified share within 60 rounds (benchmarks/results/2026-11-29_train_qwendlm_h200x4)."""
-    return max(r.orl_rounds // 10, 1)
+def stage2_optim(r) -> OptimConfig:
+    """ORL's and RCD's optimizer: r.lr2, no weight decay, the adapter group, and a warmup of a tenth of the
+    updates. The optimizer starts with fresh moments, and an Adam step at the full rate on one round's noisy
+    gradient moves every weight by ~lr: at lr 1e-4 without warmup the H200 run's policy lost its verified share
+    within 60 rounds (benchmarks/results/2026-11-29_train_qwendlm_h200x4)."""
+    return OptimConfig(lr=r.lr2, warmup_steps=max(r.orl_rounds // 10, 1), total_steps=max(r.orl_rounds, 1),
+                       weight_decay=0.0, groups=ADAPTER_GROUP)
 
 
 def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossConfig, log):
@@ -56,8 +58,7 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
     ocfg = ORLConfig(group_size=G, max_new_tokens=r.eval_max_new, max_states=r.orl_states,
                      max_prompt=r.orl_max_prompt, loss=loss_cfg)
     sampler = UniformSampler(max_denoising_steps=r.orl_steps)  # sampled proposals: the policy explores
-    optim = OptimConfig(lr=r.lr2, warmup_steps=orl_warmup(r), total_steps=max(r.orl_rounds, 1), weight_decay=0.0,
-                        groups=ADAPTER_GROUP)
+    optim = stage2_optim(r)
     step = make_train_step(make_orl_loss(cfg, sampler, G * P, loss_cfg, remat=r.remat), make_optimizer(optim),
                            make_mesh(data=1, fsdp=-1, tensor=1), qwen3.param_specs(cfg))
     stops = stop_token_ids(tok)
@@ -98,8 +99,7 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
 def run_rcd(r, args, out: Path, tok, cfg, params, log):
     loss_fn = diffusion_loss_fn(DiffusionObjective(block_length=r.block_length, remat=r.remat), cfg,
                                 with_reference=True)
-    optim = OptimConfig(lr=r.lr2, warmup_steps=orl_warmup(r), total_steps=max(r.orl_rounds, 1), weight_decay=0.0,
-                        groups=ADAPTER_GROUP)
+    optim = stage2_optim(r)
     log(f"stage 2 baseline: RCD (off-policy residuals from the frozen converted model), {r.orl_rounds} updates")
     return _run_stage("stage2_rcd", out, cfg, lambda: params, loss_fn, optim,
                       lambda: conversion_data(r, tok, args.seed + 3), r.orl_rounds, log, frozen=params)
