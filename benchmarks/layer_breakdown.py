@@ -83,6 +83,11 @@ for L in map(int, args.blocks.split(",")):
     def attention_part(x, w):
         return use(x, attention(q0 + x[..., :1, None], [(ck, ck, cvis), (kv0, kv0, svis)]))
 
+    cvis8, svis8 = cvis.astype(jnp.int8), svis.astype(jnp.int8)  # as qwen3.backbone hands them to the kernel
+
+    def attention_pallas_part(x, w):
+        return use(x, attention(q0 + x[..., :1, None], [(ck, ck, cvis8), (kv0, kv0, svis8)], "pallas"))
+
     def o_part(x, w):
         return use(x, einsum("blnh,nhd->bld", q0 + x[..., :1, None], w["o"]))
 
@@ -92,9 +97,13 @@ for L in map(int, args.blocks.split(",")):
     def whole(x, w):
         return qwen3._layer(cfg, x, w, cos, sin, svis, (ck, ck, cvis))[0]
 
+    def whole_pallas(x, w):
+        return qwen3._layer(cfg.replace(cached_attention_impl="pallas"), x, w, cos, sin, svis8, (ck, ck, cvis8))[0]
+
     per_layer = sum(int(np.prod(a.shape[1:])) * 2 for a in jax.tree.leaves(W))  # bytes of one layer's weights
     roof_ms = max(per_layer / 4.3e12, 2 * per_layer / 2 * L / 790e12) * 1e3
     for name, part in (("qkv_gemm", qkv_part), ("q_norm_rope", rope_norm_part), ("attention", attention_part),
-                       ("o_gemm", o_part), ("mlp", mlp_part), ("whole_layer", whole)):
+                       ("attention_pallas", attention_pallas_part), ("o_gemm", o_part), ("mlp", mlp_part),
+                       ("whole_layer", whole), ("whole_layer_pallas", whole_pallas)):
         ms = median_seconds(over_layers(part), x, W, reps=20) * 1e3 / REPS
         log(canvas=L, part=name, ms_per_layer=ms, roofline_ms_per_layer=roof_ms)
