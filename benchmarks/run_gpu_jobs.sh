@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Several jobs side by side on the GPUs of one host, each on its own GPUs (CUDA_VISIBLE_DEVICES), each stopped
-# with SIGTERM after SECONDS (a recipe stage then saves its checkpoint and exits 75; `--resume` continues it in a
-# later call while the machine stays warm: runs live in the ignored outputs/ folder of the checkout).
+# with SIGTERM after SECONDS (a recipe stage then saves its checkpoint and exits 75, which the log shows;
+# `--resume` continues it in a later call while the machine stays warm: runs live in the ignored outputs/ folder
+# of the checkout).
 # Everything that comes back is packed into OUTDIR/results.tgz (the device returns at most 8 files): the job
 # logs, gpu.txt, every outputs/*/{report.md,results.jsonl,accuracy_vs_tpf.png,recipe.json,stage*/logs/*.jsonl} and
 # any *.jsonl a job writes under OUTDIR/bench/.
@@ -18,7 +19,7 @@ i=0
 for job in "$@"; do
   gpus=${job%%|*}; cmd=${job#*|}
   ( echo "== GPUs $gpus: $cmd"; start=$(date +%s)
-    CUDA_VISIBLE_DEVICES=$gpus timeout -s TERM -k 60 "$secs" bash -c "$cmd"
+    CUDA_VISIBLE_DEVICES=$gpus timeout --preserve-status -s TERM -k 60 "$secs" bash -c "$cmd"
     echo "== exit $? after $(( $(date +%s) - start )) s" ) > "$out/logs/job$i.log" 2>&1 &
   i=$((i + 1))
 done

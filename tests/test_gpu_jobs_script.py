@@ -1,0 +1,25 @@
+"""benchmarks/run_gpu_jobs.sh (how device calls run jobs side by side): each job gets its GPUs and its own log, a job
+past SECONDS is stopped with SIGTERM, and everything comes back in one results.tgz (the device returns <= 8 files)."""
+
+import subprocess
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_jobs_run_side_by_side_and_come_back_in_one_archive(tmp_path):
+    out = tmp_path / "out"
+    jobs = ['0,1|echo "[00:00:00] gpus $CUDA_VISIBLE_DEVICES"; echo \'{"summary": 1}\' > $BENCH/x.jsonl',
+            "2|trap 'echo stopped; exit 75' TERM; sleep 30 & wait"]
+    res = subprocess.run(["bash", str(ROOT / "benchmarks/run_gpu_jobs.sh"), str(out), "3", *jobs], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert [p.name for p in out.iterdir()] == ["results.tgz"]
+    with tarfile.open(out / "results.tgz") as tar:
+        names = set(tar.getnames())
+        logs = {n: tar.extractfile(n).read().decode() for n in ("logs/job0.log", "logs/job1.log")}
+    assert {"logs/gpu.txt", "bench/x.jsonl"} <= names
+    assert "[00:00:00] gpus 0,1" in logs["logs/job0.log"] and "== exit 0" in logs["logs/job0.log"]
+    assert "stopped" in logs["logs/job1.log"] and "== exit 75" in logs["logs/job1.log"]  # SIGTERM reached the job
+    assert "[00:00:00] gpus 0,1" in res.stdout and '{"summary": 1}' in res.stdout
