@@ -24,11 +24,13 @@ for job in "$@"; do
   i=$((i + 1))
 done
 wait
-files=(logs bench)
+runs=()
 for f in outputs/*/{report.md,results.jsonl,accuracy_vs_tpf.png,recipe.json} outputs/*/stage*/logs/metrics.jsonl; do
-  [ -e "$f" ] && files+=("$f")
+  [ -e "$f" ] && runs+=("$f")
 done
-tar czf "$out/results.tgz" -C "$out" logs bench -C "$PWD" "${files[@]:2}"
+pack=(-C "$out" logs bench)
+[ ${#runs[@]} -gt 0 ] && pack+=(-C "$PWD" "${runs[@]}")
+tar czf "$out/results.tgz" "${pack[@]}"
 rm -rf "$out/logs" "$out/bench"
 tar xzf "$out/results.tgz" -O --wildcards 'logs/job*.log' | grep "^==\|^\[\|Error" | cut -c1-260
 tar xzf "$out/results.tgz" -O --wildcards 'bench/*.jsonl' 2>/dev/null |

@@ -64,30 +64,28 @@ def logical_to_spec(axes: Sequence[str | None], mesh: Mesh | None = None) -> Par
     return PartitionSpec(*out)
 
 
-def named_sharding(mesh: Mesh, axes: Sequence[str | None], shape: Sequence[int] | None = None) -> NamedSharding:
-    """NamedSharding for logical axes; a dim that does not divide by its mesh axes stays replicated."""
+def _fitted_spec(mesh, axes: Sequence[str | None], shape: Sequence[int] | None) -> PartitionSpec:
+    """logical_to_spec, with every dim that does not divide by its mesh axes left replicated."""
     spec = list(logical_to_spec(axes, mesh))
     if shape is not None:
         for i, (p, n) in enumerate(zip(spec, shape)):
             size = int(np.prod([mesh.shape[a] for a in ((p,) if isinstance(p, str) else (p or ()))]))
             if n % size:
                 spec[i] = None
-    return NamedSharding(mesh, PartitionSpec(*spec))
+    return PartitionSpec(*spec)
 
 
-def constrain(x: jax.Array, axes: Sequence[str | None], mesh: Mesh | None) -> jax.Array:
-    """with_sharding_constraint by logical axes; a no-op without a mesh (single device)."""
-    if mesh is None:
-        return x
-    return jax.lax.with_sharding_constraint(x, named_sharding(mesh, axes, x.shape))
+def named_sharding(mesh: Mesh, axes: Sequence[str | None], shape: Sequence[int] | None = None) -> NamedSharding:
+    """NamedSharding for logical axes; a dim that does not divide by its mesh axes stays replicated."""
+    return NamedSharding(mesh, _fitted_spec(mesh, axes, shape))
 
 
-def constrain_batch(x: jax.Array) -> jax.Array:
-    """Split an activation's leading (batch) dim over the data axes of the mesh in context (jax.set_mesh; the train
-    step sets it), and replicate its other dims; a no-op without one. Without it XLA's partitioner may keep
-    whole-batch activations on every device next to FSDP-sharded weights (measured: half the step's memory
-    traffic was not split over fsdp=4)."""
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """with_sharding_constraint by logical axes over the mesh in context (jax.set_mesh; the train step sets it); a
+    no-op without one, or inside shard_map (manual axes). The model pins its residual stream's batch dim with it:
+    without, XLA's partitioner kept whole-batch activations on every device next to FSDP-sharded weights
+    (measured: half the step's memory traffic was not split over fsdp=4)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types):  # none, or inside shard_map
+    if mesh.empty or any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types):
         return x
-    return jax.lax.with_sharding_constraint(x, logical_to_spec(("batch",) + (None,) * (x.ndim - 1), mesh))
+    return jax.lax.with_sharding_constraint(x, _fitted_spec(mesh, axes, x.shape))

@@ -10,6 +10,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_jobs_run_side_by_side_and_come_back_in_one_archive(tmp_path):
     out = tmp_path / "out"
+    (tmp_path / "outputs/run/stage0/logs").mkdir(parents=True)  # a recipe run's files, as on the device
+    (tmp_path / "outputs/run/report.md").write_text("report")
+    (tmp_path / "outputs/run/stage0/logs/metrics.jsonl").write_text("{}")
     jobs = ['0,1|echo "[00:00:00] gpus $CUDA_VISIBLE_DEVICES"; echo \'{"summary": 1}\' > $BENCH/x.jsonl',
             "2|trap 'echo stopped; exit 75' TERM; sleep 30 & wait"]
     res = subprocess.run(["bash", str(ROOT / "benchmarks/run_gpu_jobs.sh"), str(out), "3", *jobs], cwd=tmp_path,
@@ -19,7 +22,7 @@ def test_jobs_run_side_by_side_and_come_back_in_one_archive(tmp_path):
     with tarfile.open(out / "results.tgz") as tar:
         names = set(tar.getnames())
         logs = {n: tar.extractfile(n).read().decode() for n in ("logs/job0.log", "logs/job1.log")}
-    assert {"logs/gpu.txt", "bench/x.jsonl"} <= names
+    assert {"logs/gpu.txt", "bench/x.jsonl", "outputs/run/report.md", "outputs/run/stage0/logs/metrics.jsonl"} <= names
     assert "[00:00:00] gpus 0,1" in logs["logs/job0.log"] and "== exit 0" in logs["logs/job0.log"]
     assert "stopped" in logs["logs/job1.log"] and "== exit 75" in logs["logs/job1.log"]  # SIGTERM reached the job
     assert "[00:00:00] gpus 0,1" in res.stdout and '{"summary": 1}' in res.stdout

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # = orl_jax.model.attention._NEG
+from orl_jax.model.attention import _NEG as NEG  # masked keys score exactly as in the reference
 
 
 @dataclass(frozen=True)

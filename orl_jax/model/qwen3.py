@@ -26,7 +26,9 @@ from orl_jax.model.attention import attention, cache_mask, causal_segments, self
 from orl_jax.model.cache import KVCache
 from orl_jax.model.layers import apply_rope, einsum, fused_gated_mlp, gated_mlp, rms_norm, rope_angles
 from orl_jax.params import ParamSpec, ones, zeros
-from orl_jax.sharding import constrain_batch
+from orl_jax.sharding import constrain
+
+ACTIVATION_AXES = ("batch", "length", None)  # the residual stream [B, L, D]: rows over the data axes, D whole
 
 
 def param_specs(cfg: ModelConfig) -> dict:
@@ -132,12 +134,12 @@ def backbone(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
         w, ck, cv = xs
         cache_part = None if ck is None else (ck, cv, cvis)
         x, k, v = _layer(cfg, x, w, cos, sin, self_vis, cache_part)
-        return constrain_batch(x), (k, v)
+        return constrain(x, ACTIVATION_AXES), (k, v)
 
     if remat:
         body = jax.checkpoint(body, prevent_cse=False)
     xs = (params["layers"], None, None) if cache is None else (params["layers"], cache.k, cache.v)
-    x, (k, v) = jax.lax.scan(body, constrain_batch(x), xs)
+    x, (k, v) = jax.lax.scan(body, constrain(x, ACTIVATION_AXES), xs)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), k, v
 
 

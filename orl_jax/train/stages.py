@@ -131,11 +131,11 @@ def _run_stage(name, out: Path, cfg, init_params, loss_fn, optim: OptimConfig, m
                           log_every=max(steps // 20, 1), writer=w)
         finally:
             it.close()  # stops the prefetch thread now, not at interpreter exit
-    last = (out / name / "logs" / "metrics.jsonl").read_text().splitlines()[-1:] or ["-"]
     if int(state.step) < steps:
         raise StageStopped(name, int(state.step), steps)
     params = jax.device_get(state.params)
     checkpoint.save_params(export, cfg, params)
+    last = (out / name / "logs" / "metrics.jsonl").read_text().splitlines()[-1:] or ["-"]
     log(f"{name}: done at step {int(state.step)}; last metrics {last[0]}")
     return params
 

@@ -231,7 +231,7 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer | optax.GradientTransf
             state_sh = ts.state_shardings(state.rng)
             compiled[sig] = jax.jit(step, in_shardings=(state_sh, batch_sharding, replicated, frozen_shardings),
                                     out_shardings=(state_sh, replicated), donate_argnums=(0,) if donate else ())
-        with jax.set_mesh(mesh):  # the model splits its activations' batch dim over it (sharding.constrain_batch)
+        with jax.set_mesh(mesh):  # the model splits its activations' batch dim over it (sharding.constrain)
             return compiled[sig](state, batch, key, frozen)
 
     return dataclasses.replace(ts, fn=call)
