@@ -32,6 +32,9 @@ ap.add_argument("--preset", default="qwen3-4b", help="model shape (tiny-qwen3 fo
 ap.add_argument("--tensor", type=int, default=1, help="tensor-parallel over the first N devices (mesh tensor=N)")
 ap.add_argument("--cached-attention", choices=["orl_jax", "pallas"], default="orl_jax",
                 help="attention of the cached passes: einsum reference or fused kernel (kernels/decode_attention)")
+ap.add_argument("--cached-matmul", choices=["xla", "pallas"], default="xla",
+                help="projections of cached passes <= 64 rows: XLA (cuBLAS) or kernels/small_m_gemm")
+ap.add_argument("--gemm-table", help="tuned small-M GEMM blocks (kernels/small_m_gemm/bench.py --table)")
 args = ap.parse_args()
 runtime.configure(args.cache_dir, xla_flags=() if args.xla_default else runtime.DEFAULT_XLA_FLAGS)
 
@@ -52,6 +55,7 @@ T0 = time.perf_counter()
 
 def log(**kw):
     kw |= {"phase": args.phase, "tensor": args.tensor, "cached_attention": args.cached_attention,
+           "cached_matmul": args.cached_matmul,
            "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "device": jax.devices()[0].device_kind,
            "jax": jax.__version__, "t": round(time.perf_counter() - T0, 1)}
@@ -73,7 +77,12 @@ def ceilings():
 
 
 cfg = preset(args.preset).replace(noise="mask", mask_token_id=preset(args.preset).vocab_size - 1,
-                                  cached_attention_impl=args.cached_attention)
+                                  cached_attention_impl=args.cached_attention,
+                                  cached_matmul_impl=args.cached_matmul)
+if args.gemm_table:
+    from orl_jax_kernels.small_m_gemm.kernel import load_tuned
+
+    log(gemm_table=str(load_tuned(args.gemm_table)))
 specs = qwen3.param_specs(cfg)
 MESH = None if args.tensor == 1 else make_mesh(data=1, fsdp=1, tensor=args.tensor,
                                                devices=jax.devices()[:args.tensor])

@@ -46,6 +46,10 @@ class ModelConfig:
     # Attention of passes with a KV cache: "orl_jax" (the reference einsums) or "pallas" (the fused kernel in
     # kernels/decode_attention; interpret mode on CPU; shapes it does not support fall back to orl_jax's).
     cached_attention_impl: Literal["orl_jax", "pallas"] = "orl_jax"
+    # Projections (q/k/v, o, gate/up, down) of cached passes with at most 64 rows (denoising steps and commits at
+    # batch 1): "xla" (jnp.einsum: cuBLAS on GPU) or "pallas" (kernels/small_m_gemm's split-K weight-streaming
+    # GEMM, reading each layer's weight in place from the stack; single device, unsharded weights).
+    cached_matmul_impl: Literal["xla", "pallas"] = "xla"
     # --- block diffusion (QwenDLM); inert for a causal model ---
     # uniform: the canvas starts as random tokens and is re-noised (DiffusionGemma's recipe, our reading for
     # QwenDLM); mask: the canvas starts as [MASK] tokens (LLaDA / SDAR style).
@@ -83,6 +87,9 @@ class ModelConfig:
         if self.cached_attention_impl not in ("orl_jax", "pallas"):
             raise ValueError(f"ModelConfig.cached_attention_impl must be 'orl_jax' or 'pallas', "
                              f"got {self.cached_attention_impl!r}")
+        if self.cached_matmul_impl not in ("xla", "pallas"):
+            raise ValueError(f"ModelConfig.cached_matmul_impl must be 'xla' or 'pallas', "
+                             f"got {self.cached_matmul_impl!r}")
         if self.noise not in ("uniform", "mask"):
             raise ValueError(f"ModelConfig.noise must be 'uniform' or 'mask', got {self.noise!r}")
         if self.prefix_attention not in ("causal", "block_causal"):

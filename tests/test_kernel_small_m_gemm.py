@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from orl_jax.model.streamed import gemm_dims
 from orl_jax_kernels.small_m_gemm.kernel import Blocks, small_m_matmul, supported
 from orl_jax_kernels.small_m_gemm.reference import matmul_reference
 
@@ -17,24 +18,97 @@ def test_matches_reference_in_interpret_mode(m, k, n, blocks):
     kx, kw = jax.random.split(jax.random.key(m * 7 + k))
     x = jax.random.normal(kx, (m, k), jnp.float32)
     w = jax.random.normal(kw, (k, n), jnp.float32)
-    out = small_m_matmul(x, w, blocks, interpret=True)
+    out = small_m_matmul(x, w, None, blocks, interpret=True)
     ref = matmul_reference(x, w)
     assert out.shape == (m, n)
     rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
     assert rel < 1e-5, rel
 
 
+def test_stacked_weight_is_read_at_its_layer():
+    kx, kw = jax.random.split(jax.random.key(3))
+    x = jax.random.normal(kx, (32, 256), jnp.float32)
+    w = jax.random.normal(kw, (3, 256, 256), jnp.float32)
+    blocks = Blocks(bn=128, bk=128, splits=2)
+    for layer in range(3):
+        out = small_m_matmul(x, w, jnp.int32(layer), blocks, interpret=True)
+        rel = float(jnp.linalg.norm(out - matmul_reference(x, w[layer])) / jnp.linalg.norm(out))
+        assert rel < 1e-5, (layer, rel)
+    with pytest.raises(ValueError, match="needs `layer`"):
+        small_m_matmul(x, w, None, blocks, interpret=True)
+
+
+def test_gemm_dims_of_the_model_specs():
+    assert gemm_dims("bld,dkth->blkth", (1, 32, 2560), (2560, 8, 6, 128)) == (32, 2560, 6144, (1, 32, 8, 6, 128))
+    assert gemm_dims("blnh,nhd->bld", (1, 32, 32, 128), (32, 128, 2560)) == (32, 4096, 2560, (1, 32, 2560))
+    assert gemm_dims("bld,dtf->bltf", (1, 32, 2560), (2560, 2, 9728)) == (32, 2560, 19456, (1, 32, 2, 9728))
+    assert gemm_dims("bld,vd->blv", (1, 32, 64), (100, 64)) is None  # contraction last in w: not a plain GEMM
+
+
+def test_generate_with_the_kernel_equals_the_default():
+    """Every projection of the cached passes through the kernel (layer read in place from the stack)."""
+    from orl_jax import params as P
+    from orl_jax.config import preset
+    from orl_jax.decode.engine import generate
+    from orl_jax.decode.samplers import MaskSampler
+    from orl_jax.model import qwen3
+
+    cfg = preset("tiny-qwendlm").replace(block_length=16, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
+                                         intermediate_size=384, noise="mask", mask_token_id=3)
+    params = P.init(qwen3.param_specs(cfg), jax.random.key(0))
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    kw = dict(key=jax.random.key(1), max_new_tokens=32, sampler=MaskSampler(mask_token_id=3, threshold=0.5),
+              eos_token_id=(), pad_token_id=0)
+    want = generate(params, cfg, prompts, **kw)
+    streamed = cfg.replace(cached_matmul_impl="pallas")
+    jaxpr = str(jax.make_jaxpr(lambda p: generate(p, streamed, prompts, **kw).tokens)(params))
+    assert jaxpr.count("pallas_call") >= 4  # the 4 projections of the cached layer body
+    got = generate(params, streamed, prompts, **kw)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+
+
 def test_rejects_unsupported_shapes():
     assert not supported(128, 512, 256)
     with pytest.raises(ValueError, match="not supported"):
-        small_m_matmul(jnp.ones((8, 100)), jnp.ones((100, 128)), Blocks(), interpret=True)
+        small_m_matmul(jnp.ones((8, 100)), jnp.ones((100, 128)), None, Blocks(), interpret=True)
 
 
 @pytest.mark.gpu
 def test_compiled_on_gpu_bf16():
     x = jax.random.normal(jax.random.key(0), (32, 2560), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(1), (2560, 6144), jnp.bfloat16) * 0.02
-    out = small_m_matmul(x, w, Blocks(bn=128, bk=256, splits=4)).astype(jnp.float32)
+    out = small_m_matmul(x, w, None, Blocks(bn=128, bk=256, splits=4)).astype(jnp.float32)
     ref = matmul_reference(x.astype(jnp.float32), w.astype(jnp.float32), jnp.float32)
     assert float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)) < 1e-2
     assert np.all(np.isfinite(np.asarray(out)))
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_kernel_lowers_to_triton_for_cuda_on_any_machine(stacked):
+    """Pallas -> Triton IR at the Qwen3-4B gate/up shape (cross-platform export, no GPU needed)."""
+    from jax import export
+
+    sd = jax.ShapeDtypeStruct
+    w = sd((36, 2560, 19456) if stacked else (2560, 19456), jnp.bfloat16)
+    layer = sd((), jnp.int32) if stacked else None
+    f = jax.jit(lambda x, w, i: small_m_matmul(x, w, i, Blocks(bn=128, bk=128, splits=2)))
+    triton = "__gpu$xla.gpu.triton"
+    exp = export.export(f, platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)])(
+        sd((32, 2560), jnp.bfloat16), w, layer)
+    assert triton in exp.mlir_module()
+
+
+def test_tuned_table_picks_blocks_or_declines(tmp_path, monkeypatch):
+    import json
+
+    from orl_jax_kernels.small_m_gemm import kernel
+
+    monkeypatch.setattr(kernel, "TUNED", {})
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps([{"k": 256, "n": 512, "blocks": {"bn": 64, "bk": 64, "splits": 2, "num_warps": 4,
+                                                                 "num_stages": 3}},
+                                {"k": 512, "n": 256, "blocks": None}]))
+    kernel.load_tuned(path)
+    assert kernel.blocks_for(256, 512) == Blocks(64, 64, 2, 4, 3)
+    assert supported(32, 256, 512) and not supported(32, 512, 256)  # None: XLA was faster there
+    assert kernel.blocks_for(1024, 1024) == Blocks()

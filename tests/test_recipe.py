@@ -24,6 +24,8 @@ def test_recipe_smoke_end_to_end_and_resume(tmp_path):
     assert [r["method"] for r in rows] == ["AR (greedy)", "QwenDLM", "QwenDLM+ORL", "QwenDLM+ORL (no AEC)",
                                            "QwenDLM+RCD"]
     assert all(0.0 <= r["accuracy"] <= 1.0 and r["tpf"] > 0 for r in rows)
+    assert all(list(r["per_task"]) == ["arithmetic"] and r["per_task"]["arithmetic"] == r["accuracy"] for r in rows)
+    assert "| arithmetic |" in (out / "report.md").read_text()
     steps = [json.loads(line)["step"] for line in (out / "stage0/logs/metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 6
     stage1 = [json.loads(line) for line in (out / "stage1/logs/metrics.jsonl").read_text().splitlines()]

@@ -1,10 +1,14 @@
 """Split-K weight-streaming GEMM for small M (batch-1 decoding: M = block length <= 64).
 
 At M = 32 a GEMM with a 2560 x 6144 bf16 weight reads 31 MB and does 1 GFLOP: it is bound by reading the weight
-once. cuBLAS reaches 35-55% of HBM bandwidth on these shapes (../shared/REFERENCE.md) because it launches too
+once. cuBLAS reaches 35-60% of HBM bandwidth on these shapes (../shared/REFERENCE.md) because it launches too
 few blocks. Here every program owns one BN-wide column tile of the weight and every S-th BK-deep chunk of the
 contraction (split-K), streams those tiles through tensor-core dots into a float32 accumulator, and writes a
 partial sum; the S partials ([S, M, N] float32, a few % of the weight's bytes) are summed by XLA.
+
+Stacked weights: `w` may be a layer stack [L, K, N] with `layer` an int32 scalar. The kernel then reads layer
+`layer` in place. Under `lax.scan` over stacked params the body's slice `w[i]` would reach a custom call as a
+copy (XLA fuses such slices into its own GEMMs, not into ours): one extra write and read of every weight.
 
 Pallas, Triton lowering (pallas.triton). Runs in interpret mode on CPU for tests.
 """
@@ -22,37 +26,66 @@ from jax.experimental import pallas as pl
 @dataclass(frozen=True)
 class Blocks:
     bn: int = 128  # output columns per program
-    bk: int = 256  # contraction rows per chunk
+    bk: int = 128  # contraction rows per chunk
     splits: int = 4  # programs sharing one column tile (split-K)
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 4
 
 
-def _kernel(x_ref, w_ref, o_ref, *, bk: int, n_chunks: int):
+# Block sizes per (K, N) measured best on a GPU (kernels/small_m_gemm/bench.py writes such a table; `load_tuned`
+# reads it). None: XLA's GEMM was faster for that shape (`supported` says no, callers fall back). Shapes not
+# listed use Blocks().
+TUNED: dict[tuple[int, int], Blocks | None] = {}
+
+
+def load_tuned(path) -> dict[tuple[int, int], Blocks | None]:
+    """Fill TUNED from a JSON table [{"k":, "n":, "blocks": {...} or null}, ...]; call before the first trace."""
+    import json
+    from pathlib import Path
+
+    for row in json.loads(Path(path).read_text()):
+        TUNED[(int(row["k"]), int(row["n"]))] = Blocks(**row["blocks"]) if row["blocks"] else None
+    return TUNED
+
+
+def blocks_for(k: int, n: int) -> Blocks | None:
+    return TUNED.get((k, n), Blocks())
+
+
+def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bk: int, n_chunks: int, stacked: bool):
     s = pl.program_id(1)
     n_splits = pl.num_programs(1)
-    m, bn = x_ref.shape[0], w_ref.shape[1]
+    m, bn = x_ref.shape[0], w_ref.shape[-1]
+    layer = layer_ref[0] if stacked else 0
 
     def body(j, acc):
         k0 = pl.multiple_of((s + j * n_splits) * bk, bk)
         xb = x_ref[:, pl.ds(k0, bk)]
-        wb = w_ref[pl.ds(k0, bk), :]
+        wb = w_ref[layer, pl.ds(k0, bk), :] if stacked else w_ref[pl.ds(k0, bk), :]
         return acc + jnp.dot(xb, wb, preferred_element_type=jnp.float32)
 
     trips = (n_chunks - s + n_splits - 1) // n_splits
     o_ref[0] = jax.lax.fori_loop(0, trips, body, jnp.zeros((m, bn), jnp.float32))
 
 
-def supported(m: int, k: int, n: int, blocks: Blocks = Blocks()) -> bool:
-    return m <= 64 and k % blocks.bk == 0 and n % blocks.bn == 0
+def supported(m: int, k: int, n: int, blocks: Blocks | None = None) -> bool:
+    blocks = blocks or blocks_for(k, n)
+    return blocks is not None and m <= 64 and k % blocks.bk == 0 and n % blocks.bn == 0
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret", "out_dtype"))
-def small_m_matmul(x: jax.Array, w: jax.Array, blocks: Blocks = Blocks(), interpret: bool = False,
-                   out_dtype=None) -> jax.Array:
-    """x [M, K] @ w [K, N] -> [M, N]; M <= 64, K % bk == 0, N % bn == 0 (see `supported`)."""
+def small_m_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | None = None, blocks: Blocks | None = None,
+                   interpret: bool = False, out_dtype=None) -> jax.Array:
+    """x [M, K] @ w [K, N] -> [M, N], or x @ w[layer] for a stack w [L, K, N] and an int32 scalar `layer`.
+
+    M <= 64, K % bk == 0, N % bn == 0 (see `supported`); blocks default to the tuned table, then Blocks()."""
     m, k = x.shape
-    n = w.shape[1]
+    n = w.shape[-1]
+    stacked = w.ndim == 3
+    if stacked != (layer is not None):
+        raise ValueError(f"small_m_matmul: a stacked weight [L, K, N] needs `layer` and a [K, N] weight none; got "
+                         f"w of shape {w.shape} with layer={'given' if layer is not None else None}")
+    blocks = blocks or blocks_for(k, n)
     if not supported(m, k, n, blocks):
         raise ValueError(f"small_m_matmul: shape M={m}, K={k}, N={n} not supported with {blocks}")
     mp = max(16, 1 << (m - 1).bit_length())  # tensor-core dots need M >= 16
@@ -65,14 +98,18 @@ def small_m_matmul(x: jax.Array, w: jax.Array, blocks: Blocks = Blocks(), interp
 
         kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=blocks.num_warps,
                                                             num_stages=blocks.num_stages)
+    w_spec = (pl.BlockSpec((w.shape[0], k, blocks.bn), lambda j, s: (0, 0, j)) if stacked
+              else pl.BlockSpec((k, blocks.bn), lambda j, s: (0, j)))
+    layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     partial = pl.pallas_call(
-        functools.partial(_kernel, bk=blocks.bk, n_chunks=n_chunks),
+        functools.partial(_kernel, bk=blocks.bk, n_chunks=n_chunks, stacked=stacked),
         out_shape=jax.ShapeDtypeStruct((splits, mp, n), jnp.float32),
         grid=(n // blocks.bn, splits),
-        in_specs=[pl.BlockSpec((mp, k), lambda j, s: (0, 0)),
-                  pl.BlockSpec((k, blocks.bn), lambda j, s: (0, j))],
+        in_specs=[pl.BlockSpec((1,), lambda j, s: (0,)),
+                  pl.BlockSpec((mp, k), lambda j, s: (0, 0)),
+                  w_spec],
         out_specs=pl.BlockSpec((1, mp, blocks.bn), lambda j, s: (s, 0, j)),
         interpret=interpret,
         **kwargs,
-    )(xp, w)
+    )(layer_arr, xp, w)
     return partial.sum(axis=0)[:m].astype(out_dtype or x.dtype)

@@ -25,10 +25,12 @@ from orl_jax.config import ModelConfig
 from orl_jax.model.attention import attention, cache_mask, causal_segments, self_mask
 from orl_jax.model.cache import KVCache
 from orl_jax.model.layers import apply_rope, einsum, fused_gated_mlp, gated_mlp, rms_norm, rope_angles
+from orl_jax.model.streamed import StackedWeight
 from orl_jax.params import ParamSpec, ones, zeros
 from orl_jax.sharding import constrain
 
 ACTIVATION_AXES = ("batch", "length", None)  # the residual stream [B, L, D]: rows over the data axes, D whole
+MATRICES = ("qkv", "o", "gate_up", "down")  # the per-layer weights multiplied by `einsum`
 
 
 def param_specs(cfg: ModelConfig) -> dict:
@@ -130,15 +132,20 @@ def backbone(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
     if cache is not None and cfg.cached_attention_impl == "pallas":  # the kernel reads int8 masks: convert once
         cvis, self_vis = cvis.astype(jnp.int8), self_vis.astype(jnp.int8)
 
+    streamed = cache is not None and cfg.cached_matmul_impl == "pallas"
+
     def body(x, xs):
         w, ck, cv = xs
+        if streamed:  # w is the layer index: matrices read in place from their stacks, the rest sliced
+            w = {name: StackedWeight(a, w) if name in MATRICES else a[w] for name, a in params["layers"].items()}
         cache_part = None if ck is None else (ck, cv, cvis)
         x, k, v = _layer(cfg, x, w, cos, sin, self_vis, cache_part)
         return constrain(x, ACTIVATION_AXES), (k, v)
 
     if remat:
         body = jax.checkpoint(body, prevent_cse=False)
-    xs = (params["layers"], None, None) if cache is None else (params["layers"], cache.k, cache.v)
+    ws = jnp.arange(cfg.num_layers, dtype=jnp.int32) if streamed else params["layers"]
+    xs = (ws, None, None) if cache is None else (ws, cache.k, cache.v)
     x, (k, v) = jax.lax.scan(body, constrain(x, ACTIVATION_AXES), xs)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), k, v
 

@@ -27,6 +27,7 @@ class EvalRow:
     tpf: float  # valid tokens / (denoising + commit forwards); AR: 1
     tokens_per_s: float  # valid tokens / wall time of the batched decode (after compilation)
     n: int
+    per_task: dict[str, float] | None = None  # accuracy of each task's examples
 
 
 def _batches(xs, size):
@@ -39,6 +40,7 @@ def evaluate(params, cfg, tokenizer, examples: Sequence, *, method: str, setting
     """Decode every example's prompt, verify the responses, measure TPF and speed."""
     stops = stop_token_ids(tokenizer)
     correct, tokens_total, forwards_total, seconds = 0, 0, 0, 0.0
+    hits: dict[str, list[bool]] = {}
     key = jax.random.key(seed)
     for batch in _batches(list(examples), batch_size):
         prompts = [format_prompt(tokenizer, ex.prompt) for ex in batch]
@@ -58,7 +60,9 @@ def evaluate(params, cfg, tokenizer, examples: Sequence, *, method: str, setting
         toks = np.asarray(out[0] if ar else out.tokens)[:len(batch)]
         for ex, row in zip(batch, toks):
             resp = response_until_stop(tokenizer, row)
-            correct += bool(tasks.verify(ex, tokenizer.decode(resp, skip_special_tokens=True)))
+            ok = bool(tasks.verify(ex, tokenizer.decode(resp, skip_special_tokens=True)))
+            correct += ok
+            hits.setdefault(ex.task, []).append(ok)
             n_tok = min(len(resp) + 1, len(row))
             tokens_total += n_tok
             if ar:  # a row's own decoding costs one forward per token (steps after its EOS are batch padding)
@@ -67,7 +71,8 @@ def evaluate(params, cfg, tokenizer, examples: Sequence, *, method: str, setting
             forwards_total += int(np.sum(np.asarray(out.forwards)[:len(batch)])) + int(out.commits) * len(batch)
     n = len(examples)
     return EvalRow(method=method, setting=setting, accuracy=correct / max(n, 1),
-                   tpf=tokens_total / max(forwards_total, 1), tokens_per_s=tokens_total / max(seconds, 1e-9), n=n)
+                   tpf=tokens_total / max(forwards_total, 1), tokens_per_s=tokens_total / max(seconds, 1e-9), n=n,
+                   per_task={t: float(np.mean(v)) for t, v in sorted(hits.items())})
 
 
 def write_report(rows: Sequence[EvalRow], out_dir: str | Path, title: str, notes: Sequence[str] = ()) -> Path:
@@ -77,11 +82,14 @@ def write_report(rows: Sequence[EvalRow], out_dir: str | Path, title: str, notes
     with open(out / "results.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(asdict(r)) + "\n")
-    lines = [f"# {title}", "", *notes, "", "| method | setting | accuracy | TPF | tokens/s | n |",
-             "|---|---|---|---|---|---|"]
+    task_names = sorted({t for r in rows for t in (r.per_task or {})})
+    lines = [f"# {title}", "", *notes, "",
+             "| method | setting | accuracy | TPF | tokens/s | n |" + "".join(f" {t} |" for t in task_names),
+             "|---|---|---|---|---|---|" + "---|" * len(task_names)]
     for r in rows:
+        per = r.per_task or {}
         lines.append(f"| {r.method} | {r.setting} | {100 * r.accuracy:.1f}% | {r.tpf:.2f} | {r.tokens_per_s:.0f} "
-                     f"| {r.n} |")
+                     f"| {r.n} |" + "".join(f" {100 * per[t]:.0f}% |" if t in per else " - |" for t in task_names))
     (out / "report.md").write_text("\n".join(lines) + "\n")
     _plot(rows, out / "accuracy_vs_tpf.png", title)
     return out / "report.md"
