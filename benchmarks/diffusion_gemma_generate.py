@@ -25,8 +25,13 @@ ap.add_argument("--preset", default="diffusiongemma-26b-a4b")
 ap.add_argument("--prompt", type=int, default=512)
 ap.add_argument("--new", type=int, default=256)
 ap.add_argument("--expert", type=int, default=1, help="expert-parallel over the first N devices (mesh tensor=N)")
-ap.add_argument("--moe-impl", default="bucketed", choices=["bucketed", "dense"], help="DiffusionGemmaConfig.moe_impl")
+ap.add_argument("--moe-impl", default="bucketed",
+                help="DiffusionGemmaConfig.moe_impl; a comma-separated list (bucketed, pallas, dense): each in turn")
+ap.add_argument("--gemm-table", help="tuned small-M GEMM blocks for moe_impl=pallas (kernels/small_m_gemm/bench.py)")
 args = ap.parse_args()
+IMPLS = args.moe_impl.split(",")
+if unknown := sorted(set(IMPLS) - {"bucketed", "pallas", "dense"}):
+    ap.error(f"--moe-impl: unknown {unknown}")
 runtime.configure(os.path.expanduser("~/.cache/orl_jax/xla"))
 
 import jax  # noqa: E402
@@ -44,7 +49,7 @@ T0 = time.perf_counter()
 
 
 def log(**kw):
-    kw |= {"expert_parallel": args.expert, "moe_impl": args.moe_impl, "device": jax.devices()[0].device_kind,
+    kw |= {"expert_parallel": args.expert, "device": jax.devices()[0].device_kind,
            "jax": jax.__version__,
            "t": round(time.perf_counter() - T0, 1)}
     print(json.dumps(kw), flush=True)
@@ -52,7 +57,11 @@ def log(**kw):
         f.write(json.dumps(kw) + "\n")
 
 
-cfg = DG_PRESETS[args.preset].replace(dtype="bfloat16", moe_impl=args.moe_impl)
+if args.gemm_table:
+    from orl_jax_kernels.small_m_gemm.kernel import load_tuned
+
+    log(gemm_table=str(load_tuned(args.gemm_table)))
+cfg = DG_PRESETS[args.preset].replace(dtype="bfloat16")
 specs = diffusion_gemma.param_specs(cfg)
 flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda s: isinstance(s, P.ParamSpec))
 leaves = [s for _, s in flat]
@@ -90,17 +99,41 @@ log(what="init", params_b=n / 1e9, seconds=time.perf_counter() - t)
 prompt = np.random.default_rng(0).integers(0, min(200000, cfg.vocab_size) - 8, (1, args.prompt)).astype(np.int32)
 sampler = UniformSampler(max_denoising_steps=48, t_max=0.8, t_min=0.4, entropy_bound=0.1, stability=1,
                          confidence=0.0)
-kw = dict(key=jax.random.key(0), max_new_tokens=args.new, sampler=sampler, eos_token_id=(), mesh=MESH)
-t = time.perf_counter()
-out = jax.block_until_ready(generate(params, cfg, prompt, **kw))
-first = time.perf_counter() - t
-ts = []
-for _ in range(3):
+
+
+def one_forward(cfg):
+    """ms of one decoder forward over a 256-token canvas after the prompt (cache read only), and the compiled
+    program's temporary bytes (a scanned weight slice copied for a custom call would show here)."""
+    _, cache = jax.jit(diffusion_gemma.prefill, static_argnums=(1, 4))(
+        params, cfg, jnp.asarray(prompt), jnp.asarray([args.prompt], jnp.int32), args.prompt + args.new)
+    canvas = jnp.asarray(np.random.default_rng(1).integers(0, 200000, (1, args.new)), jnp.int32)
+    f = jax.jit(lambda p, c, k: diffusion_gemma.decode(p, cfg, c, k)[:, :, :8])
+    compiled = f.lower(params, canvas, cache).compile()
+    mem = compiled.memory_analysis()
+    jax.block_until_ready(compiled(params, canvas, cache))
+    ts = []
+    for _ in range(5):
+        t = time.perf_counter()
+        jax.block_until_ready([compiled(params, canvas, cache) for _ in range(5)])
+        ts.append((time.perf_counter() - t) / 5)
+    return float(np.median(ts)) * 1e3, getattr(mem, "temp_size_in_bytes", None)
+
+
+for impl in IMPLS:
+    c = cfg.replace(moe_impl=impl)
+    ms, temp = one_forward(c)
+    log(what="decode_forward", moe_impl=impl, ms=ms, temp_gb=None if temp is None else temp / 1e9)
+    kw = dict(key=jax.random.key(0), max_new_tokens=args.new, sampler=sampler, eos_token_id=(), mesh=MESH)
     t = time.perf_counter()
-    out = jax.block_until_ready(generate(params, cfg, prompt, **kw))
-    ts.append(time.perf_counter() - t)
-sec = float(np.median(ts))
-fwd, com = int(out.total_forwards), int(out.commits)
-log(what="generate", first_call_s=first, seconds=sec, new_tokens=args.new, denoise_forwards=fwd, commits=com,
-    ms_per_forward_incl_prefill=sec * 1e3 / max(fwd + com, 1), tokens_per_s=args.new / sec,
-    tpf_hf=float(np.asarray(out.tpf_hf)[0]) if getattr(out, "tpf_hf", None) is not None else None)
+    out = jax.block_until_ready(generate(params, c, prompt, **kw))
+    first = time.perf_counter() - t
+    ts = []
+    for _ in range(3):
+        t = time.perf_counter()
+        out = jax.block_until_ready(generate(params, c, prompt, **kw))
+        ts.append(time.perf_counter() - t)
+    sec = float(np.median(ts))
+    fwd, com = int(out.total_forwards), int(out.commits)
+    log(what="generate", moe_impl=impl, first_call_s=first, seconds=sec, new_tokens=args.new, denoise_forwards=fwd,
+        commits=com, ms_per_forward_incl_prefill=sec * 1e3 / max(fwd + com, 1), tokens_per_s=args.new / sec,
+        tpf_hf=float(np.asarray(out.tpf_hf)[0]) if getattr(out, "tpf_hf", None) is not None else None)

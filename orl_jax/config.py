@@ -301,8 +301,9 @@ class DiffusionGemmaConfig:
     num_experts: int = 128  # E
     top_k_experts: int = 8
     moe_intermediate_size: int = 704  # F of each expert
-    # Expert dispatch at decode sizes (model/moe.py): "bucketed" (capacity buckets, dense fallback on overflow) or
-    # "dense" (every token through every expert). Both exact; a runtime choice, not saved to config.json.
+    # Expert dispatch at decode sizes (model/moe.py): "bucketed" (capacity buckets, dense fallback on overflow),
+    # "pallas" (the same buckets through kernels/small_m_gemm, expert weights read in place from the layer stack)
+    # or "dense" (every token through every expert). All exact; a runtime choice, not saved to config.json.
     moe_impl: str = "bucketed"
     sliding_window: int = 1024  # keys per query in sliding layers, the query included
     layer_types: tuple[str, ...] = _DG_DEFAULT_LAYERS  # must repeat (k sliding, 1 full); see diffusion_gemma.py
@@ -345,8 +346,9 @@ class DiffusionGemmaConfig:
         for name in ("head_dim", "global_head_dim"):
             if getattr(self, name) % 2:
                 raise ValueError(f"DiffusionGemmaConfig.{name} must be even for RoPE, got {getattr(self, name)}")
-        if self.moe_impl not in ("bucketed", "dense"):
-            raise ValueError(f"DiffusionGemmaConfig.moe_impl must be 'bucketed' or 'dense', got {self.moe_impl!r}")
+        if self.moe_impl not in ("bucketed", "pallas", "dense"):
+            raise ValueError(f"DiffusionGemmaConfig.moe_impl must be 'bucketed', 'pallas' or 'dense', "
+                             f"got {self.moe_impl!r}")
         if self.top_k_experts > self.num_experts:
             raise ValueError(f"DiffusionGemmaConfig.top_k_experts={self.top_k_experts} exceeds "
                              f"num_experts={self.num_experts}")

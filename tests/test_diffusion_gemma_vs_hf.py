@@ -592,3 +592,23 @@ def test_bucketed_experts_inside_the_model_equal_the_dense_path(dg_ours, monkeyp
     assert moe.capacity(96, cfg.top_k_experts, cfg.num_experts) < 96  # 2 x 48 tokens now bucket
     bucketed = jax.jit(dg.forward, static_argnums=(1,))(params, cfg, tokens)
     np.testing.assert_allclose(np.asarray(bucketed), np.asarray(dense), atol=2e-5)
+
+
+def test_pallas_experts_inside_the_model_equal_the_dense_path(dg_ours, monkeypatch):
+    """moe_impl="pallas": the buckets' two products through the small-M kernel (interpret mode on CPU), the expert
+    weights read in place from each layer type's stack; same logits as the dense path."""
+    from orl_jax.model import moe
+    from orl_jax_kernels.small_m_gemm import kernel
+
+    cfg, params = dg_ours
+    e, d, f2 = params["sliding"]["experts_gate_up"].shape[1:]
+    blocks = kernel.Blocks(bn=16, bk=16, splits=2)  # the tiny model's sizes are below the default tiles
+    monkeypatch.setattr(kernel, "TUNED", {(d, f2): blocks, (f2 // 2, d): blocks})
+    monkeypatch.setattr(moe, "CAPACITY_FACTOR", 2)
+    tokens = jnp.asarray(_tokens((2, 24), 51))
+    assert moe.capacity(48, cfg.top_k_experts, cfg.num_experts) <= 64  # buckets the kernel takes
+    dense = jax.jit(dg.forward, static_argnums=(1,))(params, cfg.replace(moe_impl="dense"), tokens)
+    fast = cfg.replace(moe_impl="pallas")
+    assert str(jax.make_jaxpr(lambda p: dg.forward(p, fast, tokens))(params)).count("pallas_call") >= 4
+    got = jax.jit(dg.forward, static_argnums=(1,))(params, fast, tokens)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(dense), atol=2e-5)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from orl_jax.model.streamed import gemm_dims
-from orl_jax_kernels.small_m_gemm.kernel import Blocks, small_m_matmul, supported
+from orl_jax_kernels.small_m_gemm.kernel import Blocks, batched_small_m_matmul, small_m_matmul, supported
 from orl_jax_kernels.small_m_gemm.reference import matmul_reference
 
 CASES = [(32, 512, 256, Blocks(bn=128, bk=128, splits=2)), (5, 768, 384, Blocks(bn=128, bk=256, splits=4)),
@@ -38,11 +38,23 @@ def test_stacked_weight_is_read_at_its_layer():
         small_m_matmul(x, w, None, blocks, interpret=True)
 
 
+def test_batched_groups_read_their_own_weight_and_skip_empty_ones():
+    ks = jax.random.split(jax.random.key(5), 2)
+    x = jax.random.normal(ks[0], (3, 24, 256), jnp.float32)  # 3 groups of 24 rows
+    w = jax.random.normal(ks[1], (2, 3, 256, 128), jnp.float32)  # a stack of 2 layers of 3 group weights
+    rows = jnp.array([24, 0, 5])
+    out = batched_small_m_matmul(x, w, jnp.int32(1), rows, Blocks(bn=128, bk=128, splits=2), interpret=True)
+    want = jnp.einsum("emk,ekn->emn", x, w[1]) * (rows > 0)[:, None, None]
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-4)
+
+
 def test_gemm_dims_of_the_model_specs():
-    assert gemm_dims("bld,dkth->blkth", (1, 32, 2560), (2560, 8, 6, 128)) == (32, 2560, 6144, (1, 32, 8, 6, 128))
-    assert gemm_dims("blnh,nhd->bld", (1, 32, 32, 128), (32, 128, 2560)) == (32, 4096, 2560, (1, 32, 2560))
-    assert gemm_dims("bld,dtf->bltf", (1, 32, 2560), (2560, 2, 9728)) == (32, 2560, 19456, (1, 32, 2, 9728))
+    assert gemm_dims("bld,dkth->blkth", (1, 32, 2560), (2560, 8, 6, 128)) == (1, 32, 2560, 6144, (1, 32, 8, 6, 128))
+    assert gemm_dims("blnh,nhd->bld", (1, 32, 32, 128), (32, 128, 2560)) == (1, 32, 4096, 2560, (1, 32, 2560))
+    assert gemm_dims("bld,dtf->bltf", (1, 32, 2560), (2560, 2, 9728)) == (1, 32, 2560, 19456, (1, 32, 2, 9728))
+    assert gemm_dims("ecd,edf->ecf", (128, 64, 2816), (128, 2816, 1408)) == (128, 64, 2816, 1408, (128, 64, 1408))
     assert gemm_dims("bld,vd->blv", (1, 32, 64), (100, 64)) is None  # contraction last in w: not a plain GEMM
+    assert gemm_dims("td,edf->tef", (16, 64), (4, 64, 32)) is None  # every token through every expert
 
 
 def test_generate_with_the_kernel_equals_the_default():

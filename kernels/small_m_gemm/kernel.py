@@ -49,23 +49,30 @@ def load_tuned(path) -> dict[tuple[int, int], Blocks | None]:
 
 
 def blocks_for(k: int, n: int) -> Blocks | None:
-    return TUNED.get((k, n), Blocks())
+    """The tuned blocks of (K, N), else Blocks() with the largest tiles (<= its own) that divide K and N."""
+    if (k, n) in TUNED:
+        return TUNED[(k, n)]
+    d = Blocks()
+    tile = lambda size, want: next((t for t in (want, 64, 32, 16) if t <= want and size % t == 0), want)  # noqa: E731
+    return Blocks(bn=tile(n, d.bn), bk=tile(k, d.bk), splits=d.splits, num_warps=d.num_warps,
+                  num_stages=d.num_stages)
 
 
-def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bk: int, n_chunks: int, stacked: bool):
-    s = pl.program_id(1)
-    n_splits = pl.num_programs(1)
-    m, bn = x_ref.shape[0], w_ref.shape[-1]
+def _kernel(layer_ref, rows_ref, x_ref, w_ref, o_ref, *, bk: int, n_chunks: int, stacked: bool):
+    e, s = pl.program_id(0), pl.program_id(2)
+    n_splits = pl.num_programs(2)
+    m, bn = x_ref.shape[1], w_ref.shape[-1]
     layer = layer_ref[0] if stacked else 0
 
     def body(j, acc):
         k0 = pl.multiple_of((s + j * n_splits) * bk, bk)
-        xb = x_ref[:, pl.ds(k0, bk)]
-        wb = w_ref[layer, pl.ds(k0, bk), :] if stacked else w_ref[pl.ds(k0, bk), :]
+        xb = x_ref[0, :, pl.ds(k0, bk)]
+        wb = w_ref[layer, 0, pl.ds(k0, bk), :] if stacked else w_ref[0, pl.ds(k0, bk), :]
         return acc + jnp.dot(xb, wb, preferred_element_type=jnp.float32)
 
     trips = (n_chunks - s + n_splits - 1) // n_splits
-    o_ref[0] = jax.lax.fori_loop(0, trips, body, jnp.zeros((m, bn), jnp.float32))
+    trips = jnp.where(rows_ref[e] > 0, trips, 0)  # a group without rows reads none of its weight
+    o_ref[0, 0] = jax.lax.fori_loop(0, trips, body, jnp.zeros((m, bn), jnp.float32))
 
 
 def supported(m: int, k: int, n: int, blocks: Blocks | None = None) -> bool:
@@ -73,23 +80,34 @@ def supported(m: int, k: int, n: int, blocks: Blocks | None = None) -> bool:
     return blocks is not None and m <= 64 and k % blocks.bk == 0 and n % blocks.bn == 0
 
 
-@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "out_dtype"))
 def small_m_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | None = None, blocks: Blocks | None = None,
                    interpret: bool = False, out_dtype=None) -> jax.Array:
     """x [M, K] @ w [K, N] -> [M, N], or x @ w[layer] for a stack w [L, K, N] and an int32 scalar `layer`.
 
     M <= 64, K % bk == 0, N % bn == 0 (see `supported`); blocks default to the tuned table, then Blocks()."""
-    m, k = x.shape
+    w = w[:, None] if w.ndim == 3 else w[None]
+    return batched_small_m_matmul(x[None], w, layer, blocks=blocks, interpret=interpret, out_dtype=out_dtype)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "out_dtype"))
+def batched_small_m_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | None = None, rows: jax.Array | None = None,
+                           blocks: Blocks | None = None, interpret: bool = False, out_dtype=None) -> jax.Array:
+    """Per group e: x[e] [M, K] @ w[e] [K, N] -> [E, M, N] (e.g. experts with their routed tokens in M slots), or
+    x[e] @ w[layer, e] for a stack w [L, E, K, N] and an int32 scalar `layer`. rows [E] (optional): groups with 0
+    rows are skipped (their weight is not read; their output is 0)."""
+    e, m, k = x.shape
     n = w.shape[-1]
-    stacked = w.ndim == 3
+    stacked = w.ndim == 4
     if stacked != (layer is not None):
-        raise ValueError(f"small_m_matmul: a stacked weight [L, K, N] needs `layer` and a [K, N] weight none; got "
-                         f"w of shape {w.shape} with layer={'given' if layer is not None else None}")
+        raise ValueError(f"small_m_matmul: a stacked weight [L, (E,) K, N] needs `layer` and an unstacked one none; "
+                         f"got w of shape {w.shape} with layer={'given' if layer is not None else None}")
+    if w.shape[-3] != e or w.shape[-2] != k:
+        raise ValueError(f"small_m_matmul: x of shape {x.shape} does not match w of shape {w.shape}")
     blocks = blocks or blocks_for(k, n)
     if not supported(m, k, n, blocks):
         raise ValueError(f"small_m_matmul: shape M={m}, K={k}, N={n} not supported with {blocks}")
     mp = max(16, 1 << (m - 1).bit_length())  # tensor-core dots need M >= 16
-    xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
+    xp = jnp.pad(x, ((0, 0), (0, mp - m), (0, 0))) if mp != m else x
     n_chunks = k // blocks.bk
     splits = min(blocks.splits, n_chunks)
     kwargs = {}
@@ -98,18 +116,20 @@ def small_m_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | None = None, b
 
         kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=blocks.num_warps,
                                                             num_stages=blocks.num_stages)
-    w_spec = (pl.BlockSpec((w.shape[0], k, blocks.bn), lambda j, s: (0, 0, j)) if stacked
-              else pl.BlockSpec((k, blocks.bn), lambda j, s: (0, j)))
+    w_spec = (pl.BlockSpec((w.shape[0], 1, k, blocks.bn), lambda g, j, s: (0, g, 0, j)) if stacked
+              else pl.BlockSpec((1, k, blocks.bn), lambda g, j, s: (g, 0, j)))
     layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+    rows = jnp.ones((e,), jnp.int32) if rows is None else rows.astype(jnp.int32)
     partial = pl.pallas_call(
         functools.partial(_kernel, bk=blocks.bk, n_chunks=n_chunks, stacked=stacked),
-        out_shape=jax.ShapeDtypeStruct((splits, mp, n), jnp.float32),
-        grid=(n // blocks.bn, splits),
-        in_specs=[pl.BlockSpec((1,), lambda j, s: (0,)),
-                  pl.BlockSpec((mp, k), lambda j, s: (0, 0)),
+        out_shape=jax.ShapeDtypeStruct((splits, e, mp, n), jnp.float32),
+        grid=(e, n // blocks.bn, splits),
+        in_specs=[pl.BlockSpec((1,), lambda g, j, s: (0,)),
+                  pl.BlockSpec((e,), lambda g, j, s: (0,)),
+                  pl.BlockSpec((1, mp, k), lambda g, j, s: (g, 0, 0)),
                   w_spec],
-        out_specs=pl.BlockSpec((1, mp, blocks.bn), lambda j, s: (s, 0, j)),
+        out_specs=pl.BlockSpec((1, 1, mp, blocks.bn), lambda g, j, s: (s, g, 0, j)),
         interpret=interpret,
         **kwargs,
-    )(layer_arr, xp, w)
-    return partial.sum(axis=0)[:m].astype(out_dtype or x.dtype)
+    )(layer_arr, rows, xp, w)
+    return partial.sum(axis=0)[:, :m].astype(out_dtype or x.dtype)

@@ -18,6 +18,8 @@ quantized weights do in layers.einsum.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -63,7 +65,8 @@ def capacity(tokens: int, top_k: int, num_experts: int) -> int:
 def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up, down, act: str,
                 impl: str = "bucketed") -> jax.Array:
     """sum_j weights[t, j] * MLP_{experts[t, j]}(x_t). x [T, D]; gate_up [E, D, 2F] (gate | up); down [E, F, D].
-    impl (decode sizes): "bucketed" or "dense" (see the module docstring)."""
+    impl (decode sizes): "bucketed", "pallas" (bucketed, the two products in kernels/small_m_gemm) or "dense"
+    (see the module docstring)."""
     t, k = experts.shape
     if t > BUCKETED_MAX_TOKENS:
         return grouped_experts_mlp(x, weights, experts, gate_up, down, act)
@@ -72,13 +75,15 @@ def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up, d
         return dense_experts_mlp(x, weights, experts, gate_up, down, act)
     load = jnp.bincount(experts.reshape(-1), length=gate_up.shape[0])
     return jax.lax.cond(jnp.max(load) <= c,
-                        lambda: bucketed_experts_mlp(x, weights, experts, gate_up, down, act, c),
+                        lambda: bucketed_experts_mlp(x, weights, experts, gate_up, down, act, c, impl == "pallas"),
                         lambda: dense_experts_mlp(x, weights, experts, gate_up, down, act))
 
 
-def bucketed_experts_mlp(x, weights, experts, gate_up, down, act: str, capacity: int) -> jax.Array:
+def bucketed_experts_mlp(x, weights, experts, gate_up, down, act: str, capacity: int, kernel: bool = False
+                         ) -> jax.Array:
     """Each expert's routed tokens in `capacity` slots ([E, C, D]); exact only while no expert has more tokens
-    than slots (experts_mlp checks and falls back to the dense path)."""
+    than slots (experts_mlp checks and falls back to the dense path). kernel: both products through
+    kernels/small_m_gemm (each expert's weights streamed once, experts without tokens skipped)."""
     t, k = experts.shape
     num_experts = gate_up.shape[0]
     flat = experts.reshape(-1)  # [M]: the (token, choice) assignments
@@ -91,12 +96,26 @@ def bucketed_experts_mlp(x, weights, experts, gate_up, down, act: str, capacity:
     tok = jnp.full((num_experts, capacity), t, jnp.int32).at[flat, slot].set(jnp.arange(m) // k, mode="drop")
     wts = jnp.zeros((num_experts, capacity), jnp.float32).at[flat, slot].set(weights.reshape(-1), mode="drop")
     xs = jnp.take(jnp.concatenate([x, jnp.zeros_like(x[:1])]), tok, axis=0)  # [E, C, D]
-    gu = einsum("ecd,edf->ecf", xs, gate_up)  # [E, C, 2F]
+    mm = functools.partial(_expert_kernel, rows=sizes) if kernel else functools.partial(einsum, "ecd,edf->ecf")
+    gu = mm(xs, gate_up)  # [E, C, 2F]
     g, u = jnp.split(gu, 2, axis=-1)
     h = (ACTIVATIONS[act](g) * u).astype(jnp.float32) * wts[..., None]  # [E, C, F]
-    y = einsum("ecf,efd->ecd", h.astype(x.dtype), down)  # [E, C, D]
+    y = mm(h.astype(x.dtype), down)  # [E, C, D]
     ya = y[flat, jnp.minimum(slot, capacity - 1)].reshape(t, k, -1)  # each assignment's weighted output
     return jnp.sum(ya.astype(jnp.float32), axis=1).astype(x.dtype)  # [T, D]
+
+
+def _expert_kernel(xs: jax.Array, w, rows: jax.Array) -> jax.Array:
+    """xs [E, C, K] @ w [E, K, N] per expert through the small-M kernel; w may be a StackedWeight (a layer of a
+    stack, read in place). Shapes or dtypes the kernel does not take go through einsum."""
+    from orl_jax.model.streamed import StackedWeight
+    from orl_jax_kernels.small_m_gemm.kernel import batched_small_m_matmul, supported
+
+    stack, index = (w.stack, w.index) if isinstance(w, StackedWeight) else (w, None)
+    e, c, k = xs.shape
+    if stack.dtype == xs.dtype and supported(c, k, stack.shape[-1]):
+        return batched_small_m_matmul(xs, stack, index, rows, interpret=jax.default_backend() == "cpu")
+    return einsum("ecd,edf->ecf", xs, w)
 
 
 def dense_experts_mlp(x, weights, experts, gate_up, down, act: str) -> jax.Array:

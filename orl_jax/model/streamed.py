@@ -17,18 +17,21 @@ import jax.numpy as jnp
 
 
 def gemm_dims(spec: str, x_shape, w_shape):
-    """(rows M, contraction K, columns N, output shape) of an einsum `x, w -> out` that is a plain 2-D GEMM:
-    the contracted letters end x's spec and start w's (same order), and out = x's free letters + w's free
-    letters. None for any other spec."""
+    """(groups E, rows M, contraction K, columns N, output shape) of an einsum `x, w -> out` that is a plain GEMM
+    (E = 1: the contracted letters end x's spec and start w's, in the same order, and out = x's free letters +
+    w's free letters) or a batched one (one leading letter shared by x, w and out, then the plain pattern, e.g.
+    experts "ecd,edf->ecf"). None for any other spec."""
     ins, out = spec.split("->")
     xs, ws = ins.split(",")
+    lead = ()
+    if xs[0] == ws[0] == out[0] and xs[0] not in xs[1:] + ws[1:]:  # batched: a shared leading group letter
+        lead, xs, ws, out = tuple(x_shape[:1]), xs[1:], ws[1:], out[1:]
+        x_shape, w_shape = x_shape[1:], w_shape[1:]
     c = next((n for n in range(min(len(xs), len(ws)), 0, -1) if xs[-n:] == ws[:n]), 0)
     if not c or out != xs[:-c] + ws[c:]:
         return None
-    m = math.prod(x_shape[:-c])
-    k = math.prod(x_shape[-c:])
-    n = math.prod(w_shape[c:])
-    return m, k, n, tuple(x_shape[:-c]) + tuple(w_shape[c:])
+    m, k, n = math.prod(x_shape[:-c]), math.prod(x_shape[-c:]), math.prod(w_shape[c:])
+    return (lead or (1,))[0], m, k, n, lead + tuple(x_shape[:-c]) + tuple(w_shape[c:])
 
 
 @dataclass(frozen=True)
@@ -36,13 +39,26 @@ class StackedWeight:
     stack: jax.Array  # [L, ...]: one weight per layer
     index: jax.Array  # int32 scalar: the layer
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.stack.shape[1:]
+
+    @property
+    def dtype(self):
+        return self.stack.dtype
+
+    def ragged_dot(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """moe.grouped_matmul's product (long passes: the slice is copied, as XLA does for its own ops)."""
+        w = self.stack[self.index].astype(x.dtype)
+        return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+
     def einsum(self, spec: str, x: jax.Array) -> jax.Array:
-        from orl_jax_kernels.small_m_gemm.kernel import small_m_matmul, supported
+        from orl_jax_kernels.small_m_gemm.kernel import batched_small_m_matmul, supported
 
         dims = gemm_dims(spec, x.shape, self.stack.shape[1:])
-        if dims is not None and self.stack.dtype == x.dtype and supported(*dims[:3]):
-            m, k, n, out_shape = dims
-            w = self.stack.reshape(self.stack.shape[0], k, n)  # contiguous: no copy
-            y = small_m_matmul(x.reshape(m, k), w, self.index, interpret=jax.default_backend() == "cpu")
+        if dims is not None and self.stack.dtype == x.dtype and supported(*dims[1:4]):
+            e, m, k, n, out_shape = dims
+            w = self.stack.reshape(self.stack.shape[0], e, k, n)  # contiguous: no copy
+            y = batched_small_m_matmul(x.reshape(e, m, k), w, self.index, interpret=jax.default_backend() == "cpu")
             return y.reshape(out_shape)
         return jnp.einsum(spec, x, self.stack[self.index].astype(x.dtype))
