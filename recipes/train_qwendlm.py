@@ -53,10 +53,11 @@ class Recipe:
     eval_examples: int  # held-out examples (all tasks together)
     eval_max_new: int
     tasks: tuple[str, ...]
-    # Decoding settings swept at evaluation: (max denoising steps per block, stop threshold). Uniform family: the
-    # stop threshold is the mean-entropy confidence of the stable-and-confident rule; mask family: the fill
-    # threshold. Fewer steps / looser thresholds trade accuracy for tokens per forward.
-    eval_settings: tuple[tuple[int, float], ...]
+    # Decoding settings swept at evaluation: (max denoising steps per block, stop threshold[, entropy bound]).
+    # Uniform family: the stop threshold is the mean-entropy confidence of the stable-and-confident rule, the
+    # entropy bound (default 0.1) caps the summed entropy accepted per step; mask family: the fill threshold is
+    # 1 - stop threshold. Fewer steps / looser thresholds trade accuracy for tokens per forward.
+    eval_settings: tuple[tuple, ...]
     # stage 2 (ORL): rounds of `orl_prompts` train prompts x `orl_group` sampled responses, one update each
     orl_rounds: int = 10
     orl_prompts: int = 4
@@ -86,7 +87,7 @@ PRESETS = {
     "smoke": Recipe(vocab_size=320, hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16, mlp=64, seq_len=384,
                     batch=4, stage0_steps=6, stage1_steps=4, lr0=3e-3, lr1=1e-3, block_length=8,
                     train_examples=40, eval_examples=4, eval_max_new=16, tasks=("arithmetic",),
-                    eval_settings=((4, 0.3),), orl_rounds=2, orl_prompts=2, orl_group=2, orl_states=4,
+                    eval_settings=((4, 0.3, 0.05),), orl_rounds=2, orl_prompts=2, orl_group=2, orl_states=4,
                     orl_max_prompt=320, orl_steps=4, eval_fit=False),
     # one H200, each stage well inside 10 minutes.
     # Stage 0 packs 512-token rows (98.9% of examples fit whole; attention cost grows with the row length).
@@ -94,7 +95,8 @@ PRESETS = {
                    batch=128, stage0_steps=1000, stage1_steps=1000, lr0=1e-3, lr1=5e-4, block_length=32,
                    train_examples=20000, eval_examples=256, eval_max_new=320,
                    tasks=("arithmetic", "list_ops", "program_output", "code_function"),
-                   eval_settings=((32, 0.005), (16, 0.02), (8, 0.1), (4, 0.3)), orl_rounds=200, orl_prompts=16,
+                   eval_settings=((32, 0.001, 0.01), (32, 0.005), (16, 0.02), (8, 0.1), (4, 0.3)),
+                   orl_rounds=200, orl_prompts=16,
                    orl_group=8, orl_states=16, orl_max_prompt=256, orl_steps=32, lr2=1e-5,
                    compute_dtype="bfloat16", conv_len=512, remat=True),
 }

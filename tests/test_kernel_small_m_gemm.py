@@ -79,6 +79,13 @@ def test_generate_with_the_kernel_equals_the_default():
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
 
 
+def test_pipeline_depth_fits_shared_memory():
+    from orl_jax_kernels.small_m_gemm.kernel import pipeline_stages
+
+    assert pipeline_stages(Blocks(bn=64, bk=64, num_stages=4), 32) == 4
+    assert pipeline_stages(Blocks(bn=128, bk=256, num_stages=4), 32) == 3  # 4 stages: 245760 B, over the limit
+
+
 def test_rejects_unsupported_shapes():
     assert not supported(128, 512, 256)
     with pytest.raises(ValueError, match="not supported"):

@@ -127,6 +127,7 @@ def test_packed_rows_equal_separate_rows(model, prefix_attention):
     assert not m[np.ix_(both(ex1), both(ex2))].any() and not m[np.ix_(both(ex2), both(ex1))].any()
     pad = np.arange(n1 + n2, N)
     assert not m[np.ix_(both(np.concatenate([ex1, ex2])), both(pad))].any()  # padding is never a visible key
+    assert m.any(axis=1).all(), "a fully masked query row (fused attention kernels give NaN gradients)"
 
 
 @pytest.mark.parametrize("noise", ["uniform", "mask"])

@@ -26,6 +26,7 @@ def test_recipe_smoke_end_to_end_and_resume(tmp_path):
     assert all(0.0 <= r["accuracy"] <= 1.0 and r["tpf"] > 0 for r in rows)
     assert all(list(r["per_task"]) == ["arithmetic"] and r["per_task"]["arithmetic"] == r["accuracy"] for r in rows)
     assert "| arithmetic |" in (out / "report.md").read_text()
+    assert all(r["setting"] == "steps<=4, confidence=0.3, entropy bound=0.05" for r in rows[1:])
     steps = [json.loads(line)["step"] for line in (out / "stage0/logs/metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 6
     stage1 = [json.loads(line) for line in (out / "stage1/logs/metrics.jsonl").read_text().splitlines()]

@@ -75,6 +75,16 @@ def _kernel(layer_ref, rows_ref, x_ref, w_ref, o_ref, *, bk: int, n_chunks: int,
     o_ref[0, 0] = jax.lax.fori_loop(0, trips, body, jnp.zeros((m, bn), jnp.float32))
 
 
+SMEM_BYTES = 220 * 1024  # of the H100/H200's 227 KB of shared memory per block
+
+
+def pipeline_stages(blocks: Blocks, mp: int) -> int:
+    """blocks.num_stages, lowered until Triton's stages - 1 buffers of one weight tile and one x tile fit
+    SMEM_BYTES (on an H200 a 128 x 256 weight tile at 4 stages asked for 245760 bytes and failed to launch)."""
+    per_stage = (blocks.bn + mp) * blocks.bk * 2
+    return max(1, min(blocks.num_stages, 1 + SMEM_BYTES // per_stage))
+
+
 def supported(m: int, k: int, n: int, blocks: Blocks | None = None) -> bool:
     blocks = blocks or blocks_for(k, n)
     return blocks is not None and m <= 64 and k % blocks.bk == 0 and n % blocks.bn == 0
@@ -115,7 +125,7 @@ def batched_small_m_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | None =
         from jax.experimental.pallas import triton as pltriton
 
         kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=blocks.num_warps,
-                                                            num_stages=blocks.num_stages)
+                                                            num_stages=pipeline_stages(blocks, mp))
     w_spec = (pl.BlockSpec((w.shape[0], 1, k, blocks.bn), lambda g, j, s: (0, g, 0, j)) if stacked
               else pl.BlockSpec((1, k, blocks.bn), lambda g, j, s: (g, 0, j)))
     layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))

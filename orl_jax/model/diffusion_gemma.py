@@ -233,12 +233,12 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     rope_s, rope_f = _rope(cfg, positions)
     scalar = "encoder_layer_scalar" if encoder else "layer_scalar"
     grouped = lambda a: a.reshape(G, k, *a.shape[1:])
-    # moe_impl "pallas": the expert weights stay whole stacks, read in place by the kernel at the layer's index
-    # (a scanned slice would reach the kernel as a copy of ~1.5 GB per layer at full size)
+    # Each sliding layer reads its weights from the whole stack by index inside the inner body. Scanning a group's
+    # [k, ...] slice instead would hand the inner loop a copy of five layers' weights per group (~7.6 GB at full
+    # size, mostly experts: benchmarks/results/2026-11-29_diffusion_gemma_h200.md). moe_impl "pallas" also keeps
+    # the expert stacks whole for the kernel (StackedWeight), full layers included.
     stacks = EXPERT_WEIGHTS if cfg.moe_impl == "pallas" else ()
-    sliding_stack = {n: params["sliding"][n] for n in stacks}  # [G*k, E, ...]
     full_stack = {n: params["full"][n] for n in stacks}  # [G, E, ...]
-    sliding_w = jax.tree.map(grouped, {n: a for n, a in params["sliding"].items() if n not in stacks})
     full_w = {n: a for n, a in params["full"].items() if n not in stacks}
     index = jnp.arange(G * k, dtype=jnp.int32).reshape(G, k)  # the sliding layer index of each (group, slot)
     if cache is None:
@@ -247,15 +247,15 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
         caches = (grouped(cache.sliding.k), grouped(cache.sliding.v), cache.full.k, cache.full.v)
 
     def sliding_body(x, xs):
-        w, ck, cv, i = xs
-        w = w | {n: StackedWeight(a, i) for n, a in sliding_stack.items()}
+        ck, cv, i = xs
+        w = {n: StackedWeight(a, i) if n in stacks else a[i] for n, a in params["sliding"].items()}
         part = None if ck is None else (ck, cv, vis["cache_" + SLIDING])
         x, kk, vv = _layer(cfg, x, w, rope_s, vis[SLIDING], part, scalar)
         return x, ((kk, vv) if collect_kv else None)
 
     def group_body(x, xs):
-        ws, wf, cks, cvs, ckf, cvf, idx, g = xs
-        x, kv_s = jax.lax.scan(sliding_body, x, (ws, cks, cvs, idx))
+        wf, cks, cvs, ckf, cvf, idx, g = xs
+        x, kv_s = jax.lax.scan(sliding_body, x, (cks, cvs, idx))
         wf = wf | {n: StackedWeight(a, g) for n, a in full_stack.items()}
         part = None if ckf is None else (ckf, cvf, vis["cache_" + FULL])
         x, kf, vf = _layer(cfg, x, wf, rope_f, vis[FULL], part, scalar)
@@ -263,7 +263,7 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
 
     if remat:
         group_body = jax.checkpoint(group_body, prevent_cse=False)
-    x, kv = jax.lax.scan(group_body, x, (sliding_w, full_w, *caches, index, jnp.arange(G, dtype=jnp.int32)))
+    x, kv = jax.lax.scan(group_body, x, (full_w, *caches, index, jnp.arange(G, dtype=jnp.int32)))
     h = rms_norm_fp32(x, params["final_norm"], cfg.rms_norm_eps)
     if not collect_kv:
         return h, None, None

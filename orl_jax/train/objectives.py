@@ -99,7 +99,9 @@ def packed_diffusion_mask(seg: jax.Array, pos: jax.Array, plen: jax.Array, block
         cc = i[None, None, :] <= i[None, :, None]
     else:  # block-causal: prompt causal, response blocks bidirectional inside
         cc = bstart[:, None, :] <= bstart[:, :, None]
-    cc = cc & same
+    # a padding row (no example) sees only itself: no query row is fully masked, which fused attention kernels
+    # (cuDNN) turn into NaN gradients; nothing reads a padding row's output
+    cc = (cc & same) | (jnp.eye(n, dtype=bool)[None] & ~valid[:, :, None])
     nc = (i[None, None, :] < bstart[:, :, None]) & same & resp[:, :, None]
     nn = (bstart[:, :, None] == bstart[:, None, :]) & resp[:, :, None] & resp[:, None, :]
     eye = jnp.eye(n, dtype=bool)[None] & ~resp[:, :, None]  # non-response noisy slots see only themselves
