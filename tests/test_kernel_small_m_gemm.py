@@ -100,6 +100,14 @@ def test_compiled_on_gpu_bf16():
     ref = matmul_reference(x.astype(jnp.float32), w.astype(jnp.float32), jnp.float32)
     assert float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)) < 1e-2
     assert np.all(np.isfinite(np.asarray(out)))
+    # the expert form: a layer of a [L, E, K, N] stack, 64 rows per group, one group without rows
+    xs = jax.random.normal(jax.random.key(2), (8, 64, 2816), jnp.bfloat16)
+    ws = jax.random.normal(jax.random.key(3), (3, 8, 2816, 1408), jnp.bfloat16) * 0.02
+    rows = jnp.array([64, 3, 0, 64, 1, 64, 64, 10])
+    got = batched_small_m_matmul(xs, ws, jnp.int32(2), rows).astype(jnp.float32)
+    want = jnp.einsum("emk,ekn->emn", xs.astype(jnp.float32), ws[2].astype(jnp.float32))
+    want = want * (rows > 0)[:, None, None]
+    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-2
 
 
 @pytest.mark.parametrize("stacked", [False, True])
