@@ -32,6 +32,16 @@ def test_schedule_warmup_then_cosine():
     np.testing.assert_allclose([s(110), s(500)], [0.1, 0.1], atol=1e-6)
 
 
+def test_stage2_rate_is_constant_after_its_warmup():
+    from types import SimpleNamespace
+
+    from orl_jax.train.stage2 import stage2_optim
+
+    s = lr_schedule(stage2_optim(SimpleNamespace(lr2=1e-5, orl_rounds=100)))
+    np.testing.assert_allclose([s(0), s(5)], [0.0, 5e-6], rtol=1e-5)
+    np.testing.assert_allclose([s(10), s(55), s(99), s(400)], [1e-5] * 4, rtol=1e-5)
+
+
 def test_decay_mask_skips_norms_and_vectors():
     mask = decay_mask(P.abstract(qwen3.param_specs(preset("tiny-qwendlm"))))
     assert mask["embed"] and mask["layers"]["qkv"] and mask["layers"]["down"] and mask["adapter"]["gate"]

@@ -41,12 +41,16 @@ from orl_jax.train.step import make_train_step
 
 
 def stage2_optim(r) -> OptimConfig:
-    """ORL's and RCD's optimizer: r.lr2, no weight decay, the adapter group, and a warmup of a tenth of the
-    updates. The optimizer starts with fresh moments, and an Adam step at the full rate on one round's noisy
-    gradient moves every weight by ~lr: at lr 1e-4 without warmup the H200 run's policy lost its verified share
-    within 60 rounds (benchmarks/results/2026-11-29_train_qwendlm_h200x4)."""
+    """ORL's and RCD's optimizer: r.lr2, no weight decay, the adapter group, a warmup of a tenth of the updates,
+    then a constant rate (min_lr_ratio=1).
+
+    The warmup: the optimizer starts with fresh moments, and an Adam step at the full rate on one round's noisy
+    gradient moves every weight by ~lr; at lr 1e-4 without warmup the H200 run's policy lost its verified share
+    within 60 rounds (benchmarks/results/2026-11-29_train_qwendlm_h200x4). The constant rate: with a cosine to
+    a tenth, the 1e-5 run spent half of its 100 rounds below 5e-6, and ORL moved TPF by 5%
+    (benchmarks/results/2026-11-29_train_qwendlm_h200x2)."""
     return OptimConfig(lr=r.lr2, warmup_steps=max(r.orl_rounds // 10, 1), total_steps=max(r.orl_rounds, 1),
-                       weight_decay=0.0, groups=ADAPTER_GROUP)
+                       min_lr_ratio=1.0, weight_decay=0.0, groups=ADAPTER_GROUP)
 
 
 def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossConfig, log):
