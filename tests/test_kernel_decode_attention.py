@@ -24,7 +24,7 @@ def _inputs(key, b=2, l=32, s=96, n=4, kv=2, h=32, dtype=jnp.float32):
     return q, kc, vc, cm, kself, vself, sm
 
 
-@pytest.mark.parametrize("blocks", [Blocks(), Blocks(bl=16, bs=32)])
+@pytest.mark.parametrize("blocks", [Blocks(), Blocks(bl=16, bs=32), Blocks(bl=16, bs=16, chunks_per_split=1)])
 def test_kernel_equals_reference_in_interpret_mode(blocks):
     q, kc, vc, cm, kself, vself, sm = _inputs(jax.random.key(0))
     want = attention(q, [(kc, vc, cm), (kself, vself, sm)])

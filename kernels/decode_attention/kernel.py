@@ -3,9 +3,12 @@ softmax, without materializing the scores.
 
 Why: in a batch-1 denoising forward of Qwen3-4B at block 32, XLA's attention (scores, mask, softmax, values as
 separate kernels) costs ~37 us per layer for 32 queries over ~544 keys, 27% of the layer
-(benchmarks/results/2026-11-29_profile_h200.md). Here one program per (batch row, query head, query tile)
-streams its kv head's cache and the pass's own keys in chunks through two tensor-core dots with an online
-(running-max) softmax, reading the visibility masks as int8 tiles.
+(benchmarks/results/2026-11-29_profile_h200.md). Here one program per (batch row, query head, query tile, key
+split) streams a few chunks of its kv head's cache, or the pass's own keys (the last split), through two
+tensor-core dots with an online (running-max) softmax, reading the visibility masks as int8 tiles; XLA then
+combines the splits' partial results (flash-decoding). The splits are what fills the chip at batch 1: the first
+version ran one program per (row, head, query tile) over all keys, 32 programs for 132 SMs at block 32, and was
+slower than XLA's einsums (benchmarks/results/2026-11-29_engine_step_h200.md).
 
 Semantics equal orl_jax.model.attention.attention with two parts (cache, self): scores in float32, masked keys at
 a finite large negative value (a row with no visible key averages all values, as the reference does), the
@@ -31,6 +34,7 @@ from orl_jax.model.attention import _NEG as NEG  # masked keys score exactly as 
 class Blocks:
     bl: int = 64  # queries per program (fewer when the pass is shorter)
     bs: int = 64  # keys per chunk (fewer when a part is shorter)
+    chunks_per_split: int = 2  # cache chunks per program (the own keys are one more split)
     num_warps: int = 4
     num_stages: int = 2
 
@@ -48,14 +52,21 @@ def supported(l: int, s: int, h: int, blocks: Blocks = Blocks()) -> bool:
     return bool(_tile(l, blocks.bl) and _tile(s, blocks.bs) and _tile(l, blocks.bs)) and h >= 16 and not h & (h - 1)
 
 
-def _kernel(q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref, ms_ref, o_ref, *, scale: float, cs: int, ss: int):
+def _kernel(q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref, ms_ref, o_ref, m_out, l_out, *, scale: float, cs: int,
+            ss: int, cps: int):
     q = q_ref[0, :, 0, :]  # [BL, H]
     bl, h = q.shape
+    split = pl.program_id(3)
+    own = split == pl.num_programs(3) - 1  # the last split holds the pass's own keys, the others the cache
+    n_cache = kc_ref.shape[1] // cs
+    first = split * cps
+    cache_trips = jnp.where(own, 0, jnp.minimum(cps, n_cache - first))
+    self_trips = jnp.where(own, ks_ref.shape[1] // ss, 0)
 
-    def stream(k_ref, v_ref, m_ref, chunk, carry):
+    def stream(k_ref, v_ref, m_ref, chunk, start, trips, carry):
         def body(j, carry):
             m, l, acc = carry
-            s0 = pl.multiple_of(j * chunk, chunk)
+            s0 = pl.multiple_of((start + j) * chunk, chunk)
             k = k_ref[0, pl.ds(s0, chunk), 0, :]  # [C, H]
             v = v_ref[0, pl.ds(s0, chunk), 0, :]
             vis = m_ref[0, :, pl.ds(s0, chunk)] != 0  # [BL, C]
@@ -67,12 +78,23 @@ def _kernel(q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref, ms_ref, o_ref, *, sca
             acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
             return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
-        return jax.lax.fori_loop(0, k_ref.shape[1] // chunk, body, carry)
+        return jax.lax.fori_loop(0, trips, body, carry)
 
     carry = (jnp.full((bl,), -jnp.inf, jnp.float32), jnp.zeros((bl,), jnp.float32), jnp.zeros((bl, h), jnp.float32))
-    carry = stream(kc_ref, vc_ref, mc_ref, cs, carry)
-    _, l, acc = stream(ks_ref, vs_ref, ms_ref, ss, carry)
-    o_ref[0, :, 0, :] = (acc / l[:, None]).astype(o_ref.dtype)
+    carry = stream(kc_ref, vc_ref, mc_ref, cs, first, cache_trips, carry)
+    m, l, acc = stream(ks_ref, vs_ref, ms_ref, ss, 0, self_trips, carry)
+    o_ref[0, 0, :, 0, :] = acc  # unnormalized: the splits are combined outside
+    m_out[0, 0, 0, :] = m
+    l_out[0, 0, 0, :] = l
+
+
+def combine(o, m, l, dtype):
+    """Merge the key splits' partial softmaxes: o [P, B, L, N, H] (unnormalized), m and l [P, B, N, L]."""
+    mx = jnp.max(m, axis=0, keepdims=True)
+    w = jnp.exp(m - mx)  # [P, B, N, L]; a split that saw no key (m = -inf) weighs 0
+    wt = jnp.transpose(w, (0, 1, 3, 2))[..., None]  # [P, B, L, N, 1]
+    den = jnp.transpose(jnp.sum(w * l, axis=0), (0, 2, 1))[..., None]  # [B, L, N, 1]
+    return (jnp.sum(wt * o, axis=0) / den).astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
@@ -86,24 +108,30 @@ def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask,
         raise ValueError(f"cached_attention: L={l}, S={s}, H={h} not supported with {blocks}")
     bl, cs, ss = _tile(l, blocks.bl), _tile(s, blocks.bs), _tile(l, blocks.bs)
     g = n // kv
+    splits = -(-(s // cs) // blocks.chunks_per_split) + 1
     kwargs = {}
     if not interpret:
         from jax.experimental.pallas import triton as pltriton
 
         kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=blocks.num_warps,
                                                             num_stages=blocks.num_stages)
-    return pl.pallas_call(
-        functools.partial(_kernel, scale=scale, cs=cs, ss=ss),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        grid=(b, n, l // bl),
-        in_specs=[pl.BlockSpec((1, bl, 1, h), lambda i, j, t: (i, t, j, 0)),
-                  pl.BlockSpec((1, s, 1, h), lambda i, j, t: (i, 0, j // g, 0)),
-                  pl.BlockSpec((1, s, 1, h), lambda i, j, t: (i, 0, j // g, 0)),
-                  pl.BlockSpec((1, bl, s), lambda i, j, t: (i, t, 0)),
-                  pl.BlockSpec((1, l, 1, h), lambda i, j, t: (i, 0, j // g, 0)),
-                  pl.BlockSpec((1, l, 1, h), lambda i, j, t: (i, 0, j // g, 0)),
-                  pl.BlockSpec((1, bl, l), lambda i, j, t: (i, t, 0))],
-        out_specs=pl.BlockSpec((1, bl, 1, h), lambda i, j, t: (i, t, j, 0)),
+    f32 = jnp.float32
+    o, m, lsum = pl.pallas_call(
+        functools.partial(_kernel, scale=scale, cs=cs, ss=ss, cps=blocks.chunks_per_split),
+        out_shape=(jax.ShapeDtypeStruct((splits, b, l, n, h), f32), jax.ShapeDtypeStruct((splits, b, n, l), f32),
+                   jax.ShapeDtypeStruct((splits, b, n, l), f32)),
+        grid=(b, n, l // bl, splits),
+        in_specs=[pl.BlockSpec((1, bl, 1, h), lambda i, j, t, p: (i, t, j, 0)),
+                  pl.BlockSpec((1, s, 1, h), lambda i, j, t, p: (i, 0, j // g, 0)),
+                  pl.BlockSpec((1, s, 1, h), lambda i, j, t, p: (i, 0, j // g, 0)),
+                  pl.BlockSpec((1, bl, s), lambda i, j, t, p: (i, t, 0)),
+                  pl.BlockSpec((1, l, 1, h), lambda i, j, t, p: (i, 0, j // g, 0)),
+                  pl.BlockSpec((1, l, 1, h), lambda i, j, t, p: (i, 0, j // g, 0)),
+                  pl.BlockSpec((1, bl, l), lambda i, j, t, p: (i, t, 0))],
+        out_specs=(pl.BlockSpec((1, 1, bl, 1, h), lambda i, j, t, p: (p, i, t, j, 0)),
+                   pl.BlockSpec((1, 1, 1, bl), lambda i, j, t, p: (p, i, j, t)),
+                   pl.BlockSpec((1, 1, 1, bl), lambda i, j, t, p: (p, i, j, t))),
         interpret=interpret,
         **kwargs,
     )(q, k_cache, v_cache, cache_mask.astype(jnp.int8), k_self, v_self, self_mask.astype(jnp.int8))
+    return combine(o, m, lsum, q.dtype)
