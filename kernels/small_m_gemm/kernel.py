@@ -7,8 +7,8 @@ contraction (split-K), streams those tiles through tensor-core dots into a float
 partial sum; the S partials ([S, M, N] float32, a few % of the weight's bytes) are summed by XLA.
 
 Stacked weights: `w` may be a layer stack [L, K, N] with `layer` an int32 scalar. The kernel then reads layer
-`layer` in place. Under `lax.scan` over stacked params the body's slice `w[i]` would reach a custom call as a
-copy (XLA fuses such slices into its own GEMMs, not into ours): one extra write and read of every weight.
+`layer` in place. Under `lax.scan` over stacked params the body's slice `w[i]` can reach a custom call as a
+copy: one extra write and read of every weight (XLA's own GEMM on such a slice measured +13%, not a copy).
 
 Pallas, Triton lowering (pallas.triton). Runs in interpret mode on CPU for tests.
 """

@@ -1,10 +1,12 @@
 """A layer's matrix read in place from its stack, multiplied by the small-M GEMM kernel (cached passes).
 
 `StackedWeight(stack, i)` stands for `stack[i]` wherever `layers.einsum` multiplies a weight. Under `lax.scan`
-the body's slice of a stacked weight reaches a custom call as a copy; passing the whole stack and the layer index
-lets kernels/small_m_gemm read layer i where it lies. Specs whose rows or shapes the kernel does not take fall
-back to jnp.einsum on the slice, as do weights stored in another dtype than the activations (mixed
-precision: casting the whole stack in every layer would cost more than the kernel saves).
+a body's slice of a stacked weight can reach its consumer as a copy (DiffusionGemma's nested layer scan made
+12.5 GB of such temporaries per forward: benchmarks/results/2026-11-29_diffusion_gemma_h200.md); passing the
+whole stack and the layer index lets kernels/small_m_gemm read layer i where it lies. Specs whose rows or
+shapes the kernel does not take fall back to jnp.einsum on the slice, as do weights stored in another dtype
+than the activations (mixed precision: casting the whole stack in every layer would cost more than the kernel
+saves).
 """
 
 from __future__ import annotations
