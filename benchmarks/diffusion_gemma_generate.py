@@ -119,10 +119,37 @@ def one_forward(cfg):
     return float(np.median(ts)) * 1e3, getattr(mem, "temp_size_in_bytes", None)
 
 
+def moe_only(impl):
+    """ms of the MoE alone over all layers at the canvas: the sliding stack's experts, one layer after the other
+    (read in place for "pallas", sliced for the XLA paths), routing fixed, scaled to the model's layer count."""
+    from orl_jax.model.moe import experts_mlp
+    from orl_jax.model.streamed import StackedWeight
+
+    gu, dn = params["sliding"]["experts_gate_up"], params["sliding"]["experts_down"]
+    n = gu.shape[0]
+    x = jax.random.normal(jax.random.key(5), (args.new, cfg.hidden_size), jnp.bfloat16)
+    w, e = jax.lax.top_k(jax.random.normal(jax.random.key(6), (args.new, cfg.num_experts)), cfg.top_k_experts)
+    w = jax.nn.softmax(w, axis=-1)
+
+    def layer(i, y):
+        g, d = (StackedWeight(gu, i), StackedWeight(dn, i)) if impl == "pallas" else (gu[i], dn[i])
+        return y + experts_mlp(x + y, w, e, g, d, "gelu_tanh", impl)
+
+    f = jax.jit(lambda: jax.lax.fori_loop(0, n, layer, jnp.zeros_like(x)))
+    jax.block_until_ready(f())
+    ts = []
+    for _ in range(5):
+        t = time.perf_counter()
+        jax.block_until_ready(f())
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts)) * 1e3 * cfg.num_layers / n
+
+
 for impl in IMPLS:
     c = cfg.replace(moe_impl=impl)
     ms, temp = one_forward(c)
-    log(what="decode_forward", moe_impl=impl, ms=ms, temp_gb=None if temp is None else temp / 1e9)
+    log(what="decode_forward", moe_impl=impl, ms=ms, temp_gb=None if temp is None else temp / 1e9,
+        moe_only_ms=moe_only(impl))
     kw = dict(key=jax.random.key(0), max_new_tokens=args.new, sampler=sampler, eos_token_id=(), mesh=MESH)
     t = time.perf_counter()
     out = jax.block_until_ready(generate(params, c, prompt, **kw))

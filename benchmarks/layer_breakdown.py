@@ -25,6 +25,7 @@ ap.add_argument("--preset", default="qwen3-4b")
 ap.add_argument("--blocks", default="32,256")
 ap.add_argument("--prompt", type=int, default=512)
 ap.add_argument("--layers", type=int, default=36, help="repetitions per timed call (the model's layer count)")
+ap.add_argument("--gemm-table", help="tuned small-M GEMM blocks (kernels/small_m_gemm/bench.py --table)")
 args = ap.parse_args()
 runtime.configure(os.path.expanduser("~/.cache/orl_jax/xla"))
 
@@ -37,6 +38,12 @@ from orl_jax.config import preset  # noqa: E402
 from orl_jax.model import qwen3  # noqa: E402
 from orl_jax.model.attention import attention, cache_mask, full_segments, self_mask  # noqa: E402
 from orl_jax.model.layers import apply_rope, einsum, fused_gated_mlp, rms_norm, rope_angles  # noqa: E402
+from orl_jax.model.streamed import StackedWeight  # noqa: E402
+
+if args.gemm_table:
+    from orl_jax_kernels.small_m_gemm.kernel import load_tuned
+
+    load_tuned(args.gemm_table)
 
 cfg = preset(args.preset)
 specs = qwen3.param_specs(cfg)
@@ -58,6 +65,16 @@ def over_layers(part):
     """part(x, w) -> x, applied with layer i's weights for i in range(REPS) (like the model's layer scan)."""
     def run(x, ws):
         return jax.lax.fori_loop(0, REPS, lambda i, x: part(x, jax.tree.map(lambda a: a[i % a.shape[0]], ws)), x)
+    return jax.jit(run)
+
+
+def over_layers_in_place(part):
+    """The same with the matrices read in place from their stacks (cached_matmul_impl="pallas", as the model)."""
+    def run(x, ws):
+        def body(i, x):
+            j = i % ws["qkv"].shape[0]
+            return part(x, {n: StackedWeight(a, j) if n in qwen3.MATRICES else a[j] for n, a in ws.items()})
+        return jax.lax.fori_loop(0, REPS, body, x)
     return jax.jit(run)
 
 
@@ -102,8 +119,13 @@ for L in map(int, args.blocks.split(",")):
 
     per_layer = sum(int(np.prod(a.shape[1:])) * 2 for a in jax.tree.leaves(W))  # bytes of one layer's weights
     roof_ms = max(per_layer / 4.3e12, 2 * per_layer / 2 * L / 790e12) * 1e3
-    for name, part in (("qkv_gemm", qkv_part), ("q_norm_rope", rope_norm_part), ("attention", attention_part),
-                       ("attention_pallas", attention_pallas_part), ("o_gemm", o_part), ("mlp", mlp_part),
-                       ("whole_layer", whole), ("whole_layer_pallas", whole_pallas)):
-        ms = median_seconds(over_layers(part), x, W, reps=20) * 1e3 / REPS
+    parts = (("qkv_gemm", qkv_part, over_layers), ("q_norm_rope", rope_norm_part, over_layers),
+             ("attention", attention_part, over_layers), ("attention_pallas", attention_pallas_part, over_layers),
+             ("o_gemm", o_part, over_layers), ("mlp", mlp_part, over_layers), ("whole_layer", whole, over_layers),
+             ("whole_layer_pallas", whole_pallas, over_layers),
+             # the small-M GEMM kernel reading each layer in place (M = L <= 64 only; larger L falls back to XLA)
+             ("qkv_gemm_in_place", qkv_part, over_layers_in_place), ("o_gemm_in_place", o_part, over_layers_in_place),
+             ("mlp_in_place", mlp_part, over_layers_in_place), ("whole_layer_in_place", whole, over_layers_in_place))
+    for name, part, runner in parts:
+        ms = median_seconds(runner(part), x, W, reps=20) * 1e3 / REPS
         log(canvas=L, part=name, ms_per_layer=ms, roofline_ms_per_layer=roof_ms)
