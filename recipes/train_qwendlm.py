@@ -66,6 +66,7 @@ class Recipe:
     orl_max_prompt: int = 192
     orl_steps: int = 8  # max denoising steps per block during rollouts
     lr2: float = 3e-4  # stage-2 peak rate (warmup: a tenth of the rounds); the h200 run diverged at 1e-4
+    l_aec: float = 10.0  # weight of Adjacent Entropy Contraction in ORL's loss (ORLLossConfig.l_aec)
     # Compute dtype of every stage; the weights stay float32 (master copy) either way.
     compute_dtype: str = "float32"
     attention_impl: str = "orl_jax"  # training attention: orl_jax | xla | cudnn (ModelConfig.attention_impl)
@@ -114,6 +115,7 @@ def parse_args(argv=None):
                     help="stage-2 rounds (ORL) and updates (RCD); lowering it below a run's saved round count "
                          "ends that stage there")
     ap.add_argument("--lr2", type=float, help="stage-2 peak learning rate (ORL and RCD); default: the preset's")
+    ap.add_argument("--l-aec", type=float, help="ORL's AEC loss weight (AEC values are ~1e-3); default: the preset's")
     ap.add_argument("--attention-impl", choices=["orl_jax", "xla", "cudnn"],
                     help="training attention (ModelConfig.attention_impl); default: the preset's")
     ap.add_argument("--noise", choices=["uniform", "mask"], default="uniform",
@@ -143,6 +145,8 @@ def parse_args(argv=None):
             ap.error(f"--{name.replace('_', '-')} must be a positive number of steps, got {v}")
     if args.lr2 is not None and not 0 < args.lr2 < 1:
         ap.error(f"--lr2 must be in (0, 1), got {args.lr2}")
+    if args.l_aec is not None and not args.l_aec >= 0:
+        ap.error(f"--l-aec must be a number >= 0, got {args.l_aec}")
     return args
 
 
@@ -169,6 +173,7 @@ def main(argv=None) -> None:
     r = dataclasses.replace(r, stage0_steps=args.stage0_steps or r.stage0_steps,
                             stage1_steps=args.stage1_steps or r.stage1_steps,
                             orl_rounds=args.orl_rounds or r.orl_rounds, lr2=args.lr2 or r.lr2,
+                            l_aec=r.l_aec if args.l_aec is None else args.l_aec,
                             attention_impl=args.attention_impl or r.attention_impl)
     tmp = out / f".recipe.json.{os.getpid()}"  # atomic: processes sharing --out may write it at once
     tmp.write_text(json.dumps(dataclasses.asdict(r) | vars(args), indent=2, default=str))

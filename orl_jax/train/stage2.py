@@ -115,7 +115,7 @@ def stage2(r, args, out: Path, tok, cfg, params, log, methods=("orl", "noaec", "
     if cfg.noise != "uniform":
         log("stage 2: ORL is implemented for the uniform family only; skipped for --noise mask")
         return {}
-    base = ORLLossConfig()
+    base = ORLLossConfig(l_aec=r.l_aec)
     log(f"stage 2 ({', '.join(methods)}): ORL, {r.orl_rounds} rounds of {r.orl_prompts} prompts x "
         f"{r.orl_group} responses")
     runs = {"orl": ("QwenDLM+ORL", lambda: run_orl("stage2_orl", r, args, out, tok, cfg, params, base, log)),
