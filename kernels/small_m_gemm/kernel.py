@@ -34,7 +34,7 @@ class Blocks:
 
 # Block sizes per (K, N) measured best on a GPU (kernels/small_m_gemm/bench.py writes such a table; `load_tuned`
 # reads it). None: XLA's GEMM was faster for that shape (`supported` says no, callers fall back). Shapes not
-# listed use Blocks().
+# listed get `blocks_for`'s default tiles.
 TUNED: dict[tuple[int, int], Blocks | None] = {}
 
 
