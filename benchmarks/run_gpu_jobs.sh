@@ -38,4 +38,4 @@ tar czf "$out/results.tgz" "${pack[@]}"
 rm -rf "$out/logs" "$out/bench"
 tar xzf "$out/results.tgz" -O --wildcards 'logs/job*.log' | grep "^==\|^\[\|Error" | cut -c1-260
 tar xzf "$out/results.tgz" -O --wildcards 'bench/*.jsonl' 2>/dev/null |
-  grep -h '"summary"\|denoise_step\|"generate"\|ms_fwd_bwd\|ms_per_layer\|error' | cut -c1-300
+  grep -h '"summary"\|denoise_step\|"generate"\|decode_forward\|ms_fwd_bwd\|ms_per_layer\|error' | cut -c1-300
