@@ -91,8 +91,9 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
             if stop or (rnd + 1) % max(r.orl_rounds // 4, 1) == 0 or rnd + 1 == r.orl_rounds:
                 ck.save(state, {"round": rnd + 1}, step=rnd + 1)
             if (rnd + 1) % max(r.orl_rounds // 10, 1) == 0:
+                update = f"loss {m['loss']:.4f}" if "loss" in m else "no update (no verified response)"
                 log(f"{name} round {rnd + 1}/{r.orl_rounds}: verified {m['verified']:.2f}, rollout TPF "
-                    f"{m['rollout_tpf']:.2f}, loss {m.get('loss', float('nan')):.4f}")
+                    f"{m['rollout_tpf']:.2f}, {update}")
             if stop and rnd + 1 < r.orl_rounds:
                 raise StageStopped(name, rnd + 1, r.orl_rounds)
     params = jax.device_get(state.params)
