@@ -38,7 +38,6 @@ from orl_jax.config import preset  # noqa: E402
 from orl_jax.model import qwen3  # noqa: E402
 from orl_jax.model.attention import attention, cache_mask, full_segments, self_mask  # noqa: E402
 from orl_jax.model.layers import apply_rope, einsum, fused_gated_mlp, rms_norm, rope_angles  # noqa: E402
-from orl_jax.model.streamed import StackedWeight  # noqa: E402
 
 if args.gemm_table:
     from orl_jax_kernels.small_m_gemm.kernel import load_tuned
@@ -72,8 +71,7 @@ def over_layers_in_place(part):
     """The same with the matrices read in place from their stacks (cached_matmul_impl="pallas", as the model)."""
     def run(x, ws):
         def body(i, x):
-            j = i % ws["qkv"].shape[0]
-            return part(x, {n: StackedWeight(a, j) if n in qwen3.MATRICES else a[j] for n, a in ws.items()})
+            return part(x, qwen3.layer_in_place(ws, i % ws["qkv"].shape[0]))
         return jax.lax.fori_loop(0, REPS, body, x)
     return jax.jit(run)
 

@@ -27,7 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from orl_jax_kernels.small_m_gemm.kernel import Blocks, batched_small_m_matmul  # noqa: E402
+from orl_jax_kernels.small_m_gemm.kernel import Blocks, batched_small_m_matmul, pipeline_stages  # noqa: E402
 
 # name: (groups E, K, N). Qwen3-4B's projections (E = 1) and DiffusionGemma 26B-A4B's experts (E = 128, rows = the
 # bucket capacity 64 at canvas 256).
@@ -54,16 +54,16 @@ def unrolled(f):
     return jax.jit(lambda x, ws: jnp.stack([f(x, w) for w in ws]))
 
 
-def configs(e, k, n):
+def configs(e, m, k, n):
     """Block candidates whose grid fills the chip (>= 1 wave of programs, at most 16 waves; any count for many
-    groups), each with the deepest pipeline (<= 4 stages) whose weight tiles fit ~200 KB of shared memory."""
+    groups), each 4 stages deep or as deep as shared memory allows (kernel.pipeline_stages)."""
     out = []
     for bn, bk, splits in itertools.product((64, 128, 256), (64, 128, 256), (1, 2, 4, 8)):
         programs = (n // bn) * min(splits, k // bk) * (1 if e == 1 else 16)
-        stages = max((s for s in (2, 3, 4) if bn * bk * 2 * s <= 200_000), default=0)
-        if n % bn or k % bk or splits > k // bk or not SMS <= programs <= 16 * SMS or not stages:
+        if n % bn or k % bk or splits > k // bk or not SMS <= programs <= 16 * SMS:
             continue
-        out.append(Blocks(bn, bk, splits, 4, stages))
+        b = Blocks(bn, bk, splits, 4, 4)
+        out.append(Blocks(bn, bk, splits, 4, pipeline_stages(b, max(16, m))))
     return out
 
 
@@ -87,7 +87,7 @@ def bench_shape(name, e, k, n, m, record) -> dict:
     t_xla = per_call(unrolled(xla), x, ws) / reps
     row("xla", t_xla, err(jax.jit(xla)(x, ws[0])))
     results = []
-    for b in configs(e, k, n):
+    for b in configs(e, m, k, n):
         f = lambda x, w, b=b: batched_small_m_matmul(x, w, None, None, b, INTERPRET)  # noqa: E731
         try:
             rel = err(jax.jit(f)(x, ws[0]))

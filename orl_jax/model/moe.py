@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from orl_jax.model.layers import ACTIVATIONS, einsum, rms_norm_fp32
+from orl_jax.model.streamed import as_stacked
 
 
 def route(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: int, eps: float):
@@ -96,26 +97,16 @@ def bucketed_experts_mlp(x, weights, experts, gate_up, down, act: str, capacity:
     tok = jnp.full((num_experts, capacity), t, jnp.int32).at[flat, slot].set(jnp.arange(m) // k, mode="drop")
     wts = jnp.zeros((num_experts, capacity), jnp.float32).at[flat, slot].set(weights.reshape(-1), mode="drop")
     xs = jnp.take(jnp.concatenate([x, jnp.zeros_like(x[:1])]), tok, axis=0)  # [E, C, D]
-    mm = functools.partial(_expert_kernel, rows=sizes) if kernel else functools.partial(einsum, "ecd,edf->ecf")
+    if kernel:  # small-M kernel, weights read in place (model/streamed.py); unsupported shapes fall back there
+        mm = lambda a, w: as_stacked(w).einsum("ecd,edf->ecf", a, rows=sizes)  # noqa: E731
+    else:
+        mm = functools.partial(einsum, "ecd,edf->ecf")
     gu = mm(xs, gate_up)  # [E, C, 2F]
     g, u = jnp.split(gu, 2, axis=-1)
     h = (ACTIVATIONS[act](g) * u).astype(jnp.float32) * wts[..., None]  # [E, C, F]
     y = mm(h.astype(x.dtype), down)  # [E, C, D]
     ya = y[flat, jnp.minimum(slot, capacity - 1)].reshape(t, k, -1)  # each assignment's weighted output
     return jnp.sum(ya.astype(jnp.float32), axis=1).astype(x.dtype)  # [T, D]
-
-
-def _expert_kernel(xs: jax.Array, w, rows: jax.Array) -> jax.Array:
-    """xs [E, C, K] @ w [E, K, N] per expert through the small-M kernel; w may be a StackedWeight (a layer of a
-    stack, read in place). Shapes or dtypes the kernel does not take go through einsum."""
-    from orl_jax.model.streamed import StackedWeight
-    from orl_jax_kernels.small_m_gemm.kernel import batched_small_m_matmul, supported
-
-    stack, index = (w.stack, w.index) if isinstance(w, StackedWeight) else (w, None)
-    e, c, k = xs.shape
-    if stack.dtype == xs.dtype and supported(c, k, stack.shape[-1]):
-        return batched_small_m_matmul(xs, stack, index, rows, interpret=jax.default_backend() == "cpu")
-    return einsum("ecd,edf->ecf", xs, w)
 
 
 def dense_experts_mlp(x, weights, experts, gate_up, down, act: str) -> jax.Array:

@@ -120,6 +120,12 @@ def _layer(cfg: ModelConfig, x, w, cos, sin, self_vis, cache_part):
     return x, k, v
 
 
+def layer_in_place(layers: dict, i: jax.Array) -> dict:
+    """Layer i's weights from the stacks: the matrices as StackedWeight (read in place by the small-M kernel),
+    the rest sliced."""
+    return {name: StackedWeight(a, i) if name in MATRICES else a[i] for name, a in layers.items()}
+
+
 def backbone(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, self_vis: jax.Array,
              cache: KVCache | None = None, remat: bool = False):
     """Run all layers. x [B, L, D]; positions [B, L]; self_vis [B, L, L] visibility among the current tokens.
@@ -136,8 +142,8 @@ def backbone(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
 
     def body(x, xs):
         w, ck, cv = xs
-        if streamed:  # w is the layer index: matrices read in place from their stacks, the rest sliced
-            w = {name: StackedWeight(a, w) if name in MATRICES else a[w] for name, a in params["layers"].items()}
+        if streamed:  # w is the layer index
+            w = layer_in_place(params["layers"], w)
         cache_part = None if ck is None else (ck, cv, cvis)
         x, k, v = _layer(cfg, x, w, cos, sin, self_vis, cache_part)
         return constrain(x, ACTIVATION_AXES), (k, v)

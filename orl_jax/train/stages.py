@@ -233,10 +233,11 @@ def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: d
     for method, params in methods.items():
         for steps, thr, *bound in r.eval_settings:
             if dlm_cfg.noise == "uniform":
-                bound = bound[0] if bound else UniformSampler.entropy_bound
+                default = UniformSampler.entropy_bound
+                bound = bound[0] if bound else default
                 kw = dict(sampler=UniformSampler(max_denoising_steps=steps, confidence=thr, entropy_bound=bound,
                                                  greedy=True), residual=ORLResidual())
-                setting = f"steps<={steps}, confidence={thr}" + (f", entropy bound={bound}" if bound != 0.1 else "")
+                setting = f"steps<={steps}, confidence={thr}" + (f", entropy bound={bound}" if bound != default else "")
             else:
                 kw = dict(sampler=MaskSampler(mask_token_id=dlm_cfg.mask_token_id, threshold=max(1 - thr, 0.05)),
                           max_steps=steps)
