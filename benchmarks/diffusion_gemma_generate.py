@@ -131,16 +131,19 @@ def moe_only(impl):
     w, e = jax.lax.top_k(jax.random.normal(jax.random.key(6), (args.new, cfg.num_experts)), cfg.top_k_experts)
     w = jax.nn.softmax(w, axis=-1)
 
-    def layer(i, y):
-        g, d = (StackedWeight(gu, i), StackedWeight(dn, i)) if impl == "pallas" else (gu[i], dn[i])
-        return y + experts_mlp(x + y, w, e, g, d, "gelu_tanh", impl)
+    def run(gu, dn, x, w, e):  # weights as arguments: a closure would embed them in the program as constants
+        def layer(i, y):
+            g, d = (StackedWeight(gu, i), StackedWeight(dn, i)) if impl == "pallas" else (gu[i], dn[i])
+            return y + experts_mlp(x + y, w, e, g, d, "gelu_tanh", impl)
 
-    f = jax.jit(lambda: jax.lax.fori_loop(0, n, layer, jnp.zeros_like(x)))
-    jax.block_until_ready(f())
+        return jax.lax.fori_loop(0, n, layer, jnp.zeros_like(x))
+
+    f = jax.jit(run)
+    jax.block_until_ready(f(gu, dn, x, w, e))
     ts = []
     for _ in range(5):
         t = time.perf_counter()
-        jax.block_until_ready(f())
+        jax.block_until_ready(f(gu, dn, x, w, e))
         ts.append(time.perf_counter() - t)
     return float(np.median(ts)) * 1e3 * cfg.num_layers / n
 

@@ -60,8 +60,9 @@ def _kernel(q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref, ms_ref, o_ref, m_out,
     own = split == pl.num_programs(3) - 1  # the last split holds the pass's own keys, the others the cache
     n_cache = kc_ref.shape[1] // cs
     first = split * cps
-    cache_trips = jnp.where(own, 0, jnp.minimum(cps, n_cache - first))
-    self_trips = jnp.where(own, ks_ref.shape[1] // ss, 0)
+    # int32 loop bounds: Triton's scf.for needs bounds of one type (where(own, 1, 0) otherwise lowers to i1)
+    cache_trips = ((~own).astype(jnp.int32) * jnp.minimum(cps, n_cache - first)).astype(jnp.int32)
+    self_trips = own.astype(jnp.int32) * (ks_ref.shape[1] // ss)
 
     def stream(k_ref, v_ref, m_ref, chunk, start, trips, carry):
         def body(j, carry):
@@ -78,7 +79,7 @@ def _kernel(q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref, ms_ref, o_ref, m_out,
             acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
             return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
-        return jax.lax.fori_loop(0, trips, body, carry)
+        return jax.lax.fori_loop(jnp.int32(0), trips, body, carry)
 
     carry = (jnp.full((bl,), -jnp.inf, jnp.float32), jnp.zeros((bl,), jnp.float32), jnp.zeros((bl, h), jnp.float32))
     carry = stream(kc_ref, vc_ref, mc_ref, cs, first, cache_trips, carry)
