@@ -63,6 +63,10 @@ class ModelConfig:
     # model until trained.
     adapter_hidden: int = 0
     adapter_act: Literal["silu", "gelu_tanh"] = "silu"
+    # Where a canvas position's logits come from. False: its own row. True ("AR shift", Dream / Fast-dLLM v2): the
+    # row before it, and for a block's first position the last committed token's row, so a converted model keeps
+    # its AR next-token head: that first position is predicted exactly as the AR model would.
+    logit_shift: bool = False
     # Token ids from the tokenizer / generation_config (never hard-coded in the engine).
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -97,6 +101,8 @@ class ModelConfig:
                              f"got {self.prefix_attention!r}")
         if self.adapter_act not in ("silu", "gelu_tanh"):
             raise ValueError(f"ModelConfig.adapter_act must be 'silu' or 'gelu_tanh', got {self.adapter_act!r}")
+        if not isinstance(self.logit_shift, bool):
+            raise TypeError(f"ModelConfig.logit_shift must be a bool, got {self.logit_shift!r}")
         if self.adapter_hidden < 0:
             raise ValueError(f"ModelConfig.adapter_hidden must be >= 0, got {self.adapter_hidden}")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
@@ -152,7 +158,8 @@ def preset(name: str) -> ModelConfig:
 # ---------------------------------------------------------------------------------------------------------------
 
 # Extra keys we write into config.json for a QwenDLM export; transformers ignores unknown keys.
-_DLM_KEYS = ("noise", "mask_token_id", "block_length", "prefix_attention", "adapter_hidden", "adapter_act")
+_DLM_KEYS = ("noise", "mask_token_id", "block_length", "prefix_attention", "adapter_hidden", "adapter_act",
+             "logit_shift")
 
 
 def from_hf_config(hf: dict[str, Any], dtype: str = "bfloat16") -> ModelConfig:

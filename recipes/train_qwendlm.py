@@ -75,6 +75,9 @@ class Recipe:
     conv_len: int = 0
     remat: bool = False  # recompute each layer in the backward pass of stages 1-2 (long rows, two passes)
     eval_fit: bool = True  # False: evaluate the first held-out examples even when their answer cannot fit
+    # QwenDLM reads each canvas position's logits from the row before it (ModelConfig.logit_shift, the AR shift of
+    # Dream / Fast-dLLM v2): a block's first token is the AR model's own next-token prediction
+    logit_shift: bool = True
 
 
 PRESETS = {
@@ -118,6 +121,8 @@ def parse_args(argv=None):
     ap.add_argument("--l-aec", type=float, help="ORL's AEC loss weight (AEC values are ~1e-3); default: the preset's")
     ap.add_argument("--attention-impl", choices=["orl_jax", "xla", "cudnn"],
                     help="training attention (ModelConfig.attention_impl); default: the preset's")
+    ap.add_argument("--logit-shift", action=argparse.BooleanOptionalAction,
+                    help="QwenDLM's AR shift (ModelConfig.logit_shift); default: the preset's (on)")
     ap.add_argument("--noise", choices=["uniform", "mask"], default="uniform",
                     help="QwenDLM variant: uniform-state canvas (default) or mask tokens")
     ap.add_argument("--skip-stage2", action="store_true", help="stop after the conversion (no ORL)")
@@ -174,7 +179,8 @@ def main(argv=None) -> None:
                             stage1_steps=args.stage1_steps or r.stage1_steps,
                             orl_rounds=args.orl_rounds or r.orl_rounds, lr2=args.lr2 or r.lr2,
                             l_aec=r.l_aec if args.l_aec is None else args.l_aec,
-                            attention_impl=args.attention_impl or r.attention_impl)
+                            attention_impl=args.attention_impl or r.attention_impl,
+                            logit_shift=r.logit_shift if args.logit_shift is None else args.logit_shift)
     tmp = out / f".recipe.json.{os.getpid()}"  # atomic: processes sharing --out may write it at once
     tmp.write_text(json.dumps(dataclasses.asdict(r) | vars(args), indent=2, default=str))
     os.replace(tmp, out / "recipe.json")

@@ -1,6 +1,7 @@
 """generate() against the literal Python-loop oracle (decode/reference.py), plus loop mechanics."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -11,7 +12,7 @@ from orl_jax.decode.engine import generate
 from orl_jax.decode.reference import reference_generate
 from orl_jax.decode.residual import NoResidual, ORLResidual, RCDResidual
 from orl_jax.decode.samplers import MaskSampler, UniformSampler
-from orl_jax.model import qwen3
+from orl_jax.model import qwen3, qwendlm
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
 
@@ -82,6 +83,32 @@ def test_mask_matches_reference(mask_model, name, sampler, residual, batch):
     cfg, params = mask_model
     out = _check(cfg, params, PROMPTS[:batch], sampler, residual)
     assert not np.any(np.asarray(out.tokens) == 255), "a [MASK] token was committed"
+
+
+SHIFT_CASES = [("uniform_sampled", UNIFORM_CASES[0]), ("uniform_orl", UNIFORM_CASES[2]),
+               ("mask_threshold", MASK_CASES[0]), ("mask_orl", MASK_CASES[4])]
+
+
+@pytest.mark.parametrize("name,case", SHIFT_CASES, ids=[c[0] for c in SHIFT_CASES])
+def test_logit_shift_matches_reference(uniform_model, mask_model, name, case):
+    """The AR shift: every canvas position reads the row before it, the first one the last committed token's
+    hidden state, which the loop carries from prefill and each commit (3 blocks, so commits feed it)."""
+    cfg, params = uniform_model if name.startswith("uniform") else mask_model
+    _, sampler, residual = case
+    _check(cfg.replace(logit_shift=True), params, PROMPTS, sampler, residual, max_new=12)
+
+
+def test_logit_shift_first_position_is_the_ar_prediction(uniform_model):
+    cfg, params = uniform_model
+    cfg = cfg.replace(logit_shift=True)
+    prompt = jnp.asarray([PROMPTS[0]], jnp.int32)
+    _, cache, prev = qwendlm.prefill(params, cfg, prompt, jnp.asarray([5]), 5 + 4, return_hidden=True)
+    canvas = jnp.asarray([[1, 2, 3, 4]], jnp.int32)
+    got = qwendlm.decode(params, cfg, canvas, cache, prev_hidden=prev)[0, 0]
+    ar = qwen3.forward(params, cfg, prompt)[0, -1]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ar), atol=1e-4)
+    with pytest.raises(ValueError, match="prev_hidden"):
+        qwendlm.decode(params, cfg, canvas, cache)
 
 
 def test_step_cap_commits_latest_predictions_not_masks(mask_model):

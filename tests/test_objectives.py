@@ -16,6 +16,7 @@ from orl_jax.train.objectives import (
     diffusion_mask,
     packed_diffusion_mask,
     packed_rows,
+    predicting_rows,
 )
 
 BL = 4
@@ -30,18 +31,27 @@ def model():
 
 
 def _engine_block_logits(params, cfg, tokens, p, b, noisy_block, z=None):
-    """Logits the engine computes for block b's canvas: prefill the prompt, commit clean blocks < b, decode."""
-    _, cache = qwendlm.prefill(params, cfg, tokens[None, :p], jnp.asarray([p]), p + 4 * BL)
+    """Logits the engine computes for block b's canvas: prefill the prompt, commit clean blocks < b, decode
+    (with logit_shift, from the last committed token's hidden state, as the engine carries it)."""
+    _, cache, prev = qwendlm.prefill(params, cfg, tokens[None, :p], jnp.asarray([p]), p + 4 * BL, return_hidden=True)
     for j in range(b):
-        cache = qwendlm.commit(params, cfg, tokens[None, p + j * BL:p + (j + 1) * BL], cache)
+        cache, prev = qwendlm.commit(params, cfg, tokens[None, p + j * BL:p + (j + 1) * BL], cache, True)
     x = None if z is None else qwendlm.residual_embed(params, cfg, noisy_block[None], z[None], jnp.ones((1, BL)))
-    return qwendlm.decode(params, cfg, noisy_block[None], cache, embeds=x)[0]
+    return qwendlm.decode(params, cfg, noisy_block[None], cache, embeds=x, prev_hidden=prev)[0]
 
 
+def _train_logits(params, cfg, h, p, n):
+    """What DiffusionObjective.loss reads: logits of the noisy tokens of one unpacked example [N, V]."""
+    seg, pos, plen = packed_rows({"tokens": jnp.zeros((1, n), jnp.int32), "prompt_lengths": jnp.asarray([p]),
+                                  "lengths": jnp.asarray([n])})
+    return qwen3.logits(params, cfg, predicting_rows(cfg, h, seg, pos, plen, BL))[0]
+
+
+@pytest.mark.parametrize("shift", [False, True])
 @pytest.mark.parametrize("prefix_attention", ["causal", "block_causal"])
-def test_training_forward_equals_engine_decode(model, prefix_attention):
+def test_training_forward_equals_engine_decode(model, prefix_attention, shift):
     cfg, params = model
-    cfg = cfg.replace(prefix_attention=prefix_attention)
+    cfg = cfg.replace(prefix_attention=prefix_attention, logit_shift=shift)
     p, n = 5, 5 + 3 * BL
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, 250, n), jnp.int32)
@@ -50,7 +60,7 @@ def test_training_forward_equals_engine_decode(model, prefix_attention):
     both = jnp.concatenate([tokens, noisy])[None]
     pos = jnp.concatenate([jnp.arange(n), jnp.arange(n)])[None]
     h, _, _ = qwen3.backbone(params, cfg, qwen3.embed(params, cfg, both), pos, mask)
-    train_logits = qwen3.logits(params, cfg, h[:, n:])[0]
+    train_logits = _train_logits(params, cfg, h, p, n)
     for b in range(3):
         s = slice(p + b * BL, p + (b + 1) * BL)
         eng = _engine_block_logits(params, cfg, tokens, p, b, noisy[s])
@@ -87,11 +97,11 @@ def test_mask_noise_masks_at_least_one_per_block(model):
     assert np.all(np.asarray(w)[:, :3] == 0)  # the prompt is never noised
 
 
-@pytest.mark.parametrize("prefix_attention", ["causal", "block_causal"])
-def test_packed_rows_equal_separate_rows(model, prefix_attention):
+@pytest.mark.parametrize("prefix_attention,shift", [("causal", False), ("block_causal", False), ("causal", True)])
+def test_packed_rows_equal_separate_rows(model, prefix_attention, shift):
     """Two examples packed in one row (plus padding) give each example exactly the logits it gets alone."""
     cfg, params = model
-    cfg = cfg.replace(prefix_attention=prefix_attention)
+    cfg = cfg.replace(prefix_attention=prefix_attention, logit_shift=shift)
     rng = np.random.default_rng(7)
     shapes = [(3, 3 + 2 * BL), (2, 2 + BL + 2)]  # (prompt length, length): the second ends in a partial block
     exs = [(rng.integers(0, 250, n), rng.integers(0, 250, n)) for _, n in shapes]
@@ -107,16 +117,17 @@ def test_packed_rows_equal_separate_rows(model, prefix_attention):
     seg, pos, plen = packed_rows(batch)
     mask = packed_diffusion_mask(seg, pos, plen, BL, prefix_attention)
 
-    def noisy_logits(clean, noisy, pos, mask):
-        n = clean.shape[1]
-        both, pp = jnp.concatenate([clean, noisy], 1), jnp.concatenate([pos, pos], 1)
+    def noisy_logits(clean, noisy, rows, mask):
+        both, pp = jnp.concatenate([clean, noisy], 1), jnp.concatenate([rows[1], rows[1]], 1)
         h, _, _ = qwen3.backbone(params, cfg, qwen3.embed(params, cfg, both), pp, mask)
-        return np.asarray(qwen3.logits(params, cfg, h[:, n:])[0])
+        return np.asarray(qwen3.logits(params, cfg, predicting_rows(cfg, h, *rows, BL))[0])
 
-    packed = noisy_logits(batch["tokens"], batch["noisy"], batch["positions"], mask)
+    packed = noisy_logits(batch["tokens"], batch["noisy"], (seg, pos, plen), mask)
     at = 0
     for (p, n), (clean, noisy) in zip(shapes, exs):
-        alone = noisy_logits(jnp.asarray(clean)[None], jnp.asarray(noisy)[None], jnp.arange(n)[None],
+        rows = packed_rows({"tokens": jnp.zeros((1, n), jnp.int32), "prompt_lengths": jnp.asarray([p]),
+                            "lengths": jnp.asarray([n])})
+        alone = noisy_logits(jnp.asarray(clean)[None], jnp.asarray(noisy)[None], rows,
                              diffusion_mask(jnp.asarray([p]), jnp.asarray([n]), n, BL, prefix_attention))
         np.testing.assert_allclose(packed[at + p:at + n], alone[p:], atol=2e-5)
         at += n
@@ -171,8 +182,10 @@ def test_causal_lm_loss_and_ar_decoding(model):
         assert np.asarray(out)[r].tolist() == toks[len(prompt):]
 
 
-def test_self_conditioned_training_forward_equals_engine_with_residual(model):
+@pytest.mark.parametrize("shift", [False, True])
+def test_self_conditioned_training_forward_equals_engine_with_residual(model, shift):
     cfg, params = model
+    cfg = cfg.replace(logit_shift=shift)
     p, n = 4, 4 + 2 * BL
     rng = np.random.default_rng(2)
     tokens = jnp.asarray(rng.integers(0, 250, n), jnp.int32)
@@ -184,7 +197,7 @@ def test_self_conditioned_training_forward_equals_engine_with_residual(model):
     x = qwendlm.residual_embed(params, cfg, both, jnp.concatenate([jnp.zeros_like(z), z])[None], w)
     pos = jnp.concatenate([jnp.arange(n), jnp.arange(n)])[None]
     h, _, _ = qwen3.backbone(params, cfg, x, pos, mask)
-    train_logits = qwen3.logits(params, cfg, h[:, n:])[0]
+    train_logits = _train_logits(params, cfg, h, p, n)
     for b in range(2):
         s = slice(p + b * BL, p + (b + 1) * BL)
         eng = _engine_block_logits(params, cfg, tokens, p, b, noisy[s], z[s])

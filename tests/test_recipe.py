@@ -38,6 +38,9 @@ def test_recipe_smoke_end_to_end_and_resume(tmp_path):
     before = (out / "stage1/params/config.json").stat().st_mtime
     train_qwendlm.main(["--preset", "smoke", "--out", str(out), "--resume"])  # stages reused, eval re-run
     assert (out / "stage1/params/config.json").stat().st_mtime == before
+    assert json.loads((out / "stage1/params/config.json").read_text())["orl_jax"]["logit_shift"] is True
+    with pytest.raises(ValueError, match="logit_shift=True"):  # a changed flag never reuses the other model
+        train_qwendlm.main(["--preset", "smoke", "--out", str(out), "--resume", "--no-logit-shift"])
 
 
 def test_stage2_methods_split_over_processes_then_one_evaluation(tmp_path):

@@ -19,9 +19,9 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
 SAMPLER = UniformSampler(max_denoising_steps=3, entropy_bound=1.0)
 
 
-@pytest.fixture(scope="module")
-def rollout():
-    cfg = preset("tiny-qwendlm").replace(block_length=BL)
+@pytest.fixture(scope="module", params=[False, True], ids=["own_row", "logit_shift"])
+def rollout(request):
+    cfg = preset("tiny-qwendlm").replace(block_length=BL, logit_shift=request.param)
     params = P.init(qwen3.param_specs(cfg), jax.random.key(0))
     params["embed"] = params["embed"] * 4.0  # decisive enough to accept tokens, far from one-hot
     params["adapter"] = dict(params["adapter"], down=jax.random.normal(jax.random.key(4), (32, 64)) * 0.3)

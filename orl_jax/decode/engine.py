@@ -85,7 +85,11 @@ def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeCon
     b, p = prompt.shape
     L, nb, sampler = dcfg.block_length, dcfg.num_blocks, dcfg.sampler
     model = model_module(cfg)
-    _, cache = model.prefill(params, cfg, prompt, lengths, p + nb * L)
+    shift = getattr(cfg, "logit_shift", False)  # the canvas' first logits come from the last committed token
+    if shift:
+        _, cache, prev_h = model.prefill(params, cfg, prompt, lengths, p + nb * L, return_hidden=True)
+    else:
+        (_, cache), prev_h = model.prefill(params, cfg, prompt, lengths, p + nb * L), None
     key, k_init = jax.random.split(key)
     canvas, sstate = sampler.init(k_init, b, L, cfg)
     d = cfg.hidden_size
@@ -108,7 +112,8 @@ def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeCon
         block=jnp.zeros((), jnp.int32), step=jnp.zeros((), jnp.int32),
         block_done=jnp.zeros((b,), bool), seq_done=jnp.zeros((b,), bool), key=key,
         forwards=jnp.zeros((b,), jnp.int32), total_forwards=jnp.zeros((), jnp.int32),
-        commits=jnp.zeros((), jnp.int32), steps_per_block=jnp.zeros((nb,), jnp.int32), capture=capture)
+        commits=jnp.zeros((), jnp.int32), steps_per_block=jnp.zeros((nb,), jnp.int32), capture=capture,
+        prev_h=prev_h)
 
     def cond(s: DecodeState):
         return (s.block < nb) & ~jnp.all(s.seq_done)
@@ -117,7 +122,8 @@ def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeCon
         key, k_step, k_init = jax.random.split(s.key, 3)
         active = ~(s.block_done | s.seq_done)
         x = dcfg.residual.embed(params, cfg, s.canvas, s.z, s.a)
-        logits = model.decode(params, cfg, s.canvas, s.cache, embeds=x)  # [B, L, V]
+        shifted = {"prev_hidden": s.prev_h} if shift else {}
+        logits = model.decode(params, cfg, s.canvas, s.cache, embeds=x, **shifted)  # [B, L, V]
         out = sampler.step(logits, s.canvas, s.sampler, k_step, s.step, active)
         keep = active[:, None]
         if isinstance(dcfg.residual, NoResidual):
@@ -139,7 +145,12 @@ def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeCon
         seq_done = jnp.where(finish, s.seq_done | eos, s.seq_done)
         tokens = jnp.where(finish, jax.lax.dynamic_update_slice(s.tokens, final, (0, s.block * L)), s.tokens)
         need_commit = finish & (s.block + 1 < nb) & ~jnp.all(seq_done)
-        cache = jax.lax.cond(need_commit, lambda c: model.commit(params, cfg, final, c), lambda c: c, s.cache)
+        if shift:
+            cache, prev_h = jax.lax.cond(need_commit, lambda c, h: model.commit(params, cfg, final, c, True),
+                                         lambda c, h: (c, h), s.cache, s.prev_h)
+        else:
+            cache, prev_h = jax.lax.cond(need_commit, lambda c: model.commit(params, cfg, final, c), lambda c: c,
+                                         s.cache), None
         if dcfg.stream:
             jax.lax.cond(finish, lambda: jax.debug.callback(_emit, final, s.block, ordered=True), lambda: None)
 
@@ -161,6 +172,7 @@ def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeCon
             commits=s.commits + need_commit.astype(jnp.int32),
             steps_per_block=jnp.where(finish, s.steps_per_block.at[s.block].set(step), s.steps_per_block),
             capture=cap,
+            prev_h=prev_h,
         )
 
     s = jax.lax.while_loop(cond, body, state)

@@ -25,7 +25,8 @@ from orl_jax.model import qwen3
 
 def _row_logits(params, cfg: ModelConfig, prompt, blocks, canvas, emb_canvas):
     """Logits of the canvas for one row: prompt causal, committed blocks per cfg.prefix_attention, canvas one
-    bidirectional segment."""
+    bidirectional segment. cfg.logit_shift: each canvas position reads the row before it (the first one, the last
+    committed token's row)."""
     seq = list(prompt) + [t for blk in blocks for t in blk] + list(canvas)
     n_p, L = len(prompt), len(canvas)
     seg = list(range(n_p))
@@ -37,7 +38,7 @@ def _row_logits(params, cfg: ModelConfig, prompt, blocks, canvas, emb_canvas):
     emb = np.array(qwen3.embed(params, cfg, tokens)[0])
     emb[-L:] = emb_canvas
     out = _forward(params, cfg, tokens, jnp.asarray([seg], jnp.int32), jnp.asarray(emb)[None])
-    return np.asarray(out[0, -L:])
+    return np.asarray(out[0, -L - 1:-1] if cfg.logit_shift else out[0, -L:])
 
 
 @partial(jax.jit, static_argnames="cfg")

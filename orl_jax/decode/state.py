@@ -26,6 +26,7 @@ class DecodeState:
     commits: jax.Array  # [] int32 commit forwards run
     steps_per_block: jax.Array  # [blocks] int32
     capture: dict | None = None  # capture mode only: per-step records, see engine.py
+    prev_h: jax.Array | None = None  # [B, D] logit_shift models: the last committed token's hidden state
 
 
 @struct.dataclass

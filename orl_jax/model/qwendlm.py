@@ -8,6 +8,10 @@ Three passes over one set of weights:
 - commit: the finished block, written into the cache with `cfg.prefix_attention` visibility (causal = the
   encoder of DiffusionGemma's recipe; block_causal = bidirectional inside the block, SDAR style).
 
+With cfg.logit_shift (the AR shift) a canvas position's logits come from the row before it: the decoder takes
+the hidden state of the last committed token (returned by prefill and commit with return_hidden=True) for the
+block's first position, so that position is exactly the AR model's next-token prediction.
+
 Two noise modes share the passes: "uniform" (the canvas starts as random tokens) and "mask" (it starts as
 cfg.mask_token_id); they differ only in the decoder loop (decode/samplers.py), not here.
 
@@ -47,10 +51,12 @@ def init_cache(cfg: ModelConfig, batch: int, size: int) -> KVCache:
     return KVCache.empty(cfg.num_layers, batch, size, cfg.num_kv_heads, cfg.head_dim, cfg.jnp_dtype)
 
 
-def prefill(params: dict, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array, cache_size: int):
+def prefill(params: dict, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array, cache_size: int,
+            return_hidden: bool = False):
     """Encode left-padded prompts. tokens [B, P] (row b's prompt in the last lengths[b] slots).
 
-    Returns (float32 logits of the last prompt token [B, V], cache with slots [0, P) written).
+    Returns (float32 logits of the last prompt token [B, V], cache with slots [0, P) written), and with
+    return_hidden the last prompt token's final hidden state [B, D] (what logit_shift decoding starts from).
     """
     qwen3.check_tokens(tokens, cfg)
     b, p = tokens.shape
@@ -63,30 +69,41 @@ def prefill(params: dict, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Arra
     valid = jnp.arange(p)[None] >= start[:, None]  # [B, P]: pad keys are invisible
     vis = self_mask(causal_segments(b, p), valid)
     h, k, v = qwen3.backbone(params, cfg, qwen3.embed(params, cfg, tokens), positions, vis, cache)
-    return qwen3.logits(params, cfg, h[:, -1:])[:, 0], cache.write(k, v)
+    out = qwen3.logits(params, cfg, h[:, -1:])[:, 0], cache.write(k, v)
+    return (*out, h[:, -1]) if return_hidden else out
 
 
 def decode(params: dict, cfg: ModelConfig, canvas: jax.Array, cache: KVCache, *,
-           residual: jax.Array | None = None, embeds: jax.Array | None = None,
+           residual: jax.Array | None = None, embeds: jax.Array | None = None, prev_hidden: jax.Array | None = None,
            return_hidden: bool = False):
     """One denoising forward over the canvas [B, L] -> float32 logits [B, L, V]; the cache is only read.
 
     residual [B, L, D]: z fed to the adapter g_phi (None = no residual, e.g. the first step of a block).
     embeds [B, L, D]: replaces the token embedding (RCD-style interpolation built by decode/residual.py).
+    prev_hidden [B, D]: the last committed token's hidden state; required with cfg.logit_shift (see shift_rows).
+    return_hidden: also return the canvas rows' own hidden states [B, L, D].
     """
     qwen3.check_tokens(canvas, cfg, "canvas")
     b, l = canvas.shape
+    if cfg.logit_shift and prev_hidden is None:
+        raise ValueError("decode with cfg.logit_shift needs prev_hidden (from prefill / commit, return_hidden=True)")
     x = qwen3.embed(params, cfg, canvas, residual) if embeds is None else embeds.astype(cfg.jnp_dtype)
     h, _, _ = qwen3.backbone(params, cfg, x, cache.positions(l), self_mask(full_segments(b, l)), cache)
-    out = qwen3.logits(params, cfg, h)
+    out = qwen3.logits(params, cfg, shift_rows(h, prev_hidden) if cfg.logit_shift else h)
     return (out, h) if return_hidden else out
 
 
-def commit(params: dict, cfg: ModelConfig, block: jax.Array, cache: KVCache) -> KVCache:
-    """Write the finished block [B, L] into the cache (one forward; its logits are not needed)."""
+def shift_rows(h: jax.Array, prev: jax.Array) -> jax.Array:
+    """The rows whose logits predict each canvas position under the AR shift: [prev, h_0, ..., h_{L-2}]."""
+    return jnp.concatenate([prev[:, None].astype(h.dtype), h[:, :-1]], axis=1)
+
+
+def commit(params: dict, cfg: ModelConfig, block: jax.Array, cache: KVCache, return_hidden: bool = False):
+    """Write the finished block [B, L] into the cache (one forward; its logits are not needed). Returns the cache,
+    and with return_hidden the block's last hidden state [B, D] (the next block's prev_hidden under logit_shift)."""
     qwen3.check_tokens(block, cfg, "block")
     b, l = block.shape
     seg = causal_segments(b, l) if cfg.prefix_attention == "causal" else full_segments(b, l)
-    _, k, v = qwen3.backbone(params, cfg, qwen3.embed(params, cfg, block), cache.positions(l), self_mask(seg),
+    h, k, v = qwen3.backbone(params, cfg, qwen3.embed(params, cfg, block), cache.positions(l), self_mask(seg),
                              cache)
-    return cache.write(k, v)
+    return (cache.write(k, v), h[:, -1]) if return_hidden else cache.write(k, v)

@@ -13,8 +13,10 @@ Conversion trains the AR backbone as QwenDLM in one forward over [clean sequence
 - Uniform family with the adapter: DiffusionGemma's two-pass self-conditioning. With probability `sc_prob` a first
   pass (no residual, no gradient) produces the distribution p; the second pass gets z = p @ E through g_phi, as
   the engine feeds the previous step's distribution. The loss is on the second pass.
-Logits are predicted at the token's own position (no AR shift): the engine reads a canvas position's logits
-as that position's token. Losses are means over supervised tokens of the batch.
+Logits of a noisy token come from its own row, or with cfg.logit_shift (the AR shift) from the row before it:
+the noisy row before it inside the block, and for a block's first token the clean row before the block (the AR
+model's own next-token prediction, what the engine reads from the last committed token). Losses are means over
+supervised tokens of the batch.
 """
 
 from __future__ import annotations
@@ -110,6 +112,19 @@ def packed_diffusion_mask(seg: jax.Array, pos: jax.Array, plen: jax.Array, block
     return jnp.concatenate([top, bottom], axis=1)
 
 
+def predicting_rows(cfg: ModelConfig, h: jax.Array, seg, pos, plen, block: int) -> jax.Array:
+    """The hidden states [B, N, D] whose logits predict the noisy tokens, from h [B, 2N, D] over [clean | noisy]:
+    the noisy half, or with cfg.logit_shift the row before each noisy token (the clean row before the block for a
+    block's first token)."""
+    n = seg.shape[1]
+    if not cfg.logit_shift:
+        return h[:, n:]
+    resp, bstart = block_starts(seg, pos, plen, block)
+    i = jnp.arange(n)[None]
+    rows = jnp.maximum(jnp.where(resp & (i == bstart), i, i + n) - 1, 0)
+    return jnp.take_along_axis(h, rows[..., None], axis=1)
+
+
 @dataclass(frozen=True)
 class DiffusionObjective:
     """Stage-1 block-diffusion loss; static under jit."""
@@ -167,7 +182,7 @@ class DiffusionObjective:
                 zz = jnp.concatenate([jnp.zeros_like(z), z], axis=1)
                 x = qwendlm.residual_embed(p, cfg, both, zz, w)
             h, _, _ = qwen3.backbone(p, cfg, x, positions, mask, remat=self.remat)
-            return qwen3.logits(p, cfg, h[:, n:])  # [B, N, V] noisy half
+            return qwen3.logits(p, cfg, predicting_rows(cfg, h, seg, pos, plen, self.block_length))  # [B, N, V]
 
         if reference_params is not None:
             ref = jax.lax.stop_gradient(run(None, reference_params))

@@ -57,7 +57,8 @@ def pad_replay(batch: ReplayBatch, rows: int, width: int, states: int) -> dict:
         "a": np.zeros((rows, width), np.float32), "positions": np.zeros((rows, width), np.int32),
         "mask": np.broadcast_to(np.eye(width, dtype=bool), (rows, width, width)).copy(),
         "state_row": np.zeros(states, np.int32), "state_start": np.zeros(states, np.int32),
-        "targets": np.zeros((states, L), np.int32), "step": np.zeros(states, np.int32),
+        "context_end": np.zeros(states, np.int32), "targets": np.zeros((states, L), np.int32),
+        "step": np.zeros(states, np.int32),
         "prev": np.full(states, -1, np.int32), "response_id": np.zeros(states, np.int32),
         "entropy": np.zeros((states, L), np.float32), "unresolved": np.zeros((states, L), bool),
         "valid": np.zeros((states, L), bool), "state_valid": np.arange(states) < S,
@@ -67,8 +68,8 @@ def pad_replay(batch: ReplayBatch, rows: int, width: int, states: int) -> dict:
     out["a"][:R, :N] = batch.a
     out["positions"][:R, :N] = batch.positions
     out["mask"][:R, :N, :N] = batch.mask
-    for k in ("state_row", "state_start", "targets", "step", "prev", "response_id", "entropy", "unresolved",
-              "valid"):
+    for k in ("state_row", "state_start", "context_end", "targets", "step", "prev", "response_id", "entropy",
+              "unresolved", "valid"):
         out[k][:S] = getattr(batch, k)
     return out
 

@@ -6,7 +6,9 @@ one segment of L tokens per replayed state (the canvas that step consumed). Visi
 - clean tokens see the clean tokens before them (cfg.prefix_attention), exactly what prefill + commits wrote;
 - a state of block b sees the clean prompt and clean blocks < b, and itself; never its own clean answer, later
   blocks or other states.
-Positions of a state are its block's positions. Embeddings come from the same residual form the rollout used,
+Positions of a state are its block's positions. With cfg.logit_shift a state's logits come from the row before
+each position, and for its first position from the clean token before its block (the engine's last committed
+token). Embeddings come from the same residual form the rollout used,
 applied to the captured (canvas, z, a), so the replayed logits are the logits the engine computed at that step
 (under the same params), which tests/test_replay.py checks against the rollout's own entropies.
 """
@@ -33,6 +35,7 @@ class ReplayBatch:
     mask: np.ndarray  # [R, N, N] staircase visibility
     state_row: np.ndarray  # [S] row of each state
     state_start: np.ndarray  # [S] first column of its segment
+    context_end: np.ndarray  # [S] column of the last clean token before the state's block (logit_shift reads it)
     targets: np.ndarray  # [S, L] verified final tokens of the state's block
     step: np.ndarray  # [S] denoising step inside the block
     prev: np.ndarray  # [S] index of the previous state of the same block and response (-1: first)
@@ -89,7 +92,7 @@ def build_replay(prompts, out, verified, *, block_length: int, pad_id: int, pref
     a = np.zeros((R, width), np.float32)
     positions = np.zeros((R, width), np.int32)
     mask = np.zeros((R, width, width), bool)
-    st = {k: [] for k in ("row", "start", "targets", "step", "prev", "entropy", "unresolved", "valid")}
+    st = {k: [] for k in ("row", "start", "context_end", "targets", "step", "prev", "entropy", "unresolved", "valid")}
     for r, (b, recs) in enumerate(zip(rows, per_row)):
         p, nc = p_len[r], n_clean[r]
         clean = list(prompts[b]) + list(toks[b, :lengths[b]])
@@ -122,6 +125,7 @@ def build_replay(prompts, out, verified, *, block_length: int, pad_id: int, pref
                 unresolved = np.ones(L, bool)
             st["row"].append(r)
             st["start"].append(s0)
+            st["context_end"].append(p + blk * L - 1)
             st["targets"].append(block_targets)
             st["step"].append(int(cap["step"][rec]))
             st["prev"].append(last_of_block.get(blk, -1))
@@ -138,6 +142,7 @@ def build_replay(prompts, out, verified, *, block_length: int, pad_id: int, pref
     return ReplayBatch(
         tokens=tokens, z=z, a=a, positions=positions, mask=mask,
         state_row=resp, state_start=np.asarray(st["start"], np.int32),
+        context_end=np.asarray(st["context_end"], np.int32),
         targets=np.asarray(st["targets"], np.int32).reshape(n_states, L),
         step=np.asarray(st["step"], np.int32), prev=np.asarray(st["prev"], np.int32), response_id=resp,
         entropy=np.asarray(st["entropy"], np.float32).reshape(n_states, L),
@@ -153,6 +158,8 @@ def replay_logits(params, cfg, residual, batch: ReplayBatch, remat: bool = False
     h, _, _ = qwen3.backbone(params, cfg, x, jnp.asarray(batch.positions), jnp.asarray(batch.mask), remat=remat)
     L = batch.targets.shape[1]
     cols = jnp.asarray(batch.state_start)[:, None] + jnp.arange(L)[None]  # [S, L]
+    if cfg.logit_shift:  # the row before each position; the first reads the clean context's last token
+        cols = jnp.concatenate([jnp.asarray(batch.context_end)[:, None], cols[:, :-1]], axis=1)
     hs = h[jnp.asarray(batch.state_row)[:, None], cols]  # [S, L, D]
     return qwen3.logits(params, cfg, hs)
 

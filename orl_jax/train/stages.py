@@ -16,7 +16,7 @@ import numpy as np
 
 from orl_jax import checkpoint
 from orl_jax import params as P
-from orl_jax.config import ModelConfig
+from orl_jax.config import ModelConfig, from_hf_config, to_hf_config
 from orl_jax.data import tasks
 from orl_jax.data.embedded_tokenizer import task_corpus, train_tokenizer
 from orl_jax.data.pipeline import make_dataset
@@ -93,13 +93,23 @@ class StageStopped(Exception):
         self.name, self.step, self.steps = name, step, steps
 
 
+def check_same_model(saved: ModelConfig, cfg: ModelConfig, where: Path) -> None:
+    """A resumed or reused stage must be the model this run asks for (a flag changed between runs)."""
+    for field in ("noise", "block_length", "logit_shift", "adapter_hidden"):
+        if getattr(saved, field) != getattr(cfg, field):
+            raise ValueError(f"{where} was trained with {field}={getattr(saved, field)!r}, this run asks for "
+                             f"{getattr(cfg, field)!r}: pass the flags of the run that made it (or another --out)")
+
+
 def load_export(name: str, out: Path, cfg, log):
     """The params a finished stage exported to OUT/name/params, or None."""
     export = out / name / "params"
     if not export.exists():
         return None
+    saved, params = checkpoint.load_params(export, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+    check_same_model(saved, cfg, export)
     log(f"{name}: reusing {export}")
-    return checkpoint.load_params(export, dtype=cfg.dtype, param_dtype=cfg.param_dtype)[1]
+    return params
 
 
 def _run_stage(name, out: Path, cfg, init_params, loss_fn, optim: OptimConfig, make_data, steps: int, log,
@@ -111,6 +121,14 @@ def _run_stage(name, out: Path, cfg, init_params, loss_fn, optim: OptimConfig, m
     done = load_export(name, out, cfg, log)
     if done is not None:
         return done
+    model_file = out / name / "model_config.json"  # what the checkpoints under OUT/name/ckpt train
+    if model_file.exists():
+        check_same_model(from_hf_config(json.loads(model_file.read_text()), cfg.dtype), cfg, out / name)
+    else:
+        model_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = model_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(to_hf_config(cfg), indent=1))
+        tmp.replace(model_file)
     params, data = init_params(), make_data()
     export = out / name / "params"
     mesh = make_mesh(data=1, fsdp=-1, tensor=1)
@@ -190,7 +208,8 @@ def convert(r, args, out: Path, tok, ar_cfg: ModelConfig, ar_params, log):
     """Stage 1: the AR model + a zero-initialized adapter g_phi, trained with the block-diffusion objective."""
     if args.noise == "mask" and ar_cfg.mask_token_id is None:
         raise ValueError("--noise mask needs a tokenizer with a mask token")
-    cfg = ar_cfg.replace(adapter_hidden=ar_cfg.hidden_size, block_length=r.block_length, noise=args.noise)
+    cfg = ar_cfg.replace(adapter_hidden=ar_cfg.hidden_size, block_length=r.block_length, noise=args.noise,
+                         logit_shift=r.logit_shift)
 
     def params():  # the AR model + a fresh adapter (only when stage 1 is not exported yet)
         adapter = P.init(qwen3.param_specs(cfg)["adapter"], jax.random.key(args.seed + 1))
@@ -200,7 +219,8 @@ def convert(r, args, out: Path, tok, ar_cfg: ModelConfig, ar_params, log):
     # Self-conditioning only applies to the uniform family; the mask family's adapter waits for ORL (stage 2).
     optim = OptimConfig(lr=r.lr1, warmup_steps=max(r.stage1_steps // 20, 1), total_steps=r.stage1_steps,
                         groups=ADAPTER_GROUP)
-    log(f"stage 1: conversion to QwenDLM ({args.noise} noise, block {r.block_length})")
+    log(f"stage 1: conversion to QwenDLM ({args.noise} noise, block {r.block_length}, logit shift "
+        f"{'on' if r.logit_shift else 'off'})")
     return cfg, _run_stage("stage1", out, cfg, params, loss_fn, optim,
                            lambda: conversion_data(r, tok, args.seed + 1), r.stage1_steps, log)
 
@@ -249,7 +269,8 @@ def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: d
              f"{len(examples)} held-out examples of {', '.join(r.tasks)} (those whose reference answer fits "
              f"{r.eval_max_new} new tokens and {conv_len(r)} tokens with its prompt); max {r.eval_max_new} new "
              f"tokens; compute in {r.compute_dtype}, float32 master weights.",
-             f"QwenDLM: {dlm_cfg.noise} noise, block {r.block_length}; uniform family: greedy proposals, entropy "
+             f"QwenDLM: {dlm_cfg.noise} noise, block {r.block_length}, logit shift "
+             f"{'on' if dlm_cfg.logit_shift else 'off'}; uniform family: greedy proposals, entropy "
              "bound 0.1, self-conditioning residual (ORLResidual); mask family: threshold fill. TPF counts "
              "denoising and commit forwards; tokens/s is the batched decode after compilation.",
              f"Whole run: {time.perf_counter() - started:.0f} s on {jax.devices()[0].device_kind}."]
