@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import jax
 import jax.numpy as jnp
 
 from orl_jax.checks import int_at_least
@@ -43,9 +44,12 @@ class ModelConfig:
     # parity reference) or jax.nn.dot_product_attention with implementation "xla" or "cudnn" (fused flash
     # attention on NVIDIA GPUs; bf16/fp16 only). Cached passes (prefill, decode, commit) use cached_attention_impl.
     attention_impl: Literal["orl_jax", "xla", "cudnn"] = "orl_jax"
-    # Attention of passes with a KV cache: "orl_jax" (the reference einsums) or "pallas" (the fused kernel in
-    # kernels/decode_attention; interpret mode on CPU; shapes it does not support fall back to orl_jax's).
-    cached_attention_impl: Literal["orl_jax", "pallas"] = "orl_jax"
+    # Attention of passes with a KV cache: "orl_jax" (the reference einsums), "pallas" (the fused kernel in
+    # kernels/decode_attention; interpret mode on CPU; shapes it does not support fall back to orl_jax's) or "auto":
+    # pallas on a GPU, orl_jax elsewhere and in generate() over a multi-device mesh (see kernel_choice). On one H200
+    # the kernel makes a Qwen3-4B denoising step 4.24 ms instead of 4.47 (block 32) and 6.98 instead of 7.78
+    # (canvas 256): benchmarks/results/2026-11-30_engine_step_h200x2.md.
+    cached_attention_impl: Literal["auto", "orl_jax", "pallas"] = "auto"
     # Projections (q/k/v, o, gate/up, down) of cached passes with at most 64 rows (denoising steps and commits at
     # batch 1): "xla" (jnp.einsum: cuBLAS on GPU) or "pallas" (kernels/small_m_gemm's split-K weight-streaming
     # GEMM, reading each layer's weight in place from the stack; single device, unsharded weights).
@@ -88,8 +92,8 @@ class ModelConfig:
         if self.attention_impl not in ("orl_jax", "xla", "cudnn"):
             raise ValueError(f"ModelConfig.attention_impl must be 'orl_jax', 'xla' or 'cudnn', "
                              f"got {self.attention_impl!r}")
-        if self.cached_attention_impl not in ("orl_jax", "pallas"):
-            raise ValueError(f"ModelConfig.cached_attention_impl must be 'orl_jax' or 'pallas', "
+        if self.cached_attention_impl not in ("auto", "orl_jax", "pallas"):
+            raise ValueError(f"ModelConfig.cached_attention_impl must be 'auto', 'orl_jax' or 'pallas', "
                              f"got {self.cached_attention_impl!r}")
         if self.cached_matmul_impl not in ("xla", "pallas"):
             raise ValueError(f"ModelConfig.cached_matmul_impl must be 'xla' or 'pallas', "
@@ -151,6 +155,23 @@ def preset(name: str) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
     return PRESETS[name]
+
+
+def kernel_choice(impl: str, kernel: str, fallback: str) -> str:
+    """An implementation setting made concrete at trace time: "auto" is the Pallas kernel on a GPU backend and the
+    XLA path elsewhere (on CPU the kernels only run in the slow interpreter). generate() over a multi-device mesh
+    turns "auto" into the XLA path before tracing (xla_for_auto): the kernels have no partitioning rule, so
+    sharded weights would be gathered onto every device."""
+    if impl != "auto":
+        return impl
+    return kernel if jax.default_backend() == "gpu" else fallback
+
+
+def xla_for_auto(cfg):
+    """cfg with its "auto" implementation settings set to the XLA paths (for weights sharded over a mesh)."""
+    paths = {"cached_attention_impl": "orl_jax", "moe_impl": "bucketed"}
+    kw = {name: path for name, path in paths.items() if getattr(cfg, name, None) == "auto"}
+    return cfg.replace(**kw) if kw else cfg
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -309,9 +330,12 @@ class DiffusionGemmaConfig:
     top_k_experts: int = 8
     moe_intermediate_size: int = 704  # F of each expert
     # Expert dispatch at decode sizes (model/moe.py): "bucketed" (capacity buckets, dense fallback on overflow),
-    # "pallas" (the same buckets through kernels/small_m_gemm, expert weights read in place from the layer stack)
-    # or "dense" (every token through every expert). All exact; a runtime choice, not saved to config.json.
-    moe_impl: str = "bucketed"
+    # "pallas" (the same buckets through kernels/small_m_gemm, expert weights read in place from the layer stack),
+    # "dense" (every token through every expert) or "auto": pallas on a GPU, bucketed elsewhere and in generate()
+    # over a multi-device mesh (see kernel_choice). All exact; a runtime choice, not saved to config.json. At full
+    # size on one H200 a 256-token decoder forward takes 33.1 ms with pallas, 53.1 bucketed
+    # (benchmarks/results/2026-11-30_diffusion_gemma_h200x2.md).
+    moe_impl: str = "auto"
     sliding_window: int = 1024  # keys per query in sliding layers, the query included
     layer_types: tuple[str, ...] = _DG_DEFAULT_LAYERS  # must repeat (k sliding, 1 full); see diffusion_gemma.py
     rope_sliding: RopeConfig = RopeConfig("default", 10_000.0)
@@ -353,8 +377,8 @@ class DiffusionGemmaConfig:
         for name in ("head_dim", "global_head_dim"):
             if getattr(self, name) % 2:
                 raise ValueError(f"DiffusionGemmaConfig.{name} must be even for RoPE, got {getattr(self, name)}")
-        if self.moe_impl not in ("bucketed", "pallas", "dense"):
-            raise ValueError(f"DiffusionGemmaConfig.moe_impl must be 'bucketed', 'pallas' or 'dense', "
+        if self.moe_impl not in ("auto", "bucketed", "pallas", "dense"):
+            raise ValueError(f"DiffusionGemmaConfig.moe_impl must be 'auto', 'bucketed', 'pallas' or 'dense', "
                              f"got {self.moe_impl!r}")
         if self.top_k_experts > self.num_experts:
             raise ValueError(f"DiffusionGemmaConfig.top_k_experts={self.top_k_experts} exceeds "

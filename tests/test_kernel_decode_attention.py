@@ -69,9 +69,11 @@ def test_generate_with_the_kernel_equals_the_default():
 
 
 @pytest.mark.gpu
-def test_kernel_compiled_on_gpu_bf16():
-    q, kc, vc, cm, kself, vself, sm = _inputs(jax.random.key(0), l=32, s=544, n=32, kv=8, h=128,
-                                              dtype=jnp.bfloat16)
+@pytest.mark.parametrize("l,s,n,kv,h", [(32, 544, 32, 8, 128), (256, 768, 32, 8, 128), (32, 864, 8, 4, 64)],
+                         ids=["qwen3_4b_block32", "qwen3_4b_canvas256", "h200_recipe"])
+def test_kernel_compiled_on_gpu_bf16(l, s, n, kv, h):
+    """The shapes generate() meets with cached_attention_impl "auto" on a GPU: Qwen3-4B, the recipe's model."""
+    q, kc, vc, cm, kself, vself, sm = _inputs(jax.random.key(0), l=l, s=s, n=n, kv=kv, h=h, dtype=jnp.bfloat16)
     want = attention(q, [(kc, vc, cm), (kself, vself, sm)])
     got = cached_attention(q, kc, vc, cm, kself, vself, sm, scale=q.shape[-1] ** -0.5)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)

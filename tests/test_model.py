@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as PS
 
 from orl_jax import params as P
 from orl_jax import sharding
-from orl_jax.config import ModelConfig, preset
+from orl_jax.config import DG_PRESETS, ModelConfig, kernel_choice, preset, xla_for_auto
 from orl_jax.model import attention, qwen3, qwendlm
 
 # A dependency counts as present above VISIBLE and absent at or below INVISIBLE (absent ones are exactly 0 in
@@ -658,3 +658,18 @@ def test_model_config_valid_and_hashable():
     assert cfg.jnp_dtype == jnp.float32 and not cfg.has_adapter and preset("tiny-qwendlm").has_adapter
     with pytest.raises(ValueError, match="unknown preset"):
         preset("qwen3-5b")
+
+
+def test_auto_kernels_are_the_pallas_ones_on_a_gpu_only(monkeypatch):
+    """"auto" (the default of cached_attention_impl and moe_impl): the XLA path on CPU, the kernel on a GPU, and the
+    XLA path again for weights sharded over a mesh (generate(mesh=...)); explicit settings are kept."""
+    assert preset("tiny-qwen3").cached_attention_impl == "auto" and DG_PRESETS["tiny-dg"].moe_impl == "auto"
+    assert kernel_choice("auto", "pallas", "orl_jax") == "orl_jax"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert kernel_choice("auto", "pallas", "orl_jax") == "pallas"
+    assert kernel_choice("orl_jax", "pallas", "orl_jax") == "orl_jax"
+    assert xla_for_auto(preset("tiny-qwen3")).cached_attention_impl == "orl_jax"
+    assert xla_for_auto(DG_PRESETS["tiny-dg"]).moe_impl == "bucketed"
+    assert xla_for_auto(preset("tiny-qwen3").replace(cached_attention_impl="pallas")).cached_attention_impl == "pallas"
+    with pytest.raises(ValueError, match="cached_attention_impl"):
+        preset("tiny-qwen3").replace(cached_attention_impl="fused")

@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 
 from orl_jax import params as P
 from orl_jax.checks import int_at_least
-from orl_jax.config import ModelConfig
+from orl_jax.config import ModelConfig, xla_for_auto
 from orl_jax.decode.residual import NoResidual, ORLResidual, RCDResidual, Residual, soft_embed
 from orl_jax.decode.samplers import MaskSampler, Sampler, UniformSampler
 from orl_jax.decode.state import DecodeState, GenerateOutput
@@ -346,7 +346,10 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, *, key: jax.Array, max_
                         eos_token_ids=eos, pad_token_id=pad, capture=bool(capture), stream=streamer is not None)
     if mesh is not None:
         # tensor (heads / MLP / vocab) and expert parallelism come from the weights' logical axes; the loop itself
-        # is unchanged, XLA partitions it (GSPMD) and inserts the collectives
+        # is unchanged, XLA partitions it (GSPMD) and inserts the collectives. The Pallas kernels are single-device:
+        # "auto" settings take the XLA paths
+        if mesh.size > 1:
+            cfg = xla_for_auto(cfg)
         params = jax.device_put(params, P.shardings(model.param_specs(cfg), mesh))
         rows_sh = named_sharding(mesh, ("batch", None), prompt.shape)  # replicated if B does not divide
         prompt, lengths = jax.device_put(prompt, rows_sh), jax.device_put(lengths, named_sharding(mesh, ("batch",),

@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orl_jax.config import FULL, SLIDING, DiffusionGemmaConfig
+from orl_jax.config import FULL, SLIDING, DiffusionGemmaConfig, kernel_choice
 from orl_jax.model import qwen3
 from orl_jax.model.attention import causal_segments, full_segments, scaled_attention, self_mask, window_mask
 from orl_jax.model.cache import HybridKVCache, KVCache
@@ -208,10 +208,15 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     flat = x.reshape(b * l, d)  # [T, D]
     weights, experts = route(flat, w["router_scale"], w["router"], w["expert_scale"], cfg.top_k_experts, eps)
     moe = experts_mlp(rms_norm_fp32(flat, w["moe_norm"], eps), weights, experts, w["experts_gate_up"],
-                      w["experts_down"], ACT, cfg.moe_impl).reshape(b, l, d)  # [B, L, D]
+                      w["experts_down"], ACT, moe_impl(cfg)).reshape(b, l, d)  # [B, L, D]
     ffw = rms_norm_fp32(mlp, w["post_mlp_norm"], eps) + rms_norm_fp32(moe, w["post_moe_norm"], eps)
     x = (x + rms_norm_fp32(ffw, w["post_ffw_norm"], eps)) * w[scalar][0]
     return x, k, v
+
+
+def moe_impl(cfg: DiffusionGemmaConfig) -> str:
+    """cfg.moe_impl with "auto" resolved (config.kernel_choice)."""
+    return kernel_choice(cfg.moe_impl, "pallas", "bucketed")
 
 
 def _rope(cfg: DiffusionGemmaConfig, positions):
@@ -237,7 +242,7 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     # [k, ...] slice instead would hand the inner loop a copy of five layers' weights per group (~7.6 GB at full
     # size, mostly experts: benchmarks/results/2026-11-29_diffusion_gemma_h200.md). moe_impl "pallas" also keeps
     # the expert stacks whole for the kernel (StackedWeight), full layers included.
-    stacks = EXPERT_WEIGHTS if cfg.moe_impl == "pallas" else ()
+    stacks = EXPERT_WEIGHTS if moe_impl(cfg) == "pallas" else ()
     full_stack = {n: params["full"][n] for n in stacks}  # [G, E, ...]
     full_w = {n: a for n, a in params["full"].items() if n not in stacks}
     index = jnp.arange(G * k, dtype=jnp.int32).reshape(G, k)  # the sliding layer index of each (group, slot)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orl_jax.config import ModelConfig
+from orl_jax.config import ModelConfig, kernel_choice
 from orl_jax.model.attention import attention, cache_mask, causal_segments, self_mask
 from orl_jax.model.cache import KVCache
 from orl_jax.model.layers import apply_rope, einsum, fused_gated_mlp, gated_mlp, rms_norm, rope_angles
@@ -103,6 +103,11 @@ def embed(params: dict, cfg: ModelConfig, tokens: jax.Array, residual: jax.Array
     return x
 
 
+def cached_attention_impl(cfg: ModelConfig) -> str:
+    """cfg.cached_attention_impl with "auto" resolved (config.kernel_choice)."""
+    return kernel_choice(cfg.cached_attention_impl, "pallas", "orl_jax")
+
+
 def _layer(cfg: ModelConfig, x, w, cos, sin, self_vis, cache_part):
     eps = cfg.rms_norm_eps
     h = rms_norm(x, w["attn_norm"], eps)
@@ -114,7 +119,7 @@ def _layer(cfg: ModelConfig, x, w, cos, sin, self_vis, cache_part):
     v = qkv[:, :, :, g + 1]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
-    impl = cfg.attention_impl if cache_part is None else cfg.cached_attention_impl
+    impl = cfg.attention_impl if cache_part is None else cached_attention_impl(cfg)
     x = x + einsum("blnh,nhd->bld", attention(q, parts, impl), w["o"])
     x = x + fused_gated_mlp(rms_norm(x, w["mlp_norm"], eps), w["gate_up"], w["down"])
     return x, k, v
@@ -135,7 +140,7 @@ def backbone(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
     """
     cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
     cvis = None if cache is None else cache_mask(cache.start, cache.length, cache.size, x.shape[1])
-    if cache is not None and cfg.cached_attention_impl == "pallas":  # the kernel reads int8 masks: convert once
+    if cache is not None and cached_attention_impl(cfg) == "pallas":  # the kernel reads int8 masks: convert once
         cvis, self_vis = cvis.astype(jnp.int8), self_vis.astype(jnp.int8)
 
     streamed = cache is not None and cfg.cached_matmul_impl == "pallas"
