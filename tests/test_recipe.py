@@ -83,6 +83,9 @@ def test_stopped_stage_exits_before_later_stages_then_resume_finishes(tmp_path, 
     train_qwendlm.main(args + ["--resume"])
     assert len((out / "stage2_orl/logs/metrics.jsonl").read_text().splitlines()) == 2
     assert (out / "stage2_orl/params/config.json").exists()
+    with pytest.raises(SystemExit, match="needs an NVIDIA GPU"):  # the h200 preset trains with cuDNN attention
+        train_qwendlm.main(["--preset", "h200", "--out", str(tmp_path / "cpu")])
+    assert not (tmp_path / "cpu").exists()
     for bad in (["--orl-rounds", "0"], ["--lr2", "-1e-5"], ["--attention-impl", "flash"], ["--l-aec", "-1"],
                 ["--l-aec", "nan"]):
         with pytest.raises(SystemExit):
