@@ -135,3 +135,28 @@ def test_tuned_table_picks_blocks_or_declines(tmp_path, monkeypatch):
     assert kernel.blocks_for(256, 512) == Blocks(64, 64, 2, 4, 3)
     assert supported(32, 256, 512) and not supported(32, 512, 256)  # None: XLA was faster there
     assert kernel.blocks_for(1024, 1024) == Blocks()
+
+
+def test_fallback_multiplies_the_scan_slice_not_a_slice_of_the_stack():
+    """Passes the kernel does not take (here 96 rows > 64) multiply the weight as the layer scan delivers it, which
+    XLA reads in place; indexing the stack by a traced layer number would be a dynamic slice, i.e. a copy."""
+    from orl_jax import params as P
+    from orl_jax.config import preset
+    from orl_jax.model import qwen3, qwendlm
+
+    cfg = preset("tiny-qwendlm").replace(cached_matmul_impl="pallas")
+    params = P.init(qwen3.param_specs(cfg), jax.random.key(0))
+    _, cache = qwendlm.prefill(params, cfg, jnp.ones((1, 8), jnp.int32), jnp.asarray([8]), 8 + 96)
+    jaxpr = jax.make_jaxpr(lambda p: qwendlm.decode(p, cfg, jnp.ones((1, 96), jnp.int32), cache))(params)
+    stacks = {a.shape for name, a in params["layers"].items() if name in qwen3.MATRICES}
+
+    def sliced_operands(jx):
+        for eqn in jx.eqns:
+            if eqn.primitive.name in ("dynamic_slice", "gather", "slice"):
+                yield eqn.invars[0].aval.shape
+            for p in eqn.params.values():
+                if hasattr(p, "jaxpr"):
+                    yield from sliced_operands(p.jaxpr)
+
+    assert "pallas_call" not in str(jaxpr)  # every projection fell back
+    assert not stacks & set(sliced_operands(jaxpr.jaxpr))

@@ -125,10 +125,13 @@ def _layer(cfg: ModelConfig, x, w, cos, sin, self_vis, cache_part):
     return x, k, v
 
 
-def layer_in_place(layers: dict, i: jax.Array) -> dict:
+def layer_in_place(layers: dict, i: jax.Array, sliced: dict | None = None) -> dict:
     """Layer i's weights from the stacks: the matrices as StackedWeight (read in place by the small-M kernel),
-    the rest sliced."""
-    return {name: StackedWeight(a, i) if name in MATRICES else a[i] for name, a in layers.items()}
+    the rest sliced. sliced: layer i's weights as the layer scan delivers them (XLA reads those in place), the
+    operands of whatever the kernel does not take."""
+    if sliced is None:
+        sliced = {name: a[i] for name, a in layers.items()}
+    return {name: StackedWeight(a, i, sliced[name]) if name in MATRICES else sliced[name] for name, a in layers.items()}
 
 
 def backbone(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, self_vis: jax.Array,
@@ -146,16 +149,16 @@ def backbone(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
     streamed = cache is not None and cfg.cached_matmul_impl == "pallas"
 
     def body(x, xs):
-        w, ck, cv = xs
-        if streamed:  # w is the layer index
-            w = layer_in_place(params["layers"], w)
+        (w, i), ck, cv = xs
+        if streamed:
+            w = layer_in_place(params["layers"], i, w)
         cache_part = None if ck is None else (ck, cv, cvis)
         x, k, v = _layer(cfg, x, w, cos, sin, self_vis, cache_part)
         return constrain(x, ACTIVATION_AXES), (k, v)
 
     if remat:
         body = jax.checkpoint(body, prevent_cse=False)
-    ws = jnp.arange(cfg.num_layers, dtype=jnp.int32) if streamed else params["layers"]
+    ws = (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32) if streamed else None)
     xs = (ws, None, None) if cache is None else (ws, cache.k, cache.v)
     x, (k, v) = jax.lax.scan(body, constrain(x, ACTIVATION_AXES), xs)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), k, v

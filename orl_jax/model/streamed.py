@@ -4,9 +4,12 @@
 a body's slice of a stacked weight can reach its consumer as a copy (DiffusionGemma's nested layer scan made
 12.5 GB of such temporaries per forward: benchmarks/results/2026-11-29_diffusion_gemma_h200.md); passing the
 whole stack and the layer index lets kernels/small_m_gemm read layer i where it lies. Specs whose rows or
-shapes the kernel does not take fall back to jnp.einsum on the slice, as do weights stored in another dtype
-than the activations (mixed precision: casting the whole stack in every layer would cost more than the kernel
-saves).
+shapes the kernel does not take fall back to jnp.einsum, as do weights stored in another dtype than the
+activations (mixed precision: casting the whole stack in every layer would cost more than the kernel saves).
+The fallback multiplies `layer`, the slice as the layer loop itself delivers it (scan xs), when given: XLA feeds
+that slice to cuBLAS in place, whereas `stack[index]` with an index it cannot tie to the loop is a copy (a
+Qwen3-4B step lost ~2.3 ms at block 32 and ~4.7 ms at canvas 256 to such copies:
+benchmarks/results/2026-11-30_engine_step_h200x2.md).
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ def gemm_dims(spec: str, x_shape, w_shape):
 class StackedWeight:
     stack: jax.Array  # [L, ...]: one weight per layer
     index: jax.Array  # int32 scalar: the layer
+    layer: jax.Array | None = None  # stack[index] as the layer loop delivers it (the fallback's operand), if known
+
+    def sliced(self) -> jax.Array:
+        return self.stack[self.index] if self.layer is None else self.layer
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -51,7 +58,7 @@ class StackedWeight:
 
     def ragged_dot(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """moe.grouped_matmul's product (long passes: the slice is copied, as XLA does for its own ops)."""
-        w = self.stack[self.index].astype(x.dtype)
+        w = self.sliced().astype(x.dtype)
         return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 
     def einsum(self, spec: str, x: jax.Array, rows: jax.Array | None = None) -> jax.Array:
@@ -65,7 +72,7 @@ class StackedWeight:
             y = batched_small_m_matmul(x.reshape(e, m, k), w, self.index, rows,
                                        interpret=jax.default_backend() == "cpu")
             return y.reshape(out_shape)
-        return jnp.einsum(spec, x, self.stack[self.index].astype(x.dtype))
+        return jnp.einsum(spec, x, self.sliced().astype(x.dtype))
 
 
 def as_stacked(w) -> StackedWeight:
