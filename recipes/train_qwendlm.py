@@ -175,6 +175,8 @@ def main(argv=None) -> None:
     runtime.configure(out / "xla_cache")
     if args.distributed:
         runtime.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    import jax
+
     from orl_jax.train import stages  # after runtime.configure: JAX starts there
 
     r = PRESETS[args.preset]
@@ -184,11 +186,11 @@ def main(argv=None) -> None:
                             l_aec=r.l_aec if args.l_aec is None else args.l_aec,
                             attention_impl=args.attention_impl or r.attention_impl,
                             logit_shift=r.logit_shift if args.logit_shift is None else args.logit_shift)
-    if r.attention_impl == "cudnn" and stages.jax.default_backend() != "gpu":
+    if r.attention_impl == "cudnn" and jax.default_backend() != "gpu":
         if created:
             shutil.rmtree(out)  # nothing of this run is left behind
         raise SystemExit(f"--attention-impl cudnn (the {args.preset} preset's) needs an NVIDIA GPU; this backend is "
-                         f"{stages.jax.default_backend()!r}: pass --attention-impl orl_jax")
+                         f"{jax.default_backend()!r}: pass --attention-impl orl_jax")
     tmp = out / f".recipe.json.{os.getpid()}"  # atomic: processes sharing --out may write it at once
     tmp.write_text(json.dumps(dataclasses.asdict(r) | vars(args), indent=2, default=str))
     os.replace(tmp, out / "recipe.json")
