@@ -145,12 +145,10 @@ def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeCon
         seq_done = jnp.where(finish, s.seq_done | eos, s.seq_done)
         tokens = jnp.where(finish, jax.lax.dynamic_update_slice(s.tokens, final, (0, s.block * L)), s.tokens)
         need_commit = finish & (s.block + 1 < nb) & ~jnp.all(seq_done)
-        if shift:
-            cache, prev_h = jax.lax.cond(need_commit, lambda c, h: model.commit(params, cfg, final, c, True),
-                                         lambda c, h: (c, h), s.cache, s.prev_h)
-        else:
-            cache, prev_h = jax.lax.cond(need_commit, lambda c: model.commit(params, cfg, final, c), lambda c: c,
-                                         s.cache), None
+        def commit(c, h):  # with the shift, the block's last hidden state starts the next block
+            return model.commit(params, cfg, final, c, True) if shift else (model.commit(params, cfg, final, c), h)
+
+        cache, prev_h = jax.lax.cond(need_commit, commit, lambda c, h: (c, h), s.cache, s.prev_h)
         if dcfg.stream:
             jax.lax.cond(finish, lambda: jax.debug.callback(_emit, final, s.block, ordered=True), lambda: None)
 
