@@ -79,6 +79,8 @@ class Recipe:
     # QwenDLM reads each canvas position's logits from the row before it (ModelConfig.logit_shift, the AR shift of
     # Dream / Fast-dLLM v2): a block's first token is the AR model's own next-token prediction
     logit_shift: bool = True
+    # stage 1 also trains the clean (causal) rows with stage 0's next-token loss, at this weight (0: off)
+    ar_weight: float = 0.0
 
 
 PRESETS = {
@@ -125,6 +127,9 @@ def parse_args(argv=None):
                     help="training attention (ModelConfig.attention_impl); default: the preset's")
     ap.add_argument("--logit-shift", action=argparse.BooleanOptionalAction,
                     help="QwenDLM's AR shift (ModelConfig.logit_shift); default: the preset's (on)")
+    ap.add_argument("--ar-weight", type=float,
+                    help="stage 1: weight of the next-token loss on the clean rows (DiffusionObjective.ar_weight); "
+                         "default: the preset's")
     ap.add_argument("--noise", choices=["uniform", "mask"], default="uniform",
                     help="QwenDLM variant: uniform-state canvas (default) or mask tokens")
     ap.add_argument("--skip-stage2", action="store_true", help="stop after the conversion (no ORL)")
@@ -152,6 +157,8 @@ def parse_args(argv=None):
             ap.error(f"--{name.replace('_', '-')} must be a positive number of steps, got {v}")
     if args.lr2 is not None and not 0 < args.lr2 < 1:
         ap.error(f"--lr2 must be in (0, 1), got {args.lr2}")
+    if args.ar_weight is not None and not args.ar_weight >= 0:
+        ap.error(f"--ar-weight must be a number >= 0, got {args.ar_weight}")
     if args.l_aec is not None and not args.l_aec >= 0:
         ap.error(f"--l-aec must be a number >= 0, got {args.l_aec}")
     return args
@@ -184,6 +191,7 @@ def main(argv=None) -> None:
                             stage1_steps=args.stage1_steps or r.stage1_steps,
                             orl_rounds=args.orl_rounds or r.orl_rounds, lr2=args.lr2 or r.lr2,
                             l_aec=r.l_aec if args.l_aec is None else args.l_aec,
+                            ar_weight=r.ar_weight if args.ar_weight is None else args.ar_weight,
                             attention_impl=args.attention_impl or r.attention_impl,
                             logit_shift=r.logit_shift if args.logit_shift is None else args.logit_shift)
     if r.attention_impl == "cudnn" and jax.default_backend() != "gpu":

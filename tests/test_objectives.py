@@ -165,6 +165,32 @@ def test_diffusion_loss_decreases(model, noise):
     assert float(loss) < 0.7 * first
 
 
+@pytest.mark.parametrize("sc_prob", [0.0, 1.0])
+def test_ar_weight_adds_stage0_loss_on_the_clean_rows(model, sc_prob):
+    """DiffusionObjective(ar_weight=w) = the diffusion loss + w * stage 0's next-token loss of the same packed rows
+    (the clean half is the causal model: its rows never see the tokens they predict)."""
+    cfg, params = model
+    cfg = cfg.replace(logit_shift=True)
+    rng = np.random.default_rng(5)
+    seg = np.asarray([[1] * 9 + [2] * 8 + [0] * 3])
+    pos = np.concatenate([np.arange(9), np.arange(8), np.zeros(3, int)])[None]
+    batch = {"tokens": jnp.asarray(rng.integers(0, 250, seg.shape), jnp.int32), "segment_ids": jnp.asarray(seg),
+             "positions": jnp.asarray(pos), "prompt_mask": jnp.asarray(pos < 3)}
+    key = jax.random.key(4)
+    plain, m0 = DiffusionObjective(block_length=BL, sc_prob=sc_prob).loss(params, cfg, batch, key)
+    total, m = DiffusionObjective(block_length=BL, sc_prob=sc_prob, ar_weight=0.5).loss(params, cfg, batch, key)
+    ar, _ = causal_lm_loss(params, cfg, dict(batch, loss_mask=jnp.ones_like(batch["tokens"])))
+    np.testing.assert_allclose(float(m["ar_loss"]), float(ar), rtol=1e-5)
+    np.testing.assert_allclose(float(m["diffusion_loss"]), float(plain), rtol=1e-6)
+    np.testing.assert_allclose(float(total), float(plain) + 0.5 * float(ar), rtol=1e-5)
+    assert "ar_loss" not in m0
+    with pytest.raises(ValueError, match="ar_weight"):
+        DiffusionObjective(block_length=BL, ar_weight=-1.0)
+    with pytest.raises(ValueError, match="prefix_attention"):
+        DiffusionObjective(block_length=BL, ar_weight=1.0).loss(params, cfg.replace(prefix_attention="block_causal"),
+                                                                 batch, key)
+
+
 def test_causal_lm_loss_and_ar_decoding(model):
     cfg, params = model
     seq = jnp.asarray([[5, 6, 7, 8, 9, 10, 11, 12]], jnp.int32)

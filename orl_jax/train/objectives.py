@@ -13,6 +13,9 @@ Conversion trains the AR backbone as QwenDLM in one forward over [clean sequence
 - Uniform family with the adapter: DiffusionGemma's two-pass self-conditioning. With probability `sc_prob` a first
   pass (no residual, no gradient) produces the distribution p; the second pass gets z = p @ E through g_phi, as
   the engine feeds the previous step's distribution. The loss is on the second pass.
+- Optional AR term (`ar_weight`, our addition [I], as TiDAR trains AR and diffusion in one forward): the clean
+  half is causal, so its rows can also be trained with stage 0's next-token loss at no extra forward. It keeps the
+  backbone's AR predictions, which a shifted QwenDLM reads for every block's first token.
 Logits of a noisy token come from its own row, or with cfg.logit_shift (the AR shift) from the row before it:
 the noisy row before it inside the block, and for a block's first token the clean row before the block (the AR
 model's own next-token prediction, what the engine reads from the last committed token). Losses are means over
@@ -133,6 +136,7 @@ class DiffusionObjective:
     t_min: float = 0.05  # lowest noise level of a block (t ~ U(t_min, 1))
     sc_prob: float = 0.5  # uniform family with adapter: share of batches trained with self-conditioning
     remat: bool = False
+    ar_weight: float = 0.0  # weight of the next-token loss on the clean (causal) half; 0 = diffusion loss only
 
     def __post_init__(self):
         if self.block_length <= 0:
@@ -141,6 +145,8 @@ class DiffusionObjective:
             raise ValueError(f"t_min must be in [0, 1), got {self.t_min}")
         if not 0.0 <= self.sc_prob <= 1.0:
             raise ValueError(f"sc_prob must be in [0, 1], got {self.sc_prob}")
+        if not self.ar_weight >= 0.0:
+            raise ValueError(f"ar_weight must be >= 0, got {self.ar_weight}")
 
     def noise(self, cfg: ModelConfig, tokens, seg, pos, plen, key):
         """Noisy tokens [B, N] and the supervised-position weights [B, N] (per-token rows as from packed_rows)."""
@@ -166,6 +172,9 @@ class DiffusionObjective:
 
         reference_params: the RCD baseline (METHOD.md §2) — the residual of every batch comes from this frozen
         model's first pass on the noised state (off-policy), instead of the trained model's own."""
+        if self.ar_weight > 0 and cfg.prefix_attention != "causal":
+            raise ValueError(f"ar_weight={self.ar_weight} needs causal clean rows (the next-token loss would see the "
+                             f"targets), got cfg.prefix_attention={cfg.prefix_attention!r}")
         tokens = batch["tokens"]
         b, n = tokens.shape
         seg, pos, plen = packed_rows(batch)
@@ -175,27 +184,34 @@ class DiffusionObjective:
         both = jnp.concatenate([tokens, noisy], axis=1)  # [B, 2N]
         positions = jnp.concatenate([pos, pos], axis=1)
 
-        def run(z, p=params):
+        def run(z, p=params):  # (noisy-token logits [B, N, V], clean-row logits [B, N, V] or None)
             x = qwen3.embed(p, cfg, both)
             if z is not None:
                 w = jnp.concatenate([jnp.zeros((b, n)), jnp.ones((b, n))], axis=1)
                 zz = jnp.concatenate([jnp.zeros_like(z), z], axis=1)
                 x = qwendlm.residual_embed(p, cfg, both, zz, w)
             h, _, _ = qwen3.backbone(p, cfg, x, positions, mask, remat=self.remat)
-            return qwen3.logits(p, cfg, predicting_rows(cfg, h, seg, pos, plen, self.block_length))  # [B, N, V]
+            out = qwen3.logits(p, cfg, predicting_rows(cfg, h, seg, pos, plen, self.block_length))
+            return out, (qwen3.logits(p, cfg, h[:, :n]) if self.ar_weight > 0 else None)
 
         if reference_params is not None:
-            ref = jax.lax.stop_gradient(run(None, reference_params))
+            ref, _ = jax.lax.stop_gradient(run(None, reference_params))
             z = jax.lax.stop_gradient(qwendlm.soft_embed(reference_params, cfg, jax.nn.softmax(ref, axis=-1)))
-            logits = run(z)
+            logits, ar_logits = run(z)
         else:
-            logits = run(None)
+            logits, ar_logits = run(None)
         if reference_params is None and cfg.noise == "uniform" and cfg.has_adapter and self.sc_prob > 0:
             use_sc = jax.random.uniform(k_sc) < self.sc_prob
             z = qwendlm.soft_embed(params, cfg, jax.nn.softmax(jax.lax.stop_gradient(logits), axis=-1))
             z = jax.lax.stop_gradient(z)
-            logits = jax.lax.cond(use_sc, lambda: run(z), lambda: logits)
+            logits, ar_logits = jax.lax.cond(use_sc, lambda: run(z), lambda: (logits, ar_logits))
         s, cnt = cross_entropy(logits, tokens, weights)
         loss = s / jnp.maximum(cnt, 1.0)
         acc = jnp.sum((jnp.argmax(logits, -1) == tokens) * weights) / jnp.maximum(cnt, 1.0)
-        return loss, {"loss": loss, "tokens": cnt, "denoise_acc": acc}
+        metrics = {"loss": loss, "tokens": cnt, "denoise_acc": acc}
+        if ar_logits is not None:  # stage 0's targets: every next token inside an example
+            w_ar = ((seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)).astype(jnp.float32)
+            s_ar, n_ar = cross_entropy(ar_logits[:, :-1], tokens[:, 1:], w_ar)
+            metrics |= {"diffusion_loss": loss, "ar_loss": s_ar / jnp.maximum(n_ar, 1.0)}
+            loss = loss + self.ar_weight * metrics["ar_loss"]
+        return loss, metrics

@@ -215,7 +215,8 @@ def convert(r, args, out: Path, tok, ar_cfg: ModelConfig, ar_params, log):
         adapter = P.init(qwen3.param_specs(cfg)["adapter"], jax.random.key(args.seed + 1))
         return dict(jax.tree.map(jnp.asarray, ar_params), adapter=adapter)
 
-    loss_fn = diffusion_loss_fn(DiffusionObjective(block_length=r.block_length, remat=r.remat), cfg)
+    loss_fn = diffusion_loss_fn(DiffusionObjective(block_length=r.block_length, remat=r.remat, ar_weight=r.ar_weight),
+                                 cfg)
     # Self-conditioning only applies to the uniform family; the mask family's adapter waits for ORL (stage 2).
     optim = OptimConfig(lr=r.lr1, warmup_steps=max(r.stage1_steps // 20, 1), total_steps=r.stage1_steps,
                         groups=ADAPTER_GROUP)
