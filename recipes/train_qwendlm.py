@@ -79,8 +79,9 @@ class Recipe:
     # QwenDLM reads each canvas position's logits from the row before it (ModelConfig.logit_shift, the AR shift of
     # Dream / Fast-dLLM v2): a block's first token is the AR model's own next-token prediction
     logit_shift: bool = True
-    # stage 1 also trains the clean (causal) rows with stage 0's next-token loss, at this weight (0: off)
-    ar_weight: float = 0.0
+    # stage 1 also trains the clean (causal) rows with stage 0's next-token loss, at this weight (0: off); +3-8
+    # points on the h200 preset (benchmarks/results/2026-11-30_conversion_ar_loss_h200x2)
+    ar_weight: float = 1.0
 
 
 PRESETS = {
@@ -100,7 +101,7 @@ PRESETS = {
     # orl_jax's; the strictest eval setting probes the model near one token per step).
     # Stage 0 packs 512-token rows (98.9% of examples fit whole; attention cost grows with the row length).
     "h200": Recipe(vocab_size=4096, hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, mlp=1536, seq_len=512,
-                   batch=128, stage0_steps=1000, stage1_steps=1000, lr0=1e-3, lr1=5e-4, block_length=32,
+                   batch=128, stage0_steps=1000, stage1_steps=2000, lr0=1e-3, lr1=5e-4, block_length=32,
                    train_examples=20000, eval_examples=256, eval_max_new=320,
                    tasks=("arithmetic", "list_ops", "program_output", "code_function"),
                    eval_settings=((32, 0.0005, 0.001), (32, 0.001, 0.01), (32, 0.005), (16, 0.02), (8, 0.1), (4, 0.3)),
@@ -200,7 +201,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"--attention-impl cudnn (the {args.preset} preset's) needs an NVIDIA GPU; this backend is "
                          f"{jax.default_backend()!r}: pass --attention-impl orl_jax")
     tmp = out / f".recipe.json.{os.getpid()}"  # atomic: processes sharing --out may write it at once
-    tmp.write_text(json.dumps(dataclasses.asdict(r) | vars(args), indent=2, default=str))
+    tmp.write_text(json.dumps(vars(args) | dataclasses.asdict(r), indent=2, default=str))  # resolved values win
     os.replace(tmp, out / "recipe.json")
     t0 = time.perf_counter()
     try:
