@@ -21,16 +21,18 @@ def test_recipe_smoke_end_to_end_and_resume(tmp_path):
               "stage2_rcd/params/config.json"):
         assert (out / f).exists(), f
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert [r["method"] for r in rows] == ["AR (greedy)", "QwenDLM", "QwenDLM+ORL", "QwenDLM+ORL (no AEC)",
-                                           "QwenDLM+RCD"]
+    assert [r["method"] for r in rows] == ["AR (greedy)", "QwenDLM weights, AR decoding", "QwenDLM", "QwenDLM+ORL",
+                                           "QwenDLM+ORL (no AEC)", "QwenDLM+RCD"]
     assert all(0.0 <= r["accuracy"] <= 1.0 and r["tpf"] > 0 for r in rows)
     assert all(list(r["per_task"]) == ["arithmetic"] and r["per_task"]["arithmetic"] == r["accuracy"] for r in rows)
     assert "| arithmetic |" in (out / "report.md").read_text()
-    assert all(r["setting"] == "steps<=4, confidence=0.3, entropy bound=0.05" for r in rows[1:])
+    assert all(r["setting"] == "steps<=4, confidence=0.3, entropy bound=0.05" for r in rows[2:])
+    assert rows[1]["tpf"] == 1.0
     steps = [json.loads(line)["step"] for line in (out / "stage0/logs/metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 6
     stage1 = [json.loads(line) for line in (out / "stage1/logs/metrics.jsonl").read_text().splitlines()]
     assert all(m["tokens"] > 0 for m in stage1), "a conversion batch had no supervised response tokens"
+    assert all(m["ar_loss"] > 0 for m in stage1), "the preset's next-token term (ar_weight) is not trained"
     orl = [json.loads(line) for line in (out / "stage2_orl/logs/metrics.jsonl").read_text().splitlines()]
     assert len(orl) == 2 and all(0.0 <= m["verified"] <= 1.0 and m["rollout_tpf"] > 0 for m in orl)
     with pytest.raises(SystemExit, match="--resume"):
@@ -53,8 +55,8 @@ def test_stage2_methods_split_over_processes_then_one_evaluation(tmp_path):
     assert (out / "stage2_orl/params/config.json").exists()
     train_qwendlm.main(["--preset", "smoke", "--out", str(out), "--resume"])  # reuses all three, evaluates
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert [r["method"] for r in rows] == ["AR (greedy)", "QwenDLM", "QwenDLM+ORL", "QwenDLM+ORL (no AEC)",
-                                           "QwenDLM+RCD"]
+    assert [r["method"] for r in rows] == ["AR (greedy)", "QwenDLM weights, AR decoding", "QwenDLM", "QwenDLM+ORL",
+                                           "QwenDLM+ORL (no AEC)", "QwenDLM+RCD"]
     with pytest.raises(SystemExit):
         train_qwendlm.main(["--preset", "smoke", "--out", str(tmp_path / "x"), "--stage2-methods", "orl,ppo"])
 

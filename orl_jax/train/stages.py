@@ -251,6 +251,12 @@ def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: d
     rows = [evaluate(ar_params, ar_cfg, tok, examples, method="AR (greedy)", setting="-", ar=True,
                      max_new_tokens=r.eval_max_new)]
     log(f"eval AR: {dataclasses.asdict(rows[-1])}")
+    if dlm_cfg.prefix_attention == "causal" and (dlm_cfg.logit_shift or r.ar_weight > 0):
+        # the converted weights decoded token by token (their clean rows are trained as the causal model): what
+        # the conversion kept of the AR model, after stage 1's extra training
+        rows.append(evaluate(methods["QwenDLM"], dlm_cfg, tok, examples, method="QwenDLM weights, AR decoding",
+                             setting="-", ar=True, max_new_tokens=r.eval_max_new))
+        log(f"eval QwenDLM as AR: {dataclasses.asdict(rows[-1])}")
     for method, params in methods.items():
         for steps, thr, *bound in r.eval_settings:
             if dlm_cfg.noise == "uniform":
