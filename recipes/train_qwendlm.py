@@ -65,7 +65,8 @@ class Recipe:
     orl_group: int = 4
     orl_states: int = 8  # replayed states per verified response
     orl_max_prompt: int = 192
-    orl_steps: int = 8  # max denoising steps per block during rollouts
+    orl_steps: int = 8  # max denoising steps per block during rollouts (uniform family)
+    orl_threshold: float = 0.9  # mask family: the rollouts' fill threshold (tokens sampled at temperature 1)
     lr2: float = 3e-4  # stage-2 peak rate (warmup: a tenth of the rounds); the h200 run diverged at 1e-4
     l_aec: float = 10.0  # weight of Adjacent Entropy Contraction in ORL's loss (ORLLossConfig.l_aec)
     # Compute dtype of every stage; the weights stay float32 (master copy) either way.

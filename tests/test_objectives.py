@@ -9,6 +9,7 @@ import pytest
 from orl_jax import params as P
 from orl_jax.config import preset
 from orl_jax.decode.ar import ar_generate
+from orl_jax.decode.residual import RCDResidual
 from orl_jax.model import qwen3, qwendlm
 from orl_jax.train.objectives import (
     DiffusionObjective,
@@ -30,13 +31,15 @@ def model():
     return cfg, params
 
 
-def _engine_block_logits(params, cfg, tokens, p, b, noisy_block, z=None):
+def _engine_block_logits(params, cfg, tokens, p, b, noisy_block, z=None, embeds=None):
     """Logits the engine computes for block b's canvas: prefill the prompt, commit clean blocks < b, decode
-    (with logit_shift, from the last committed token's hidden state, as the engine carries it)."""
+    (with logit_shift, from the last committed token's hidden state, as the engine carries it). z: the adapter's
+    residual; embeds: the canvas embedding itself (another residual form)."""
     _, cache, prev = qwendlm.prefill(params, cfg, tokens[None, :p], jnp.asarray([p]), p + 4 * BL, return_hidden=True)
     for j in range(b):
         cache, prev = qwendlm.commit(params, cfg, tokens[None, p + j * BL:p + (j + 1) * BL], cache, True)
     x = None if z is None else qwendlm.residual_embed(params, cfg, noisy_block[None], z[None], jnp.ones((1, BL)))
+    x = x if embeds is None else embeds
     return qwendlm.decode(params, cfg, noisy_block[None], cache, embeds=x, prev_hidden=prev)[0]
 
 
@@ -246,6 +249,37 @@ def test_rcd_reference_residual(model):
     assert abs(float(obj.loss(params, cfg, batch, key, reference_params=other)[0]) - own) > 1e-4
     g = jax.grad(lambda ref: obj.loss(params, cfg, batch, key, reference_params=ref)[0])(other)
     assert all(float(jnp.abs(x).max()) == 0.0 for x in jax.tree.leaves(g))
+
+
+def test_rcd_mask_family_trains_on_rcd_form_residuals(model):
+    """RCD on the mask family: the loss is exactly the masked cross-entropy of the engine's decode passes, fed RCD's
+    residual (RCDResidual: (1 - a) E[MASK] + a z at [MASK] positions) from the frozen reference's own decode of
+    the same noised block."""
+    cfg, params = model
+    cfg = cfg.replace(noise="mask", logit_shift=True)
+    obj = DiffusionObjective(block_length=BL)
+    p, n = 3, 3 + 2 * BL
+    tokens = jnp.asarray(np.random.default_rng(8).integers(0, 250, (1, n)), jnp.int32)
+    batch = {"tokens": tokens, "prompt_lengths": jnp.asarray([p]), "lengths": jnp.asarray([n])}
+    key = jax.random.key(6)
+    ref = jax.tree.map(lambda x: x * 1.1, params)  # another model as the frozen reference
+    got = float(obj.loss(params, cfg, batch, key, reference_params=ref)[0])
+    noisy, w = obj.noise(cfg, tokens, *packed_rows(batch), jax.random.split(key)[0])
+    nll, count = 0.0, 0.0
+    for b in range(2):
+        s = slice(p + b * BL, p + (b + 1) * BL)
+        ref_logits = _engine_block_logits(ref, cfg, tokens[0], p, b, noisy[0, s])
+        logp = jax.nn.log_softmax(ref_logits.at[:, cfg.mask_token_id].set(-jnp.inf), axis=-1)
+        probs = jnp.exp(logp)
+        a = -jnp.sum(jnp.where(probs > 0, probs * logp, 0.0), -1) / np.log(cfg.vocab_size)
+        x = RCDResidual().embed(params, cfg, noisy[:, s], qwendlm.soft_embed(ref, cfg, probs[None]), a[None])
+        lp = jax.nn.log_softmax(_engine_block_logits(params, cfg, tokens[0], p, b, noisy[0, s], embeds=x), -1)
+        tok_nll = -jnp.take_along_axis(lp, tokens[0, s, None], axis=-1)[:, 0]
+        nll += float(jnp.sum(tok_nll * w[0, s]))
+        count += float(jnp.sum(w[0, s]))
+    assert count > 0 and float(jnp.sum((noisy[0] == cfg.mask_token_id) * 1.0)) > 1
+    np.testing.assert_allclose(got, nll / count, rtol=2e-5)
+    assert abs(got - float(obj.loss(params, cfg, batch, key)[0])) > 1e-4  # the residual changed the loss
 
 
 def _training_losses(lens: tuple[int, int], pad: int, rows: int, prompt: int, seed: int) -> dict:

@@ -61,6 +61,21 @@ def test_stage2_methods_split_over_processes_then_one_evaluation(tmp_path):
         train_qwendlm.main(["--preset", "smoke", "--out", str(tmp_path / "x"), "--stage2-methods", "orl,ppo"])
 
 
+def test_mask_family_runs_every_stage_2_method(tmp_path):
+    """--noise mask: conversion with [MASK] noise, ORL with mask-family rollouts (g_phi weighted at [MASK]), RCD in
+    its own residual form, and an evaluation that decodes each with the residual it was trained with. (The smoke
+    model verifies no response, so its ORL rounds take no update: tests/test_orl.py covers the mask-family update.)"""
+    out = tmp_path / "run"
+    train_qwendlm.main(["--preset", "smoke", "--out", str(out), "--noise", "mask", "--stage2-methods", "orl,rcd"])
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in rows] == ["AR (greedy)", "QwenDLM weights, AR decoding", "QwenDLM", "QwenDLM+ORL",
+                                           "QwenDLM+RCD"]
+    assert all(r["tpf"] > 0 and "fill threshold" in r["setting"] for r in rows[2:])
+    orl = [json.loads(line) for line in (out / "stage2_orl/logs/metrics.jsonl").read_text().splitlines()]
+    assert len(orl) == 2 and all(m["rollout_tpf"] > 0 for m in orl)  # (tests/test_orl.py checks the update)
+    assert "RCDResidual" in (out / "report.md").read_text()
+
+
 def test_stopped_stage_exits_before_later_stages_then_resume_finishes(tmp_path, monkeypatch):
     """SIGTERM during a stage (here: CheckpointManager.should_stop) saves, exports nothing, runs no later stage or
     evaluation, exits with EXIT_STOPPED; --resume continues. Stage 2 (ORL rounds) stops the same way."""

@@ -9,7 +9,7 @@ from orl_jax import params as P
 from orl_jax.config import preset
 from orl_jax.decode.engine import generate
 from orl_jax.decode.residual import ORLResidual
-from orl_jax.decode.samplers import UniformSampler
+from orl_jax.decode.samplers import MaskSampler, UniformSampler
 from orl_jax.model import qwen3
 from orl_jax.train.orl_losses import normalized_entropy
 from orl_jax.train.replay import behaviour_logp, build_replay, replay_logits
@@ -17,36 +17,45 @@ from orl_jax.train.replay import behaviour_logp, build_replay, replay_logits
 BL = 4
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
 SAMPLER = UniformSampler(max_denoising_steps=3, entropy_bound=1.0)
+MASK_SAMPLER = MaskSampler(mask_token_id=255, threshold=0.3, temperature=1.0)  # sampled: a few steps per block
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["own_row", "logit_shift"])
+@pytest.fixture(scope="module", params=["own_row", "logit_shift", "mask"])
 def rollout(request):
-    cfg = preset("tiny-qwendlm").replace(block_length=BL, logit_shift=request.param)
+    """(cfg, params, out, batch, sampler): a captured rollout of 3 blocks and its replay batch. "mask": the mask
+    family with the ORL residual (g_phi weighted by the previous step's entropy at [MASK] positions)."""
+    mask = request.param == "mask"
+    cfg = preset("tiny-qwendlm").replace(block_length=BL, logit_shift=request.param != "own_row",
+                                         noise="mask" if mask else "uniform")
+    sampler = MASK_SAMPLER if mask else SAMPLER
     params = P.init(qwen3.param_specs(cfg), jax.random.key(0))
     params["embed"] = params["embed"] * 4.0  # decisive enough to accept tokens, far from one-hot
     params["adapter"] = dict(params["adapter"], down=jax.random.normal(jax.random.key(4), (32, 64)) * 0.3)
-    out = generate(params, cfg, PROMPTS, key=jax.random.key(1), max_new_tokens=3 * BL, sampler=SAMPLER,
+    out = generate(params, cfg, PROMPTS, key=jax.random.key(1), max_new_tokens=3 * BL, sampler=sampler,
                    residual=ORLResidual(), capture=True, eos_token_id=(), pad_token_id=0)
-    batch = build_replay(PROMPTS, out, [True, True], block_length=BL, pad_id=0)
-    return cfg, params, out, batch
+    batch = build_replay(PROMPTS, out, [True, True], block_length=BL, pad_id=0,
+                         mask_token_id=cfg.mask_token_id if mask else None)
+    if mask:  # later steps of a block carry a residual at [MASK] positions: the replay must feed it back
+        assert batch.a.max() > 0.05 and (batch.tokens == cfg.mask_token_id).any()
+    return cfg, params, out, batch, sampler
 
 
 def test_replayed_logits_reproduce_the_rollout(rollout):
-    cfg, params, out, batch = rollout
+    cfg, params, out, batch, sampler = rollout
     assert len(batch.step) == int(np.sum(np.asarray(out.capture["active"])[:int(out.total_forwards)]))
     logits = replay_logits(params, cfg, ORLResidual(), batch)
-    ent = normalized_entropy(behaviour_logp(SAMPLER, logits, jnp.asarray(batch.step)))
+    ent = normalized_entropy(behaviour_logp(sampler, logits, jnp.asarray(batch.step)))
     assert 0.05 < float(batch.entropy.mean()) < 0.95  # non-trivial distributions
     np.testing.assert_allclose(np.asarray(ent), batch.entropy, atol=2e-5)
     # a perturbed model does not reproduce them: the check can fail
     bad = dict(params, final_norm=params["final_norm"] * 1.5)
-    ent_bad = normalized_entropy(behaviour_logp(SAMPLER, replay_logits(bad, cfg, ORLResidual(), batch),
+    ent_bad = normalized_entropy(behaviour_logp(sampler, replay_logits(bad, cfg, ORLResidual(), batch),
                                                 jnp.asarray(batch.step)))
     assert np.abs(np.asarray(ent_bad) - batch.entropy).max() > 1e-3
 
 
 def test_staircase_visibility_by_gradients(rollout):
-    cfg, params, out, batch = rollout
+    cfg, params, out, batch, _ = rollout
     r, L = 0, BL
     states = [s for s in range(len(batch.step)) if batch.state_row[s] == r]
     p = len(PROMPTS[0])
@@ -71,8 +80,9 @@ def test_staircase_visibility_by_gradients(rollout):
 
 
 def test_unverified_responses_are_dropped(rollout):
-    cfg, params, out, _ = rollout
-    batch = build_replay(PROMPTS, out, [False, True], block_length=BL, pad_id=0)
+    cfg, params, out, _, _ = rollout
+    batch = build_replay(PROMPTS, out, [False, True], block_length=BL, pad_id=0,
+                         mask_token_id=cfg.mask_token_id if cfg.noise == "mask" else None)
     assert set(batch.state_row.tolist()) == {0} and batch.tokens.shape[0] == 1
     assert batch.tokens[0, :len(PROMPTS[1])].tolist() == PROMPTS[1]
 

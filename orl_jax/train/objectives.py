@@ -32,6 +32,8 @@ import jax.numpy as jnp
 from orl_jax.config import ModelConfig
 from orl_jax.data.pipeline import segment_mask
 from orl_jax.model import qwen3, qwendlm
+from orl_jax.train.orl_losses import normalized_entropy
+from orl_jax.train.replay import EXCLUDED_LOGIT
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array):
@@ -171,7 +173,10 @@ class DiffusionObjective:
         examples each) or prompt_lengths [B] / lengths [B] (one right-padded example per row); see packed_rows.
 
         reference_params: the RCD baseline (METHOD.md §2) — the residual of every batch comes from this frozen
-        model's first pass on the noised state (off-policy), instead of the trained model's own."""
+        model's first pass on the noised state (off-policy), instead of the trained model's own. Mask family: in
+        RCD's own form, (1 - a) E[MASK] + a z at [MASK] positions with a the normalized entropy of the reference's
+        distribution (as RCDResidual at inference); uniform family (no [MASK]): through the adapter g_phi, as
+        self-conditioning (our adaptation)."""
         if self.ar_weight > 0 and cfg.prefix_attention != "causal":
             raise ValueError(f"ar_weight={self.ar_weight} needs causal clean rows (the next-token loss would see the "
                              f"targets), got cfg.prefix_attention={cfg.prefix_attention!r}")
@@ -184,9 +189,13 @@ class DiffusionObjective:
         both = jnp.concatenate([tokens, noisy], axis=1)  # [B, 2N]
         positions = jnp.concatenate([pos, pos], axis=1)
 
-        def run(z, p=params):  # (noisy-token logits [B, N, V], clean-row logits [B, N, V] or None)
+        def run(z, p=params, a=None):  # (noisy-token logits [B, N, V], clean-row logits [B, N, V] or None)
             x = qwen3.embed(p, cfg, both)
-            if z is not None:
+            if a is not None:  # RCD's form (decode/residual.py RCDResidual): (1 - a) E[MASK] + a z at [MASK]
+                w = jnp.concatenate([jnp.zeros((b, n)), jnp.where(noisy == cfg.mask_token_id, a, 0.0)], axis=1)
+                zz = jnp.concatenate([jnp.zeros_like(z), z], axis=1).astype(x.dtype)
+                x = x + w[..., None].astype(x.dtype) * (zz - x)
+            elif z is not None:  # the adapter: E[x] + w g_phi(z)
                 w = jnp.concatenate([jnp.zeros((b, n)), jnp.ones((b, n))], axis=1)
                 zz = jnp.concatenate([jnp.zeros_like(z), z], axis=1)
                 x = qwendlm.residual_embed(p, cfg, both, zz, w)
@@ -196,8 +205,13 @@ class DiffusionObjective:
 
         if reference_params is not None:
             ref, _ = jax.lax.stop_gradient(run(None, reference_params))
-            z = jax.lax.stop_gradient(qwendlm.soft_embed(reference_params, cfg, jax.nn.softmax(ref, axis=-1)))
-            logits, ar_logits = run(z)
+            if cfg.noise == "mask":  # the reference's distribution as its sampler sees it: never [MASK]
+                logp = jax.nn.log_softmax(ref.at[..., cfg.mask_token_id].set(EXCLUDED_LOGIT), axis=-1)
+                z = qwendlm.soft_embed(reference_params, cfg, jnp.exp(logp))
+                logits, ar_logits = run(jax.lax.stop_gradient(z), a=normalized_entropy(logp))
+            else:
+                z = jax.lax.stop_gradient(qwendlm.soft_embed(reference_params, cfg, jax.nn.softmax(ref, axis=-1)))
+                logits, ar_logits = run(z)
         else:
             logits, ar_logits = run(None)
         if reference_params is None and cfg.noise == "uniform" and cfg.has_adapter and self.sc_prob > 0:

@@ -6,6 +6,11 @@ are dropped, the captured states of the verified ones are packed (train/replay.p
 update is taken on them; the trajectories are then discarded. The behaviour distribution of the anchor term is
 recomputed from the replay with the pre-update params and the rollout's temperature (stop-gradient), which is
 the distribution the rollout sampled from, since the params have not changed between rollout and replay.
+Hence, with exactly one update per rollout, the anchor KL(p_theta || p_behaviour) is zero, with zero gradient,
+where the update is taken, *unless* the rollout sampled at a temperature != 1: p_theta is the policy at
+temperature 1. The uniform family samples at 0.8 -> 0.4, so its anchor pulls the policy towards its own sharper
+tempered distribution on confident positions (a sharpening term). The mask family samples at 1.0, and there the
+anchor does nothing.
 
 Replay arrays are padded to fixed sizes (rows, width, states) so the update compiles once.
 """
@@ -24,7 +29,7 @@ from orl_jax.checks import int_at_least
 from orl_jax.decode.engine import generate
 from orl_jax.decode.residual import ORLResidual
 from orl_jax.train.orl_losses import ORLLossConfig, orl_loss
-from orl_jax.train.replay import ReplayBatch, behaviour_logp, build_replay, replay_logits
+from orl_jax.train.replay import ReplayBatch, behaviour_logp, build_replay, policy_logits, replay_logits
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,7 @@ def make_orl_loss(cfg, sampler, num_responses: int, loss_cfg: ORLLossConfig, res
 
     def loss_fn(params, arrays, key):
         logits = replay_logits(params, cfg, residual, replay_arrays_batch(arrays), remat=remat)  # [S, L, V]
+        logits = policy_logits(sampler, logits)  # the policy is what the sampler draws from (mask: no [MASK])
         beh = jax.lax.stop_gradient(behaviour_logp(sampler, logits, arrays["step"]))
         if hasattr(sampler, "t_max"):
             temps = jax.vmap(sampler.temperature)(arrays["step"])

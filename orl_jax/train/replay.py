@@ -164,12 +164,22 @@ def replay_logits(params, cfg, residual, batch: ReplayBatch, remat: bool = False
     return qwen3.logits(params, cfg, hs)
 
 
+# a finite stand-in for -inf: [MASK]'s excluded logit, so that 0 * log 0 terms and their gradients stay finite
+EXCLUDED_LOGIT = -1e9
+
+
+def policy_logits(sampler, logits: jax.Array) -> jax.Array:
+    """The logits the sampler draws from, before its temperature: the mask family never proposes [MASK]."""
+    if isinstance(sampler, MaskSampler):
+        return logits.at[..., sampler.mask_token_id].set(EXCLUDED_LOGIT)
+    if isinstance(sampler, UniformSampler):
+        return logits
+    raise TypeError(f"unknown sampler {type(sampler).__name__}")
+
+
 def behaviour_logp(sampler, logits: jax.Array, step: jax.Array) -> jax.Array:
     """The distribution the rollout's sampler drew from at each state: [S, L, V] log-probs."""
+    lg = policy_logits(sampler, logits)
     if isinstance(sampler, UniformSampler):
-        t = jax.vmap(sampler.temperature)(step)[:, None, None]
-        return jax.nn.log_softmax(logits / t, axis=-1)
-    if isinstance(sampler, MaskSampler):
-        lg = logits.at[..., sampler.mask_token_id].set(-jnp.inf)
-        return jax.nn.log_softmax(lg if sampler.temperature == 0 else lg / sampler.temperature, axis=-1)
-    raise TypeError(f"unknown sampler {type(sampler).__name__}")
+        return jax.nn.log_softmax(lg / jax.vmap(sampler.temperature)(step)[:, None, None], axis=-1)
+    return jax.nn.log_softmax(lg if sampler.temperature == 0 else lg / sampler.temperature, axis=-1)

@@ -20,7 +20,7 @@ import numpy as np
 from orl_jax import checkpoint
 from orl_jax.data import tasks
 from orl_jax.data.prompt_format import format_prompt, response_until_stop, stop_token_ids
-from orl_jax.decode.samplers import UniformSampler
+from orl_jax.decode.samplers import MaskSampler, UniformSampler
 from orl_jax.model import qwen3
 from orl_jax.sharding import make_mesh
 from orl_jax.train.ckpt import CheckpointManager
@@ -61,7 +61,9 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
     G, P = r.orl_group, r.orl_prompts
     ocfg = ORLConfig(group_size=G, max_new_tokens=r.eval_max_new, max_states=r.orl_states,
                      max_prompt=r.orl_max_prompt, loss=loss_cfg)
-    sampler = UniformSampler(max_denoising_steps=r.orl_steps)  # sampled proposals: the policy explores
+    # sampled proposals: the policy explores. Mask family: sampled at temperature 1, filled above r.orl_threshold
+    sampler = (UniformSampler(max_denoising_steps=r.orl_steps) if cfg.noise == "uniform" else
+               MaskSampler(mask_token_id=cfg.mask_token_id, threshold=r.orl_threshold, temperature=1.0))
     optim = stage2_optim(r)
     step = make_train_step(make_orl_loss(cfg, sampler, G * P, loss_cfg, remat=r.remat), make_optimizer(optim),
                            make_mesh(data=1, fsdp=-1, tensor=1), qwen3.param_specs(cfg))
@@ -111,11 +113,7 @@ def run_rcd(r, args, out: Path, tok, cfg, params, log):
 
 
 def stage2(r, args, out: Path, tok, cfg, params, log, methods=("orl", "noaec", "rcd")) -> dict:
-    """{method: params} for the chosen of ORL ("orl"), ORL without AEC ("noaec") and the RCD baseline ("rcd");
-    uniform-family QwenDLM only."""
-    if cfg.noise != "uniform":
-        log("stage 2: ORL is implemented for the uniform family only; skipped for --noise mask")
-        return {}
+    """{method: params} for the chosen of ORL ("orl"), ORL without AEC ("noaec") and the RCD baseline ("rcd")."""
     base = ORLLossConfig(l_aec=r.l_aec)
     log(f"stage 2 ({', '.join(methods)}): ORL, {r.orl_rounds} rounds of {r.orl_prompts} prompts x "
         f"{r.orl_group} responses")

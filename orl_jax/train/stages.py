@@ -22,7 +22,7 @@ from orl_jax.data.embedded_tokenizer import task_corpus, train_tokenizer
 from orl_jax.data.pipeline import make_dataset
 from orl_jax.data.prompt_format import format_example, stop_token_ids
 from orl_jax.data.tokenizer import load_tokenizer
-from orl_jax.decode.residual import ORLResidual
+from orl_jax.decode.residual import NoResidual, ORLResidual, RCDResidual
 from orl_jax.decode.samplers import MaskSampler, UniformSampler
 from orl_jax.model import qwen3
 from orl_jax.sharding import make_mesh
@@ -265,9 +265,11 @@ def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: d
                 kw = dict(sampler=UniformSampler(max_denoising_steps=steps, confidence=thr, entropy_bound=bound,
                                                  greedy=True), residual=ORLResidual())
                 setting = f"steps<={steps}, confidence={thr}" + (f", entropy bound={bound}" if bound != default else "")
-            else:
+            else:  # the residual each method was trained with (the base's adapter is untrained: none)
+                residual = (RCDResidual() if method.endswith("+RCD") else
+                            ORLResidual() if "+ORL" in method else NoResidual())
                 kw = dict(sampler=MaskSampler(mask_token_id=dlm_cfg.mask_token_id, threshold=max(1 - thr, 0.05)),
-                          max_steps=steps)
+                          max_steps=steps, residual=residual)
                 setting = f"steps<={steps}, fill threshold={max(1 - thr, 0.05):.2f}"
             rows.append(evaluate(params, dlm_cfg, tok, examples, method=method, setting=setting,
                                  max_new_tokens=r.eval_max_new, **kw))
@@ -278,7 +280,8 @@ def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: d
              f"tokens; compute in {r.compute_dtype}, float32 master weights.",
              f"QwenDLM: {dlm_cfg.noise} noise, block {r.block_length}, logit shift "
              f"{'on' if dlm_cfg.logit_shift else 'off'}; uniform family: greedy proposals, entropy "
-             "bound 0.1, self-conditioning residual (ORLResidual); mask family: threshold fill. TPF counts "
+             "bound 0.1, self-conditioning residual (ORLResidual); mask family: threshold fill, residual as "
+             "trained (base: none, ORL: ORLResidual, RCD: RCDResidual). TPF counts "
              "denoising and commit forwards; tokens/s is the batched decode after compilation.",
              f"Whole run: {time.perf_counter() - started:.0f} s on {jax.devices()[0].device_kind}."]
     for name in ("stage2_orl", "stage2_orl_noaec"):
