@@ -145,6 +145,29 @@ def test_mask_family_round_is_finite_and_learns():
     assert after < float(parts["l_pred"])
 
 
+@pytest.mark.parametrize("family", ["uniform", "mask"])
+def test_rounds_raise_the_rollout_tpf(family):
+    """The mechanism end to end: on-policy rounds (every response accepted) make the model confident on its own
+    decoding, so later rollouts need fewer forwards per token, in both families."""
+    cfg = preset("tiny-qwendlm").replace(block_length=8, logit_shift=True, noise=family)
+    params = P.init(qwen3.param_specs(cfg), jax.random.key(0))
+    params["embed"] = params["embed"] * 4.0
+    sampler = (UniformSampler(max_denoising_steps=8) if family == "uniform" else
+               MaskSampler(mask_token_id=cfg.mask_token_id, threshold=0.9, temperature=1.0))
+    prompts = PROMPTS + [[20, 21, 22, 23], [30, 31]]
+    ocfg = ORLConfig(group_size=4, max_new_tokens=16, max_states=8, max_prompt=8, loss=ORLLossConfig(l_aec=10.0))
+    opt = make_optimizer(OptimConfig(lr=3e-3, warmup_steps=0, total_steps=1000, weight_decay=0.0,
+                                     groups={"adapter": ParamGroup(lr_scale=0.5, clip_norm=1.0)}))
+    step = make_train_step(make_orl_loss(cfg, sampler, len(prompts) * 4, ocfg.loss), opt,
+                           make_mesh(data=1, fsdp=1, tensor=1, devices=jax.devices()[:1]), qwen3.param_specs(cfg))
+    state, tpf = step.init_state(params, jax.random.key(0)), []
+    for i in range(36):
+        state, m, _ = orl_iteration(state, step, cfg, prompts, lambda rs: [True] * len(rs), jax.random.key(i),
+                                    sampler, ocfg)
+        tpf.append(m["rollout_tpf"])
+    assert tpf[-1] > 2 * tpf[0], tpf
+
+
 def test_bad_orl_config():
     with pytest.raises(ValueError, match="group_size"):
         ORLConfig(group_size=0)
