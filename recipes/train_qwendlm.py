@@ -69,6 +69,9 @@ class Recipe:
     orl_threshold: float = 0.9  # mask family: the rollouts' fill threshold (tokens sampled at temperature 1)
     lr2: float = 3e-4  # stage-2 peak rate (warmup: a tenth of the rounds); the h200 run diverged at 1e-4
     l_aec: float = 10.0  # weight of Adjacent Entropy Contraction in ORL's loss (ORLLossConfig.l_aec)
+    # stage 2: the adapter g_phi's learning rate as a multiple of lr2. Lower than the backbone's by our reading of
+    # METHOD.md; the mask family's adapter starts untrained (zero output) and may want more
+    adapter_lr_scale: float = 0.5
     # Compute dtype of every stage; the weights stay float32 (master copy) either way.
     compute_dtype: str = "float32"
     attention_impl: str = "orl_jax"  # training attention: orl_jax | xla | cudnn (ModelConfig.attention_impl)
@@ -125,6 +128,8 @@ def parse_args(argv=None):
                          "ends that stage there")
     ap.add_argument("--lr2", type=float, help="stage-2 peak learning rate (ORL and RCD); default: the preset's")
     ap.add_argument("--l-aec", type=float, help="ORL's AEC loss weight (AEC values are ~1e-3); default: the preset's")
+    ap.add_argument("--adapter-lr-scale", type=float,
+                    help="stage 2: the adapter's learning rate as a multiple of --lr2; default: the preset's")
     ap.add_argument("--attention-impl", choices=["orl_jax", "xla", "cudnn"],
                     help="training attention (ModelConfig.attention_impl); default: the preset's")
     ap.add_argument("--logit-shift", action=argparse.BooleanOptionalAction,
@@ -159,6 +164,8 @@ def parse_args(argv=None):
             ap.error(f"--{name.replace('_', '-')} must be a positive number of steps, got {v}")
     if args.lr2 is not None and not 0 < args.lr2 < 1:
         ap.error(f"--lr2 must be in (0, 1), got {args.lr2}")
+    if args.adapter_lr_scale is not None and not args.adapter_lr_scale >= 0:
+        ap.error(f"--adapter-lr-scale must be a number >= 0, got {args.adapter_lr_scale}")
     if args.ar_weight is not None and not args.ar_weight >= 0:
         ap.error(f"--ar-weight must be a number >= 0, got {args.ar_weight}")
     if args.l_aec is not None and not args.l_aec >= 0:
@@ -194,6 +201,8 @@ def main(argv=None) -> None:
                             orl_rounds=args.orl_rounds or r.orl_rounds, lr2=args.lr2 or r.lr2,
                             l_aec=r.l_aec if args.l_aec is None else args.l_aec,
                             ar_weight=r.ar_weight if args.ar_weight is None else args.ar_weight,
+                            adapter_lr_scale=(r.adapter_lr_scale if args.adapter_lr_scale is None
+                                              else args.adapter_lr_scale),
                             attention_impl=args.attention_impl or r.attention_impl,
                             logit_shift=r.logit_shift if args.logit_shift is None else args.logit_shift)
     if r.attention_impl == "cudnn" and jax.default_backend() != "gpu":

@@ -37,9 +37,11 @@ def test_stage2_rate_is_constant_after_its_warmup():
 
     from orl_jax.train.stage2 import stage2_optim
 
-    s = lr_schedule(stage2_optim(SimpleNamespace(lr2=1e-5, orl_rounds=100)))
+    optim = stage2_optim(SimpleNamespace(lr2=1e-5, orl_rounds=100, adapter_lr_scale=3.0))
+    s = lr_schedule(optim)
     np.testing.assert_allclose([s(0), s(5)], [0.0, 5e-6], rtol=1e-5)
     np.testing.assert_allclose([s(10), s(55), s(99), s(400)], [1e-5] * 4, rtol=1e-5)
+    assert optim.groups["adapter"].lr_scale == 3.0  # --adapter-lr-scale
 
 
 def test_decay_mask_skips_norms_and_vectors():

@@ -26,11 +26,10 @@ from orl_jax.sharding import make_mesh
 from orl_jax.train.ckpt import CheckpointManager
 from orl_jax.train.metrics import MetricsWriter
 from orl_jax.train.objectives import DiffusionObjective
-from orl_jax.train.optim import OptimConfig, make_optimizer
+from orl_jax.train.optim import OptimConfig, ParamGroup, make_optimizer
 from orl_jax.train.orl import ORLConfig, make_orl_loss, orl_iteration
 from orl_jax.train.orl_losses import ORLLossConfig
 from orl_jax.train.stages import (
-    ADAPTER_GROUP,
     StageStopped,
     _run_stage,
     conversion_data,
@@ -41,8 +40,8 @@ from orl_jax.train.step import make_train_step
 
 
 def stage2_optim(r) -> OptimConfig:
-    """ORL's and RCD's optimizer: r.lr2, no weight decay, the adapter group, a warmup of a tenth of the updates,
-    then a constant rate (min_lr_ratio=1).
+    """ORL's and RCD's optimizer: r.lr2, no weight decay, the adapter group (r.adapter_lr_scale times the rate, its
+    own clipping), a warmup of a tenth of the updates, then a constant rate (min_lr_ratio=1).
 
     The warmup: the optimizer starts with fresh moments, and an Adam step at the full rate on one round's noisy
     gradient moves every weight by ~lr; at lr 1e-4 without warmup the H200 run's policy lost its verified share
@@ -50,7 +49,8 @@ def stage2_optim(r) -> OptimConfig:
     a tenth, the 1e-5 run spent half of its 100 rounds below 5e-6, and ORL moved TPF by 5%
     (benchmarks/results/2026-11-29_train_qwendlm_h200x2)."""
     return OptimConfig(lr=r.lr2, warmup_steps=max(r.orl_rounds // 10, 1), total_steps=max(r.orl_rounds, 1),
-                       min_lr_ratio=1.0, weight_decay=0.0, groups=ADAPTER_GROUP)
+                       min_lr_ratio=1.0, weight_decay=0.0,
+                       groups={"adapter": ParamGroup(lr_scale=r.adapter_lr_scale, clip_norm=1.0)})
 
 
 def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossConfig, log):
