@@ -1,13 +1,16 @@
 """The main job: AR model -> QwenDLM, evaluated on held-out verifiable tasks.
 
   python recipes/train_qwendlm.py                      # embedded default, CPU, no downloads
-  python recipes/train_qwendlm.py --preset h200        # one H200, <= 10 minutes per run, resumable
+  python recipes/train_qwendlm.py --preset h200 --time-limit 9   # one H200; a stage still running at 9 minutes
+                                                       # checkpoints and exits 75: rerun with --resume (stages 0+1
+                                                       # take ~10 minutes, ORL ~5, each evaluation ~1.5)
   python recipes/train_qwendlm.py --hf-model DIR       # start from a real Qwen3 checkpoint (skips stage 0)
   ... --resume                                         # continue a killed run from its checkpoints
   ... --resume --stage2-methods orl --no-eval          # one stage-2 method per process / GPU (same --out);
                                                        # a final --resume run evaluates every method
-A stage stopped by SIGTERM saves its checkpoint and the run exits with status 75 before any later stage or
-evaluation; `--resume` continues it.
+  ... --noise mask                                     # the mask-token QwenDLM (stage 2 included)
+A stage stopped by SIGTERM (or by --time-limit) saves its checkpoint and the run exits with status 75 before any
+later stage or evaluation; `--resume` continues it.
 
 Stages (each checkpointed with orbax under OUT/stage*/; a finished stage is reused, never recomputed):
   tokenizer  byte-level BPE trained on the train split of the task suite (embedded default only)
@@ -143,6 +146,9 @@ def parse_args(argv=None):
     ap.add_argument("--stage2-methods", default="orl,noaec,rcd",
                     help="comma-separated stage-2 methods to train: orl, noaec (ORL without AEC), rcd. Separate "
                          "processes (one GPU each, same --out, --resume, --no-eval) can train them side by side")
+    ap.add_argument("--time-limit", type=float, metavar="MINUTES",
+                    help="stop a training stage once this many minutes have passed since the start, as on SIGTERM "
+                         "(checkpoint, exit 75; continue with --resume). The evaluation is not interrupted")
     ap.add_argument("--no-eval", action="store_true",
                     help="stop after training; a later --resume run evaluates (reusing every exported stage)")
     ap.add_argument("--distributed", action="store_true",
@@ -164,6 +170,9 @@ def parse_args(argv=None):
             ap.error(f"--{name.replace('_', '-')} must be a positive number of steps, got {v}")
     if args.lr2 is not None and not 0 < args.lr2 < 1:
         ap.error(f"--lr2 must be in (0, 1), got {args.lr2}")
+    if args.time_limit is not None and not args.time_limit > 0:
+        ap.error(f"--time-limit must be a positive number of minutes, got {args.time_limit}")
+    args.deadline = None if args.time_limit is None else time.monotonic() + 60 * args.time_limit
     if args.adapter_lr_scale is not None and not args.adapter_lr_scale >= 0:
         ap.error(f"--adapter-lr-scale must be a number >= 0, got {args.adapter_lr_scale}")
     if args.ar_weight is not None and not args.ar_weight >= 0:

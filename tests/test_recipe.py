@@ -104,9 +104,14 @@ def test_stopped_stage_exits_before_later_stages_then_resume_finishes(tmp_path, 
         train_qwendlm.main(["--preset", "h200", "--out", str(tmp_path / "cpu")])
     assert not (tmp_path / "cpu").exists()
     for bad in (["--orl-rounds", "0"], ["--lr2", "-1e-5"], ["--attention-impl", "flash"], ["--l-aec", "-1"],
-                ["--l-aec", "nan"]):
+                ["--l-aec", "nan"], ["--time-limit", "0"], ["--ar-weight", "-1"], ["--adapter-lr-scale", "nan"]):
         with pytest.raises(SystemExit):
             train_qwendlm.main(args + bad)
+    # a time limit stops the running stage the same way (checkpoint, exit 75), for a job scheduler's wall clock
+    with pytest.raises(SystemExit) as e:
+        train_qwendlm.main(["--preset", "smoke", "--out", str(tmp_path / "limited"), "--time-limit", "1e-9"])
+    assert e.value.code == train_qwendlm.EXIT_STOPPED
+    assert (tmp_path / "limited/stage0/ckpt").exists() and not (tmp_path / "limited/stage0/params").exists()
 
 
 def test_conversion_responses_fill_their_last_block_with_end_of_turn(tmp_path):

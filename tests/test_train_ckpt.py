@@ -90,6 +90,15 @@ def test_sigterm_requests_stop(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_deadline_requests_stop(tmp_path):
+    import time
+
+    with CheckpointManager(tmp_path / "a", deadline=time.monotonic() + 3600) as ck:
+        assert not ck.should_stop(1)
+    with CheckpointManager(tmp_path / "b", deadline=time.monotonic() - 1e-3) as ck:
+        assert ck.should_stop(1)
+
+
 CHILD = textwrap.dedent("""
     import os, sys, threading, time
     import jax, jax.numpy as jnp

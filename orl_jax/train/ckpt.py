@@ -10,7 +10,8 @@ stale temporaries are cleaned up on the next start.
 Preemption: `should_stop(step)` is true after SIGTERM reached this process (our handler only sets a flag; the
 loop then saves and returns) or at orbax's multi-host preemption sync point (`reached_preemption`, which needs
 jax.distributed with its preemption service; with several hosts rely on that one, since a SIGTERM flag is
-per-process).
+per-process). `deadline` (a time.monotonic() value) also ends the run there: a job with a time limit stops with a
+checkpoint instead of being killed.
 
 Typed PRNG keys are stored as their raw uint32 key data (orbax writes plain arrays) and re-wrapped on restore.
 """
@@ -22,6 +23,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +65,7 @@ class CheckpointManager:
     """Keep-N async checkpoints of (TrainState, data-iterator state) under `directory`, preemption aware."""
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3, async_save: bool = True,
-                 handle_sigterm: bool = True):
+                 handle_sigterm: bool = True, deadline: float | None = None):
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep <= 0):
             raise ValueError(f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
         self.directory = Path(directory).absolute()
@@ -72,6 +74,7 @@ class CheckpointManager:
                                                create=True)
         self._mgr = ocp.CheckpointManager(self.directory, options=options)
         self._sigterm = threading.Event()
+        self._deadline = deadline
         self._prev_handler = None
         if handle_sigterm and threading.current_thread() is threading.main_thread():
             self._prev_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -86,8 +89,9 @@ class CheckpointManager:
         self._sigterm.set()
 
     def should_stop(self, step: int) -> bool:
-        """True once SIGTERM arrived or all hosts reached orbax's preemption sync point for `step`."""
-        if self._sigterm.is_set():
+        """True once SIGTERM arrived, the deadline passed, or all hosts reached orbax's preemption sync point for
+        `step`."""
+        if self._sigterm.is_set() or (self._deadline is not None and time.monotonic() >= self._deadline):
             return True
         try:
             return bool(self._mgr.reached_preemption(step))

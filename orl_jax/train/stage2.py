@@ -69,7 +69,8 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
                            make_mesh(data=1, fsdp=-1, tensor=1), qwen3.param_specs(cfg))
     stops = stop_token_ids(tok)
     key = jax.random.key(args.seed + 2)
-    with CheckpointManager(out / name / "ckpt", max_to_keep=2) as ck, MetricsWriter(out / name / "logs") as w:
+    with (CheckpointManager(out / name / "ckpt", max_to_keep=2, deadline=args.deadline) as ck,
+          MetricsWriter(out / name / "logs") as w):
         restored = ck.restore_latest(step.abstract_state(jax.random.key(2)))
         state, start = (restored[0], int(restored[1]["round"])) if restored else (
             step.init_state(params, jax.random.key(2)), 0)
@@ -109,7 +110,8 @@ def run_rcd(r, args, out: Path, tok, cfg, params, log):
     optim = stage2_optim(r)
     log(f"stage 2 baseline: RCD (off-policy residuals from the frozen converted model), {r.orl_rounds} updates")
     return _run_stage("stage2_rcd", out, cfg, lambda: params, loss_fn, optim,
-                      lambda: conversion_data(r, tok, args.seed + 3), r.orl_rounds, log, frozen=params)
+                      lambda: conversion_data(r, tok, args.seed + 3), r.orl_rounds, log, frozen=params,
+                      deadline=args.deadline)
 
 
 def stage2(r, args, out: Path, tok, cfg, params, log, methods=("orl", "noaec", "rcd")) -> dict:

@@ -113,11 +113,11 @@ def load_export(name: str, out: Path, cfg, log):
 
 
 def _run_stage(name, out: Path, cfg, init_params, loss_fn, optim: OptimConfig, make_data, steps: int, log,
-               frozen=None):
+               frozen=None, deadline: float | None = None):
     """Train `init_params()` with `loss_fn` for `steps` updates (resuming OUT/name/ckpt if present); export the result.
     init_params and make_data are callables, run only when the stage is not exported yet (building a stage's dataset
     tokenizes its whole train split). frozen: params of a frozen model of the same config, passed to
-    loss_fn(params, batch, key, frozen)."""
+    loss_fn(params, batch, key, frozen). deadline: time.monotonic() at which the stage stops as on SIGTERM."""
     done = load_export(name, out, cfg, log)
     if done is not None:
         return done
@@ -138,7 +138,8 @@ def _run_stage(name, out: Path, cfg, init_params, loss_fn, optim: OptimConfig, m
     if frozen is not None:
         step = step.bind(frozen)
     it = iter(data)
-    with CheckpointManager(out / name / "ckpt", max_to_keep=2) as ck, MetricsWriter(out / name / "logs") as w:
+    with (CheckpointManager(out / name / "ckpt", max_to_keep=2, deadline=deadline) as ck,
+          MetricsWriter(out / name / "logs") as w):
         state = resume(ck, step.abstract_state(jax.random.key(1)), it)
         if state is None:
             state = step.init_state(params, jax.random.key(1))
@@ -180,7 +181,7 @@ def base_model(r, args, out: Path, log):
                         lambda p, b, k: causal_lm_loss(p, cfg, b), ar_optim(r),
                         lambda: make_dataset(ar_rows(r, tok, args.seed), seq_len=r.seq_len, batch_size=r.batch,
                                              seed=args.seed),
-                        r.stage0_steps, log)
+                        r.stage0_steps, log, deadline=args.deadline)
     return tok, cfg, params
 
 
@@ -223,7 +224,7 @@ def convert(r, args, out: Path, tok, ar_cfg: ModelConfig, ar_params, log):
     log(f"stage 1: conversion to QwenDLM ({args.noise} noise, block {r.block_length}, logit shift "
         f"{'on' if r.logit_shift else 'off'})")
     return cfg, _run_stage("stage1", out, cfg, params, loss_fn, optim,
-                           lambda: conversion_data(r, tok, args.seed + 1), r.stage1_steps, log)
+                           lambda: conversion_data(r, tok, args.seed + 1), r.stage1_steps, log, deadline=args.deadline)
 
 
 def heldout_examples(r, tok, seed: int):
