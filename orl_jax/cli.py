@@ -37,6 +37,7 @@ def _generate(args) -> int:
 
     from orl_jax import checkpoint
     from orl_jax.convert import hf
+    from orl_jax.data.prompt_format import format_prompt, stop_token_ids
     from orl_jax.data.tokenizer import load_tokenizer
     from orl_jax.decode.engine import generate
     from orl_jax.decode.residual import NoResidual, ORLResidual, RCDResidual
@@ -47,28 +48,26 @@ def _generate(args) -> int:
     else:
         cfg, params = hf.load_hf(model, dtype=args.dtype or "bfloat16")
     tok = load_tokenizer(args.tokenizer or model)
-    if getattr(tok, "chat_template", None) and not args.raw:
-        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                      tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-    else:
-        ids = tok.encode(args.prompt)
+    # the prompt and stop tokens exactly as the recipe trains and evaluates them (data/prompt_format.py)
+    ids = tok.encode(args.prompt) if args.raw else format_prompt(tok, args.prompt)
     if args.noise:
         cfg = cfg.replace(noise=args.noise, mask_token_id=cfg.mask_token_id or tok.mask_token_id)
     options = {k: v for k, v in (("threshold", args.threshold), ("edit_threshold", args.edit_threshold),
                                  ("temperature", args.temperature)) if v is not None}
     if cfg.noise == "uniform" and "temperature" in options:
         options["t_max"] = options.pop("temperature")
-    residual = {"none": NoResidual(), "rcd": RCDResidual(), "orl": ORLResidual()}[args.residual]
-    eos = tok.eos_token_id if tok.eos_token_id is not None else None
+    name = args.residual
+    if name == "auto":  # a uniform-family model with an adapter was trained with self-conditioning (ORL form)
+        name = "orl" if cfg.noise == "uniform" and getattr(cfg, "has_adapter", False) else "none"
+    residual = {"none": NoResidual(), "rcd": RCDResidual(), "orl": ORLResidual()}[name]
+    stops = tuple(dict.fromkeys(stop_token_ids(tok) + tuple(cfg.eos_token_ids or ())))
     out = generate(params, cfg, [list(ids)], key=jax.random.key(args.seed), max_new_tokens=args.max_new_tokens,
-                   block_length=args.block_length, residual=residual,
-                   eos_token_id=eos if eos is not None else cfg.eos_token_ids,
+                   block_length=args.block_length, residual=residual, eos_token_id=stops,
                    streamer=lambda block, i: print(tok.decode(block[0], skip_special_tokens=True), end="",
                                                    flush=True),
                    **options)
     print(f"\n[{int(out.lengths[0])} tokens, {int(out.forwards[0])} denoising + {int(out.commits)} commit forwards,"
-          f" TPF {float(out.tpf[0]):.2f}]", file=sys.stderr)
+          f" TPF {float(out.tpf[0]):.2f}; {cfg.noise} noise, residual {name}]", file=sys.stderr)
     return 0
 
 
@@ -89,14 +88,17 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--model", required=True, help="HF checkpoint directory or orbax params export")
     g.add_argument("--tokenizer", help="tokenizer directory (default: --model)")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
+    g.add_argument("--raw", action="store_true",
+                   help="encode the prompt as is (default: the chat template, as the recipe formats its prompts)")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--block-length", type=int, default=None)
     g.add_argument("--noise", choices=["uniform", "mask"], default=None, help="override the model's noise mode")
     g.add_argument("--threshold", type=float, default=None, help="mask family: fill threshold")
     g.add_argument("--edit-threshold", type=float, default=None, help="mask family: edit threshold (LLaDA 2.1)")
     g.add_argument("--temperature", type=float, default=None)
-    g.add_argument("--residual", choices=["none", "rcd", "orl"], default="none")
+    g.add_argument("--residual", choices=["auto", "none", "rcd", "orl"], default="auto",
+                   help="residual context; auto: the ORL form (self-conditioning) for a uniform-family model with an "
+                        "adapter, none otherwise")
     g.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(fn=_generate)
