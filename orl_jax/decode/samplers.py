@@ -63,6 +63,16 @@ def _check_temperature(name: str, v: float, allow_zero: bool) -> None:
         raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'} and not NaN, got {v!r}")
 
 
+# A finite stand-in for -inf where training code removes [MASK] from the mask family's distribution: exp() of it is
+# exactly 0 in float32, while 0 * log 0 terms and their gradients stay finite (with -inf they are NaN).
+EXCLUDED_LOGIT = -1e9
+
+
+def exclude_token(logits: jax.Array, token_id: int) -> jax.Array:
+    """logits [..., V] with token_id's logit set to EXCLUDED_LOGIT (as if it were not in the vocabulary)."""
+    return logits.at[..., token_id].set(EXCLUDED_LOGIT)
+
+
 @dataclass(frozen=True)
 class MaskSampler:
     """Mask family (LLaDA 2.x): fill masked positions above `threshold` (at least one per step), or exactly

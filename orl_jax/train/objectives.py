@@ -31,9 +31,9 @@ import jax.numpy as jnp
 
 from orl_jax.config import ModelConfig
 from orl_jax.data.pipeline import segment_mask
+from orl_jax.decode.samplers import exclude_token
 from orl_jax.model import qwen3, qwendlm
 from orl_jax.train.orl_losses import normalized_entropy
-from orl_jax.train.replay import EXCLUDED_LOGIT
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array):
@@ -206,7 +206,7 @@ class DiffusionObjective:
         if reference_params is not None:
             ref, _ = jax.lax.stop_gradient(run(None, reference_params))
             if cfg.noise == "mask":  # the reference's distribution as its sampler sees it: never [MASK]
-                logp = jax.nn.log_softmax(ref.at[..., cfg.mask_token_id].set(EXCLUDED_LOGIT), axis=-1)
+                logp = jax.nn.log_softmax(exclude_token(ref, cfg.mask_token_id), axis=-1)
                 z = qwendlm.soft_embed(reference_params, cfg, jnp.exp(logp))
                 logits, ar_logits = run(jax.lax.stop_gradient(z), a=normalized_entropy(logp))
             else:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orl_jax.decode.samplers import MaskSampler, UniformSampler
+from orl_jax.decode.samplers import MaskSampler, UniformSampler, exclude_token
 from orl_jax.model import qwen3
 from orl_jax.model.attention import block_segments
 
@@ -164,14 +164,10 @@ def replay_logits(params, cfg, residual, batch: ReplayBatch, remat: bool = False
     return qwen3.logits(params, cfg, hs)
 
 
-# a finite stand-in for -inf: [MASK]'s excluded logit, so that 0 * log 0 terms and their gradients stay finite
-EXCLUDED_LOGIT = -1e9
-
-
 def policy_logits(sampler, logits: jax.Array) -> jax.Array:
     """The logits the sampler draws from, before its temperature: the mask family never proposes [MASK]."""
     if isinstance(sampler, MaskSampler):
-        return logits.at[..., sampler.mask_token_id].set(EXCLUDED_LOGIT)
+        return exclude_token(logits, sampler.mask_token_id)
     if isinstance(sampler, UniformSampler):
         return logits
     raise TypeError(f"unknown sampler {type(sampler).__name__}")
