@@ -129,6 +129,7 @@ def parse_args(argv=None):
     ap.add_argument("--orl-rounds", type=int,
                     help="stage-2 rounds (ORL) and updates (RCD); lowering it below a run's saved round count "
                          "ends that stage there")
+    ap.add_argument("--orl-prompts", type=int, help="stage 2: prompts per ORL round; default: the preset's")
     ap.add_argument("--lr2", type=float, help="stage-2 peak learning rate (ORL and RCD); default: the preset's")
     ap.add_argument("--l-aec", type=float, help="ORL's AEC loss weight (AEC values are ~1e-3); default: the preset's")
     ap.add_argument("--adapter-lr-scale", type=float,
@@ -164,10 +165,10 @@ def parse_args(argv=None):
     if unknown or not methods:
         ap.error(f"--stage2-methods: unknown {unknown or 'empty list'}; choose from {', '.join(STAGE2_METHODS)}")
     args.stage2_methods = tuple(m for m in STAGE2_METHODS if m in methods)
-    for name in ("stage0_steps", "stage1_steps", "orl_rounds"):
+    for name in ("stage0_steps", "stage1_steps", "orl_rounds", "orl_prompts"):
         v = getattr(args, name)
         if v is not None and v <= 0:
-            ap.error(f"--{name.replace('_', '-')} must be a positive number of steps, got {v}")
+            ap.error(f"--{name.replace('_', '-')} must be a positive number, got {v}")
     if args.lr2 is not None and not 0 < args.lr2 < 1:
         ap.error(f"--lr2 must be in (0, 1), got {args.lr2}")
     if args.time_limit is not None and not args.time_limit > 0:
@@ -207,7 +208,8 @@ def main(argv=None) -> None:
     r = PRESETS[args.preset]
     r = dataclasses.replace(r, stage0_steps=args.stage0_steps or r.stage0_steps,
                             stage1_steps=args.stage1_steps or r.stage1_steps,
-                            orl_rounds=args.orl_rounds or r.orl_rounds, lr2=args.lr2 or r.lr2,
+                            orl_rounds=args.orl_rounds or r.orl_rounds, orl_prompts=args.orl_prompts or r.orl_prompts,
+                            lr2=args.lr2 or r.lr2,
                             l_aec=r.l_aec if args.l_aec is None else args.l_aec,
                             ar_weight=r.ar_weight if args.ar_weight is None else args.ar_weight,
                             adapter_lr_scale=(r.adapter_lr_scale if args.adapter_lr_scale is None
