@@ -173,6 +173,9 @@ def parse_args(argv=None):
         ap.error(f"--lr2 must be in (0, 1), got {args.lr2}")
     if args.time_limit is not None and not args.time_limit > 0:
         ap.error(f"--time-limit must be a positive number of minutes, got {args.time_limit}")
+    if args.time_limit is not None and args.distributed:  # each host's clock would stop it at another step
+        ap.error("--time-limit is per process: with --distributed, stop the job with the scheduler's preemption "
+                 "(orbax's preemption sync point) instead")
     args.deadline = None if args.time_limit is None else time.monotonic() + 60 * args.time_limit
     if args.adapter_lr_scale is not None and not args.adapter_lr_scale >= 0:
         ap.error(f"--adapter-lr-scale must be a number >= 0, got {args.adapter_lr_scale}")
