@@ -3,7 +3,7 @@
   python recipes/train_qwendlm.py                      # embedded default, CPU, no downloads
   python recipes/train_qwendlm.py --preset h200 --time-limit 9   # one H200; a stage still running at 9 minutes
                                                        # checkpoints and exits 75: rerun with --resume (stages 0+1
-                                                       # take ~10 minutes, ORL ~5, each evaluation ~1.5)
+                                                       # take ~10 minutes, ORL ~8, each evaluation ~1.5)
   python recipes/train_qwendlm.py --hf-model DIR       # start from a real Qwen3 checkpoint (skips stage 0)
   ... --resume                                         # continue a killed run from its checkpoints
   ... --resume --stage2-methods orl --no-eval          # one stage-2 method per process / GPU (same --out);
