@@ -177,12 +177,10 @@ def parse_args(argv=None):
         ap.error("--time-limit is per process: with --distributed, stop the job with the scheduler's preemption "
                  "(orbax's preemption sync point) instead")
     args.deadline = None if args.time_limit is None else time.monotonic() + 60 * args.time_limit
-    if args.adapter_lr_scale is not None and not args.adapter_lr_scale >= 0:
-        ap.error(f"--adapter-lr-scale must be a number >= 0, got {args.adapter_lr_scale}")
-    if args.ar_weight is not None and not args.ar_weight >= 0:
-        ap.error(f"--ar-weight must be a number >= 0, got {args.ar_weight}")
-    if args.l_aec is not None and not args.l_aec >= 0:
-        ap.error(f"--l-aec must be a number >= 0, got {args.l_aec}")
+    for name in ("l_aec", "ar_weight", "adapter_lr_scale"):
+        v = getattr(args, name)
+        if v is not None and not v >= 0:
+            ap.error(f"--{name.replace('_', '-')} must be a number >= 0, got {v}")
     return args
 
 
@@ -208,17 +206,9 @@ def main(argv=None) -> None:
 
     from orl_jax.train import stages  # after runtime.configure: JAX starts there
 
-    r = PRESETS[args.preset]
-    r = dataclasses.replace(r, stage0_steps=args.stage0_steps or r.stage0_steps,
-                            stage1_steps=args.stage1_steps or r.stage1_steps,
-                            orl_rounds=args.orl_rounds or r.orl_rounds, orl_prompts=args.orl_prompts or r.orl_prompts,
-                            lr2=args.lr2 or r.lr2,
-                            l_aec=r.l_aec if args.l_aec is None else args.l_aec,
-                            ar_weight=r.ar_weight if args.ar_weight is None else args.ar_weight,
-                            adapter_lr_scale=(r.adapter_lr_scale if args.adapter_lr_scale is None
-                                              else args.adapter_lr_scale),
-                            attention_impl=args.attention_impl or r.attention_impl,
-                            logit_shift=r.logit_shift if args.logit_shift is None else args.logit_shift)
+    # every flag named after a Recipe field overrides the preset's value when given
+    r = dataclasses.replace(PRESETS[args.preset], **{f.name: getattr(args, f.name) for f in dataclasses.fields(Recipe)
+                                                     if getattr(args, f.name, None) is not None})
     if r.attention_impl == "cudnn" and jax.default_backend() != "gpu":
         if created:
             shutil.rmtree(out)  # nothing of this run is left behind

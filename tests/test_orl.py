@@ -24,17 +24,32 @@ OCFG = ORLConfig(group_size=2, max_new_tokens=8, max_states=4, max_prompt=8,
                  loss=ORLLossConfig(pred_gate=0.0, l_aec=10.0))
 
 
+def _params(cfg, adapter: bool = True):
+    """Random params decisive enough to accept tokens (embeddings x4), far from one-hot; with adapter, g_phi's
+    output is random too (its zero init would hide the residual)."""
+    params = P.init(qwen3.param_specs(cfg), jax.random.key(0))
+    params["embed"] = params["embed"] * 4.0
+    if adapter:
+        params["adapter"] = dict(params["adapter"], down=jax.random.normal(jax.random.key(4), (32, 64)) * 0.3)
+    return params
+
+
+def _optimizer(total_steps: int = 100):
+    return make_optimizer(OptimConfig(lr=3e-3, warmup_steps=0, total_steps=total_steps, weight_decay=0.0,
+                                      groups={"adapter": ParamGroup(lr_scale=0.5, clip_norm=1.0)}))
+
+
+def _one_device(loss_fn, opt, cfg):
+    return make_train_step(loss_fn, opt, make_mesh(data=1, fsdp=1, tensor=1, devices=jax.devices()[:1]),
+                           qwen3.param_specs(cfg))
+
+
 @pytest.fixture(scope="module")
 def setup():
     cfg = preset("tiny-qwendlm").replace(block_length=BL)
-    params = P.init(qwen3.param_specs(cfg), jax.random.key(0))
-    params["embed"] = params["embed"] * 4.0
-    params["adapter"] = dict(params["adapter"], down=jax.random.normal(jax.random.key(4), (32, 64)) * 0.3)
-    n = len(PROMPTS) * OCFG.group_size
-    loss_fn = make_orl_loss(cfg, SAMPLER, n, OCFG.loss)
-    opt = make_optimizer(OptimConfig(lr=3e-3, warmup_steps=0, total_steps=100, weight_decay=0.0,
-                                     groups={"adapter": ParamGroup(lr_scale=0.5, clip_norm=1.0)}))
-    step = make_train_step(loss_fn, opt, make_mesh(data=1, fsdp=-1, tensor=1), qwen3.param_specs(cfg))
+    params = _params(cfg)
+    loss_fn = make_orl_loss(cfg, SAMPLER, len(PROMPTS) * OCFG.group_size, OCFG.loss)
+    step = make_train_step(loss_fn, _optimizer(), make_mesh(data=1, fsdp=-1, tensor=1), qwen3.param_specs(cfg))
     return cfg, params, loss_fn, step
 
 
@@ -86,8 +101,7 @@ def test_round_on_a_four_device_mesh_equals_one_device(setup):
     cfg, params, loss_fn, step4 = setup
     assert step4.mesh.size == 4
     opt = step4.optimizer
-    step1 = make_train_step(loss_fn, opt, make_mesh(data=1, fsdp=1, tensor=1, devices=jax.devices()[:1]),
-                            qwen3.param_specs(cfg))
+    step1 = _one_device(loss_fn, opt, cfg)
     accept_all = lambda responses: [True] * len(responses)  # noqa: E731
     outs = [orl_iteration(s.init_state(params, jax.random.key(0)), s, cfg, PROMPTS, accept_all,
                           jax.random.key(1), SAMPLER, OCFG) for s in (step1, step4)]
@@ -119,17 +133,12 @@ def test_mask_family_round_is_finite_and_learns():
     step's entropy at [MASK] positions, and [MASK] is outside the policy (the sampler never proposes it): every
     loss term and gradient stays finite, and one update lowers L_pred on its own replay batch."""
     cfg = preset("tiny-qwendlm").replace(block_length=BL, noise="mask", logit_shift=True)
-    params = P.init(qwen3.param_specs(cfg), jax.random.key(0))
-    params["embed"] = params["embed"] * 4.0
-    params["adapter"] = dict(params["adapter"], down=jax.random.normal(jax.random.key(4), (32, 64)) * 0.3)
+    params = _params(cfg)
     sampler = MaskSampler(mask_token_id=cfg.mask_token_id, threshold=0.3, temperature=1.0)
     ocfg = ORLConfig(group_size=2, max_new_tokens=8, max_states=4, max_prompt=8,
                      loss=ORLLossConfig(pred_gate=0.3, l_aec=10.0, aec_gate=0.0))
     loss_fn = make_orl_loss(cfg, sampler, len(PROMPTS) * ocfg.group_size, ocfg.loss)
-    opt = make_optimizer(OptimConfig(lr=3e-3, warmup_steps=0, total_steps=100, weight_decay=0.0,
-                                     groups={"adapter": ParamGroup(lr_scale=0.5, clip_norm=1.0)}))
-    step = make_train_step(loss_fn, opt, make_mesh(data=1, fsdp=1, tensor=1, devices=jax.devices()[:1]),
-                           qwen3.param_specs(cfg))
+    step = _one_device(loss_fn, _optimizer(), cfg)
     p0 = jax.tree.map(np.asarray, params)
     state, m, arrays = orl_iteration(step.init_state(params, jax.random.key(0)), step, cfg, PROMPTS,
                                      lambda rs: [True] * len(rs), jax.random.key(1), sampler, ocfg)
@@ -151,16 +160,12 @@ def test_rounds_raise_the_rollout_tpf(family):
     decoding, so later rollouts need fewer forwards per token, in both families. The same six prompts come back
     every round, so this shows the loop working, not that the confidence generalizes to new prompts."""
     cfg = preset("tiny-qwendlm").replace(block_length=8, logit_shift=True, noise=family)
-    params = P.init(qwen3.param_specs(cfg), jax.random.key(0))
-    params["embed"] = params["embed"] * 4.0
+    params = _params(cfg, adapter=False)
     sampler = (UniformSampler(max_denoising_steps=8) if family == "uniform" else
                MaskSampler(mask_token_id=cfg.mask_token_id, threshold=0.9, temperature=1.0))
     prompts = PROMPTS + [[20, 21, 22, 23], [30, 31]]
     ocfg = ORLConfig(group_size=4, max_new_tokens=16, max_states=8, max_prompt=8, loss=ORLLossConfig(l_aec=10.0))
-    opt = make_optimizer(OptimConfig(lr=3e-3, warmup_steps=0, total_steps=1000, weight_decay=0.0,
-                                     groups={"adapter": ParamGroup(lr_scale=0.5, clip_norm=1.0)}))
-    step = make_train_step(make_orl_loss(cfg, sampler, len(prompts) * 4, ocfg.loss), opt,
-                           make_mesh(data=1, fsdp=1, tensor=1, devices=jax.devices()[:1]), qwen3.param_specs(cfg))
+    step = _one_device(make_orl_loss(cfg, sampler, len(prompts) * 4, ocfg.loss), _optimizer(1000), cfg)
     state, tpf = step.init_state(params, jax.random.key(0)), []
     for i in range(36):
         state, m, _ = orl_iteration(state, step, cfg, prompts, lambda rs: [True] * len(rs), jax.random.key(i),

@@ -63,8 +63,9 @@ def _check_temperature(name: str, v: float, allow_zero: bool) -> None:
         raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'} and not NaN, got {v!r}")
 
 
-# A finite stand-in for -inf where training code removes [MASK] from the mask family's distribution: exp() of it is
-# exactly 0 in float32, while 0 * log 0 terms and their gradients stay finite (with -inf they are NaN).
+# A finite stand-in for -inf where [MASK] leaves the mask family's distribution (the sampler, its replay, RCD's
+# training residual): exp() of it is exactly 0 in float32, while 0 * log 0 terms and their gradients stay finite
+# (with -inf they are NaN).
 EXCLUDED_LOGIT = -1e9
 
 
@@ -118,7 +119,7 @@ class MaskSampler:
 
     def step(self, logits, canvas, state, key, step, active) -> StepOut:
         # [MASK] is never a prediction: a filled position must leave the masked state.
-        logits = logits.at[..., self.mask_token_id].set(-jnp.inf)
+        logits = exclude_token(logits, self.mask_token_id)
         logp = jax.nn.log_softmax(logits if self.temperature == 0 else logits / self.temperature, axis=-1)
         if self.temperature == 0:
             x0 = jnp.argmax(logp, axis=-1).astype(jnp.int32)
@@ -147,7 +148,7 @@ class MaskSampler:
         new = jnp.where(active[:, None], new, canvas)
         edit_steps = jnp.where(active, edit_steps, state["edit_steps"])
         x0 = jnp.where(active[:, None], x0, state["x0"])
-        ent = _entropy(jnp.where(jnp.isinf(logp), 0.0, logp)) / math.log(logits.shape[-1])
+        ent = _entropy(logp) / math.log(logits.shape[-1])
         return StepOut(canvas=new, state={"edit_steps": edit_steps, "x0": x0}, done=done, probs=jnp.exp(logp),
                        entropy=ent, resolved=(fill | edit) & active[:, None])
 

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from orl_jax.config import ModelConfig
 from orl_jax.data.pipeline import segment_mask
+from orl_jax.decode.residual import RCDResidual
 from orl_jax.decode.samplers import exclude_token
 from orl_jax.model import qwen3, qwendlm
 from orl_jax.train.orl_losses import normalized_entropy
@@ -191,10 +192,9 @@ class DiffusionObjective:
 
         def run(z, p=params, a=None):  # (noisy-token logits [B, N, V], clean-row logits [B, N, V] or None)
             x = qwen3.embed(p, cfg, both)
-            if a is not None:  # RCD's form (decode/residual.py RCDResidual): (1 - a) E[MASK] + a z at [MASK]
-                w = jnp.concatenate([jnp.zeros((b, n)), jnp.where(noisy == cfg.mask_token_id, a, 0.0)], axis=1)
-                zz = jnp.concatenate([jnp.zeros_like(z), z], axis=1).astype(x.dtype)
-                x = x + w[..., None].astype(x.dtype) * (zz - x)
+            if a is not None:  # RCD's form, (1 - a) E[MASK] + a z at [MASK] (clean rows: a = 0, unchanged)
+                aa = jnp.concatenate([jnp.zeros((b, n)), a], axis=1)
+                x = RCDResidual().embed(p, cfg, both, jnp.concatenate([jnp.zeros_like(z), z], axis=1), aa)
             elif z is not None:  # the adapter: E[x] + w g_phi(z)
                 w = jnp.concatenate([jnp.zeros((b, n)), jnp.ones((b, n))], axis=1)
                 zz = jnp.concatenate([jnp.zeros_like(z), z], axis=1)

@@ -26,10 +26,11 @@ from orl_jax.sharding import make_mesh
 from orl_jax.train.ckpt import CheckpointManager
 from orl_jax.train.metrics import MetricsWriter
 from orl_jax.train.objectives import DiffusionObjective
-from orl_jax.train.optim import OptimConfig, ParamGroup, make_optimizer
+from orl_jax.train.optim import OptimConfig, make_optimizer
 from orl_jax.train.orl import ORLConfig, make_orl_loss, orl_iteration
 from orl_jax.train.orl_losses import ORLLossConfig
 from orl_jax.train.stages import (
+    ADAPTER_GROUP,
     StageStopped,
     _run_stage,
     conversion_data,
@@ -50,7 +51,7 @@ def stage2_optim(r) -> OptimConfig:
     (benchmarks/results/2026-11-29_train_qwendlm_h200x2)."""
     return OptimConfig(lr=r.lr2, warmup_steps=max(r.orl_rounds // 10, 1), total_steps=max(r.orl_rounds, 1),
                        min_lr_ratio=1.0, weight_decay=0.0,
-                       groups={"adapter": ParamGroup(lr_scale=r.adapter_lr_scale, clip_norm=1.0)})
+                       groups={"adapter": dataclasses.replace(ADAPTER_GROUP["adapter"], lr_scale=r.adapter_lr_scale)})
 
 
 def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossConfig, log):
