@@ -2,6 +2,7 @@
 
   python benchmarks/engine_step.py --phase step       # ms per denoising forward (block 32, canvas 256) + loop overhead
   python benchmarks/engine_step.py --phase generate   # whole generate(): compile time, tokens/s at a forced TPF
+  python benchmarks/engine_step.py --phase profile    # one traced 16-step loop: kernel time vs idle, top kernels
 
 Run side by side (same machine, same session) with ../shared/peers/torch_graph_step.py and hf_qwen3_eager_step.py;
 benchmarks/run_engine_bench.sh does all of it. Writes a JSON line per measurement to --out.
@@ -22,7 +23,7 @@ from timing import median_seconds  # noqa: E402
 from orl_jax import runtime  # noqa: E402
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--phase", choices=["step", "generate", "breakdown"], required=True)
+ap.add_argument("--phase", choices=["step", "generate", "breakdown", "profile"], required=True)
 ap.add_argument("--blocks", default="32,256")
 ap.add_argument("--xla-default", action="store_true", help="do not apply orl_jax's XLA flags (for comparison)")
 ap.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/orl_jax/xla"))
@@ -34,6 +35,7 @@ ap.add_argument("--cached-attention", choices=["orl_jax", "pallas"], default="or
                 help="attention of the cached passes: einsum reference or fused kernel (kernels/decode_attention)")
 ap.add_argument("--cached-matmul", choices=["xla", "pallas"], default="xla",
                 help="projections of cached passes <= 64 rows: XLA (cuBLAS) or kernels/small_m_gemm")
+ap.add_argument("--layer-unroll", type=int, default=1, help="ModelConfig.layer_unroll (layers per scan iteration)")
 ap.add_argument("--gemm-table", help="tuned small-M GEMM blocks (kernels/small_m_gemm/bench.py --table)")
 args = ap.parse_args()
 runtime.configure(args.cache_dir, xla_flags=() if args.xla_default else runtime.DEFAULT_XLA_FLAGS)
@@ -55,7 +57,7 @@ T0 = time.perf_counter()
 
 def log(**kw):
     kw |= {"phase": args.phase, "tensor": args.tensor, "cached_attention": args.cached_attention,
-           "cached_matmul": args.cached_matmul,
+           "cached_matmul": args.cached_matmul, "layer_unroll": args.layer_unroll,
            "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "device": jax.devices()[0].device_kind,
            "jax": jax.__version__, "t": round(time.perf_counter() - T0, 1)}
@@ -78,7 +80,7 @@ def ceilings():
 
 cfg = preset(args.preset).replace(noise="mask", mask_token_id=preset(args.preset).vocab_size - 1,
                                   cached_attention_impl=args.cached_attention,
-                                  cached_matmul_impl=args.cached_matmul)
+                                  cached_matmul_impl=args.cached_matmul, layer_unroll=args.layer_unroll)
 if args.gemm_table:
     from orl_jax_kernels.small_m_gemm.kernel import load_tuned
 
@@ -110,24 +112,28 @@ def step_inputs(L):
     return sampler, c, cache, canvas, sstate
 
 
+def step_loop(sampler, c, sstate):
+    """jit(run)(params, cache, canvas, n, key, fixed): 16 denoising steps in a fori_loop (fixed) or n in a
+    while_loop with a dynamic predicate, as generate() runs them."""
+    def run(params, cache, canvas, n, key, fixed):
+        def body(carry):
+            i, canvas, st, key, done = carry
+            key, ks = jax.random.split(key)
+            logits = qwendlm.decode(params, c, canvas, cache)
+            out = sampler.step(logits, canvas, st, ks, i % 8, jnp.ones((1,), bool))
+            return i + 1, out.canvas, out.state, key, done + out.done.sum()
+        init = (jnp.int32(0), canvas, sstate, key, jnp.int32(0))
+        if fixed:
+            return jax.lax.fori_loop(0, 16, lambda i, cr: body(cr), init)
+        return jax.lax.while_loop(lambda cr: (cr[0] < n) & (cr[4] < 10**9), body, init)
+    return jax.jit(run, static_argnames="fixed")
+
+
 def step_phase(params, bw):
     for L in map(int, args.blocks.split(",")):
         sampler, c, cache, canvas, sstate = step_inputs(L)
-
-        def run(params, cache, canvas, n, key, fixed):
-            def body(carry):
-                i, canvas, st, key, done = carry
-                key, ks = jax.random.split(key)
-                logits = qwendlm.decode(params, c, canvas, cache)
-                out = sampler.step(logits, canvas, st, ks, i % 8, jnp.ones((1,), bool))
-                return i + 1, out.canvas, out.state, key, done + out.done.sum()
-            init = (jnp.int32(0), canvas, sstate, key, jnp.int32(0))
-            if fixed:
-                return jax.lax.fori_loop(0, 16, lambda i, cr: body(cr), init)
-            return jax.lax.while_loop(lambda cr: (cr[0] < n) & (cr[4] < 10**9), body, init)
-
+        f = step_loop(sampler, c, sstate)
         for mode in ("while", "fori"):
-            f = jax.jit(run, static_argnames="fixed")
             t = time.perf_counter()
             jax.block_until_ready(f(params, cache, canvas, 16, jax.random.key(3), mode == "fori"))
             compile_s = time.perf_counter() - t
@@ -149,6 +155,29 @@ def step_phase(params, bw):
     tw = median_seconds(lambda: wl(x0, n), reps=5) / n
     tf = median_seconds(lambda: fl(x0), reps=5) / n
     log(what="loop_overhead", while_us=tw * 1e6, fori_us=tf * 1e6, dynamic_predicate_cost_us=(tw - tf) * 1e6)
+
+
+def profile_phase(params):
+    """One traced call of the 16-step fori loop per canvas length: how much of a step the GPU is busy, and with
+    which kernels (benchmarks/xplane_summary.py)."""
+    import tempfile
+
+    from xplane_summary import summarize
+
+    for L in map(int, args.blocks.split(",")):
+        sampler, c, cache, canvas, sstate = step_inputs(L)
+        f = step_loop(sampler, c, sstate)
+        call = lambda: f(params, cache, canvas, 16, jax.random.key(3), True)  # noqa: E731
+        jax.block_until_ready(call())
+        jax.block_until_ready(call())
+        d = tempfile.mkdtemp()
+        with jax.profiler.trace(d):
+            jax.block_until_ready(call())
+        s = summarize(d, steps=16)
+        top = s.pop("top", [])
+        log(what="profile", block=L, **s)
+        for row in top:
+            log(what="profile_kernel", block=L, **row)
 
 
 def generate_phase(params):
@@ -191,5 +220,7 @@ if args.phase == "step":
     step_phase(params, bw)
 elif args.phase == "breakdown":
     breakdown_phase(params)
+elif args.phase == "profile":
+    profile_phase(params)
 else:
     generate_phase(params)

@@ -54,6 +54,9 @@ class ModelConfig:
     # batch 1): "xla" (jnp.einsum: cuBLAS on GPU) or "pallas" (kernels/small_m_gemm's split-K weight-streaming
     # GEMM, reading each layer's weight in place from the stack; single device, unsharded weights).
     cached_matmul_impl: Literal["xla", "pallas"] = "xla"
+    # Layers per iteration of the layer scan in cached passes (lax.scan's unroll): 1 compiles one layer body;
+    # num_layers unrolls the whole stack (longer compile; XLA then sees every layer's kernels in one sequence).
+    layer_unroll: int = 1
     # --- block diffusion (QwenDLM); inert for a causal model ---
     # uniform: the canvas starts as random tokens and is re-noised (DiffusionGemma's recipe, our reading for
     # QwenDLM); mask: the canvas starts as [MASK] tokens (LLaDA / SDAR style).
@@ -98,6 +101,7 @@ class ModelConfig:
         if self.cached_matmul_impl not in ("xla", "pallas"):
             raise ValueError(f"ModelConfig.cached_matmul_impl must be 'xla' or 'pallas', "
                              f"got {self.cached_matmul_impl!r}")
+        int_at_least("ModelConfig.layer_unroll", self.layer_unroll)
         if self.noise not in ("uniform", "mask"):
             raise ValueError(f"ModelConfig.noise must be 'uniform' or 'mask', got {self.noise!r}")
         if self.prefix_attention not in ("causal", "block_causal"):

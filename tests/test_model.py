@@ -307,6 +307,20 @@ def test_decode_equals_cache_free_forward(dlm):
     np.testing.assert_allclose(full[0], causal[0], atol=1e-5, rtol=0)
 
 
+def test_unrolled_layer_scan_equals_the_scan(dlm):
+    """layer_unroll (cached passes only) changes how XLA sees the layer loop, never the numbers."""
+    cfg, params = dlm
+    prompt, lengths, _ = _padded_prompts(cfg, 2)
+    canvas = jnp.asarray(_rand_tokens((len(LENGTHS), BLOCK), cfg.vocab_size, 3))
+    args = (jnp.asarray(prompt), jnp.asarray(lengths), PROMPT_LEN + 2 * BLOCK, canvas)
+    last, out = _prefill_decode(params, cfg, *args)
+    last_u, out_u = _prefill_decode(params, cfg.replace(layer_unroll=cfg.num_layers), *args)
+    np.testing.assert_allclose(np.asarray(out_u), np.asarray(out), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(last_u), np.asarray(last), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="layer_unroll"):
+        cfg.replace(layer_unroll=0)
+
+
 def test_left_padding_matches_unpadded_row(dlm):
     cfg, params = dlm
     L = BLOCK

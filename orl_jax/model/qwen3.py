@@ -160,7 +160,8 @@ def backbone(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
         body = jax.checkpoint(body, prevent_cse=False)
     ws = (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32) if streamed else None)
     xs = (ws, None, None) if cache is None else (ws, cache.k, cache.v)
-    x, (k, v) = jax.lax.scan(body, constrain(x, ACTIVATION_AXES), xs)
+    unroll = 1 if cache is None else min(cfg.layer_unroll, cfg.num_layers)
+    x, (k, v) = jax.lax.scan(body, constrain(x, ACTIVATION_AXES), xs, unroll=unroll)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), k, v
 
 

@@ -1,0 +1,58 @@
+"""Where a traced call's device time goes: GPU kernel events of a jax.profiler trace, read with
+jax.profiler.ProfileData (no TensorBoard needed).
+
+  with jax.profiler.trace(d): f(...).block_until_ready()
+  s = summarize(d, steps=16)   # per step: span, busy (union of kernel intervals), kernels; top kernels by time
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+
+from jax.profiler import ProfileData
+
+
+def kernel_events(trace_dir: str, plane_prefix: str = "/device:GPU") -> list[tuple[str, str, int, int]]:
+    """(kernel name, hlo op, start ns, duration ns) of every event on a device plane's stream lines."""
+    paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
+    if not paths:
+        raise FileNotFoundError(f"no *.xplane.pb under {trace_dir}")
+    events = []
+    for plane in ProfileData.from_file(paths[-1]).planes:
+        if not plane.name.startswith(plane_prefix):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue
+            for e in line.events:
+                op = dict(e.stats).get("hlo_op", "")
+                events.append((e.name, str(op), int(e.start_ns), int(e.duration_ns)))
+    return events
+
+
+def summarize(trace_dir: str, steps: int, top: int = 25, plane_prefix: str = "/device:GPU") -> dict:
+    ev = kernel_events(trace_dir, plane_prefix)
+    if not ev:  # say what the trace holds instead
+        path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
+        return {"kernels": 0, "planes": {p.name: [ln.name for ln in p.lines][:8]
+                                         for p in ProfileData.from_file(path).planes}}
+    ev.sort(key=lambda e: e[2])
+    busy, end = 0, None  # union of [start, start + dur): overlapping streams count once
+    for _, _, s, d in ev:
+        if end is None or s >= end:
+            busy, end = busy + d, s + d
+        elif s + d > end:
+            busy, end = busy + s + d - end, s + d
+    span = max(s + d for _, _, s, d in ev) - ev[0][2]
+    by = collections.defaultdict(lambda: [0, 0])
+    for name, op, _, d in ev:
+        k = by[(name[:80], op[:60])]
+        k[0] += 1
+        k[1] += d
+    rows = sorted(by.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"kernels_per_step": len(ev) / steps, "span_ms_per_step": span / steps / 1e6,
+            "busy_ms_per_step": busy / steps / 1e6, "idle_pct": 100 * (1 - busy / span),
+            "top": [{"kernel": n, "hlo_op": op, "calls_per_step": c / steps, "us_per_call": t / c / 1e3,
+                     "us_per_step": t / steps / 1e3} for (n, op), (c, t) in rows]}
