@@ -55,7 +55,10 @@ class ModelConfig:
     # GEMM, reading each layer's weight in place from the stack; single device, unsharded weights).
     cached_matmul_impl: Literal["xla", "pallas"] = "xla"
     # Layers per iteration of the layer scan in cached passes (lax.scan's unroll): 1 compiles one layer body;
-    # num_layers unrolls the whole stack (longer compile; XLA then sees every layer's kernels in one sequence).
+    # num_layers unrolls the whole stack. On one H200 (Qwen3-4B) unrolling makes a denoising step 3.76 ms instead of
+    # 4.07 (block 32) and 6.54 instead of 6.91 (canvas 256), but the first generate() compiles 52-84 s instead of
+    # 6-7 (benchmarks/results/2026-11-30_engine_profile_h200x2.md): worth it for a long-lived server with the
+    # persistent compilation cache. A partial unroll (e.g. 4) is much slower there.
     layer_unroll: int = 1
     # --- block diffusion (QwenDLM); inert for a causal model ---
     # uniform: the canvas starts as random tokens and is re-noised (DiffusionGemma's recipe, our reading for

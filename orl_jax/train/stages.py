@@ -271,7 +271,7 @@ def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: d
                             ORLResidual() if "+ORL" in method else NoResidual())
                 kw = dict(sampler=MaskSampler(mask_token_id=dlm_cfg.mask_token_id, threshold=max(1 - thr, 0.05)),
                           max_steps=steps, residual=residual)
-                setting = f"steps<={steps}, fill threshold={max(1 - thr, 0.05):.2f}"
+                setting = f"steps<={steps}, fill threshold={max(1 - thr, 0.05):.4g}"  # 0.9995, not 1.00
             rows.append(evaluate(params, dlm_cfg, tok, examples, method=method, setting=setting,
                                  max_new_tokens=r.eval_max_new, **kw))
             log(f"eval {method} {setting}: {dataclasses.asdict(rows[-1])}")
@@ -284,7 +284,8 @@ def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: d
              "bound 0.1, self-conditioning residual (ORLResidual); mask family: threshold fill, residual as "
              "trained (base: none, ORL: ORLResidual, RCD: RCDResidual). TPF counts "
              "denoising and commit forwards; tokens/s is the batched decode after compilation.",
-             f"Whole run: {time.perf_counter() - started:.0f} s on {jax.devices()[0].device_kind}."]
+             f"This process (the last call of a resumed run): {time.perf_counter() - started:.0f} s on "
+             f"{jax.devices()[0].device_kind}."]
     for name in ("stage2_orl", "stage2_orl_noaec"):
         log_file = out / name / "logs" / "metrics.jsonl"
         if log_file.exists():
