@@ -70,6 +70,9 @@ class Recipe:
     orl_max_prompt: int = 192
     orl_steps: int = 8  # max denoising steps per block during rollouts (uniform family)
     orl_threshold: float = 0.9  # mask family: the rollouts' fill threshold (tokens sampled at temperature 1)
+    # 0: every round draws fresh train prompts; N > 0: the rounds cycle through one fixed set of N train prompts
+    # (epochs over a prompt set, so a model can be trained on its own answers to the same prompts again)
+    orl_prompt_pool: int = 0
     lr2: float = 3e-4  # stage-2 peak rate (warmup: a tenth of the rounds); the h200 run diverged at 1e-4
     l_aec: float = 10.0  # weight of Adjacent Entropy Contraction in ORL's loss (ORLLossConfig.l_aec)
     # stage 2: the adapter g_phi's learning rate as a multiple of lr2. Lower than the backbone's by our reading of
@@ -130,6 +133,12 @@ def parse_args(argv=None):
                     help="stage-2 rounds (ORL) and updates (RCD); lowering it below a run's saved round count "
                          "ends that stage there")
     ap.add_argument("--orl-prompts", type=int, help="stage 2: prompts per ORL round; default: the preset's")
+    ap.add_argument("--orl-group", type=int, help="stage 2: sampled responses per prompt; default: the preset's")
+    ap.add_argument("--orl-prompt-pool", type=int,
+                    help="stage 2: cycle the rounds through a fixed set of this many train prompts (0: fresh prompts "
+                         "every round, the default)")
+    ap.add_argument("--orl-threshold", type=float,
+                    help="stage 2, mask family: the rollouts' fill threshold in (0, 1]; default: the preset's")
     ap.add_argument("--lr2", type=float, help="stage-2 peak learning rate (ORL and RCD); default: the preset's")
     ap.add_argument("--l-aec", type=float, help="ORL's AEC loss weight (AEC values are ~1e-3); default: the preset's")
     ap.add_argument("--adapter-lr-scale", type=float,
@@ -165,10 +174,14 @@ def parse_args(argv=None):
     if unknown or not methods:
         ap.error(f"--stage2-methods: unknown {unknown or 'empty list'}; choose from {', '.join(STAGE2_METHODS)}")
     args.stage2_methods = tuple(m for m in STAGE2_METHODS if m in methods)
-    for name in ("stage0_steps", "stage1_steps", "orl_rounds", "orl_prompts"):
+    for name in ("stage0_steps", "stage1_steps", "orl_rounds", "orl_prompts", "orl_group"):
         v = getattr(args, name)
         if v is not None and v <= 0:
             ap.error(f"--{name.replace('_', '-')} must be a positive number, got {v}")
+    if args.orl_prompt_pool is not None and args.orl_prompt_pool < 0:
+        ap.error(f"--orl-prompt-pool must be >= 0, got {args.orl_prompt_pool}")
+    if args.orl_threshold is not None and not 0 < args.orl_threshold <= 1:
+        ap.error(f"--orl-threshold must be in (0, 1], got {args.orl_threshold}")
     if args.lr2 is not None and not 0 < args.lr2 < 1:
         ap.error(f"--lr2 must be in (0, 1), got {args.lr2}")
     if args.time_limit is not None and not args.time_limit > 0:
@@ -204,7 +217,8 @@ def main(argv=None) -> None:
         runtime.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     import jax
 
-    from orl_jax.train import stages  # after runtime.configure: JAX starts there
+    from orl_jax.decode.residual import NoResidual  # after runtime.configure: JAX starts there
+    from orl_jax.train import stages
 
     # every flag named after a Recipe field overrides the preset's value when given
     r = dataclasses.replace(PRESETS[args.preset], **{f.name: getattr(args, f.name) for f in dataclasses.fields(Recipe)
@@ -221,7 +235,7 @@ def main(argv=None) -> None:
     try:
         tok, ar_cfg, ar_params = stages.base_model(r, args, out, log)
         dlm_cfg, dlm_params = stages.convert(r, args, out, tok, ar_cfg, ar_params, log)
-        methods = {"QwenDLM": dlm_params}
+        methods = {"QwenDLM": (dlm_params, NoResidual())}  # its adapter is untrained: it decodes without one
         if not args.skip_stage2:
             from orl_jax.train.stage2 import stage2
 

@@ -105,7 +105,8 @@ def test_stopped_stage_exits_before_later_stages_then_resume_finishes(tmp_path, 
     assert not (tmp_path / "cpu").exists()
     for bad in (["--orl-rounds", "0"], ["--lr2", "-1e-5"], ["--attention-impl", "flash"], ["--l-aec", "-1"],
                 ["--l-aec", "nan"], ["--time-limit", "0"], ["--ar-weight", "-1"], ["--adapter-lr-scale", "nan"],
-                ["--orl-prompts", "0"], ["--time-limit", "5", "--distributed"]):
+                ["--orl-prompts", "0"], ["--time-limit", "5", "--distributed"], ["--orl-prompt-pool", "-1"],
+                ["--orl-threshold", "0"], ["--orl-threshold", "1.5"], ["--orl-group", "0"]):
         with pytest.raises(SystemExit):
             train_qwendlm.main(args + bad)
     # a time limit stops the running stage the same way (checkpoint, exit 75), for a job scheduler's wall clock
@@ -132,3 +133,20 @@ def test_conversion_responses_fill_their_last_block_with_end_of_turn(tmp_path):
         n, plen = len(a["tokens"]), int(a["prompt_mask"].sum())
         assert (len(b["tokens"]) - plen) % r.block_length == 0 and int(b["prompt_mask"].sum()) == plen
         assert (b["tokens"][:n] == a["tokens"]).all() and (b["tokens"][n - 1:] == eot).all()
+
+
+def test_orl_rounds_draw_fresh_prompts_or_cycle_a_fixed_pool(tmp_path):
+    import dataclasses
+
+    from orl_jax.data.embedded_tokenizer import task_corpus, train_tokenizer
+    from orl_jax.data.tokenizer import load_tokenizer
+    from orl_jax.train.stage2 import round_examples
+
+    r = dataclasses.replace(train_qwendlm.PRESETS["smoke"], orl_prompts=2)
+    train_tokenizer(task_corpus(n_per_task=40, tasks=list(r.tasks)), r.vocab_size, tmp_path)
+    tok = load_tokenizer(tmp_path)
+    prompts = lambda r, rnd: [ex.prompt for ex in round_examples(r, tok, 320, rnd)]  # noqa: E731
+    assert prompts(r, 0) != prompts(r, 1) and prompts(r, 1) == prompts(r, 1)  # fresh, reproducible (--resume)
+    pooled = dataclasses.replace(r, orl_prompt_pool=3)
+    p0, p1, p3 = prompts(pooled, 0), prompts(pooled, 1), prompts(pooled, 3)
+    assert len(set(p0 + p1)) == 3 and p1[1] == p0[0] and p3 == p0  # prompts 0 1 | 2 0 | 1 2 | 0 1

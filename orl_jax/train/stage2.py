@@ -1,8 +1,9 @@
 """Stage 2 of recipes/train_qwendlm.py: ORL (on-policy residual learning) on the converted QwenDLM, and its
 no-AEC ablation, each a sequence of rounds (rollout -> verify -> replay -> one update; train/orl.py).
 
-Prompts of round k are drawn from the train split with seed k, rollout keys are fold_in(key, k), and the round
-counter is checkpointed with the state, so `--resume` replays exactly the rounds that were not done yet.
+Prompts of round k are drawn from the train split with seed k (or, with r.orl_prompt_pool = N, are prompts
+kP .. kP + P - 1 mod N of one fixed set), rollout keys are fold_in(key, k), and the round counter is checkpointed
+with the state, so `--resume` replays exactly the rounds that were not done yet.
 The RCD baseline trains the same converted model off-policy: the block-diffusion objective on randomly noised
 training states, with the residual computed by the frozen converted model (DiffusionObjective(reference_params))
 and plain cross-entropy, for as many updates as ORL takes rounds. The frozen reference is a sharded argument of
@@ -20,6 +21,7 @@ import numpy as np
 from orl_jax import checkpoint
 from orl_jax.data import tasks
 from orl_jax.data.prompt_format import format_prompt, response_until_stop, stop_token_ids
+from orl_jax.decode.residual import ORLResidual, RCDResidual
 from orl_jax.decode.samplers import MaskSampler, UniformSampler
 from orl_jax.model import qwen3
 from orl_jax.sharding import make_mesh
@@ -54,6 +56,25 @@ def stage2_optim(r) -> OptimConfig:
                        groups={"adapter": dataclasses.replace(ADAPTER_GROUP["adapter"], lr_scale=r.adapter_lr_scale)})
 
 
+def train_prompts(r, tok, max_prompt: int, n: int, seed: int) -> list:
+    """n train examples (of r.tasks, drawn with `seed`) whose formatted prompt fits max_prompt tokens."""
+    pool = tasks.sample("train", 4 * n, seed, tasks=list(r.tasks))
+    exs = [ex for ex in pool if len(format_prompt(tok, ex.prompt)) <= max_prompt][:n]
+    if len(exs) < n:
+        raise ValueError(f"too few train prompts fit ORL max_prompt={max_prompt} tokens ({len(exs)} of {n})")
+    return exs
+
+
+def round_examples(r, tok, max_prompt: int, rnd: int) -> list:
+    """The r.orl_prompts train examples of ORL round `rnd`: fresh ones (seed 100000 + rnd), or with
+    r.orl_prompt_pool = N the next ones of a fixed set of N, cycled."""
+    P = r.orl_prompts
+    if not r.orl_prompt_pool:
+        return train_prompts(r, tok, max_prompt, P, 100_000 + rnd)
+    fixed = train_prompts(r, tok, max_prompt, r.orl_prompt_pool, 99_999)  # ~50 ms for 64 prompts: not cached
+    return [fixed[(rnd * P + i) % len(fixed)] for i in range(P)]
+
+
 def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossConfig, log):
     """Train `params` with ORL for r.orl_rounds rounds; export to OUT/name/params (reused when present)."""
     done = load_export(name, out, cfg, log)
@@ -76,10 +97,7 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
         state, start = (restored[0], int(restored[1]["round"])) if restored else (
             step.init_state(params, jax.random.key(2)), 0)
         for rnd in range(start, r.orl_rounds):
-            pool = tasks.sample("train", 4 * P, 100_000 + rnd, tasks=list(r.tasks))
-            exs = [ex for ex in pool if len(format_prompt(tok, ex.prompt)) <= ocfg.max_prompt][:P]
-            if len(exs) < P:
-                raise ValueError(f"too few train prompts fit ORL max_prompt={ocfg.max_prompt} tokens")
+            exs = round_examples(r, tok, ocfg.max_prompt, rnd)
             prompts = [format_prompt(tok, ex.prompt) for ex in exs]
 
             def verify(responses, exs=exs):  # all rows at once: the code task's sandboxes run in parallel
@@ -116,12 +134,16 @@ def run_rcd(r, args, out: Path, tok, cfg, params, log):
 
 
 def stage2(r, args, out: Path, tok, cfg, params, log, methods=("orl", "noaec", "rcd")) -> dict:
-    """{method: params} for the chosen of ORL ("orl"), ORL without AEC ("noaec") and the RCD baseline ("rcd")."""
+    """{report name: (params, residual)} for the chosen of ORL ("orl"), ORL without AEC ("noaec") and the RCD
+    baseline ("rcd"). The residual is the one a mask-family model was trained with, hence decodes with: ORL's
+    adapter on the previous step's hidden state, RCD's interpolated embedding."""
     base = ORLLossConfig(l_aec=r.l_aec)
     log(f"stage 2 ({', '.join(methods)}): ORL, {r.orl_rounds} rounds of {r.orl_prompts} prompts x "
         f"{r.orl_group} responses")
-    runs = {"orl": ("QwenDLM+ORL", lambda: run_orl("stage2_orl", r, args, out, tok, cfg, params, base, log)),
-            "noaec": ("QwenDLM+ORL (no AEC)", lambda: run_orl("stage2_orl_noaec", r, args, out, tok, cfg, params,
-                                                              dataclasses.replace(base, l_aec=0.0), log)),
-            "rcd": ("QwenDLM+RCD", lambda: run_rcd(r, args, out, tok, cfg, params, log))}
-    return {runs[m][0]: runs[m][1]() for m in methods}
+    runs = {"orl": ("QwenDLM+ORL", ORLResidual(),
+                    lambda: run_orl("stage2_orl", r, args, out, tok, cfg, params, base, log)),
+            "noaec": ("QwenDLM+ORL (no AEC)", ORLResidual(),
+                      lambda: run_orl("stage2_orl_noaec", r, args, out, tok, cfg, params,
+                                      dataclasses.replace(base, l_aec=0.0), log)),
+            "rcd": ("QwenDLM+RCD", RCDResidual(), lambda: run_rcd(r, args, out, tok, cfg, params, log))}
+    return {runs[m][0]: (runs[m][2](), runs[m][1]) for m in methods}

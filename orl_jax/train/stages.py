@@ -22,7 +22,7 @@ from orl_jax.data.embedded_tokenizer import task_corpus, train_tokenizer
 from orl_jax.data.pipeline import make_dataset
 from orl_jax.data.prompt_format import format_example, stop_token_ids
 from orl_jax.data.tokenizer import load_tokenizer
-from orl_jax.decode.residual import NoResidual, ORLResidual, RCDResidual
+from orl_jax.decode.residual import ORLResidual
 from orl_jax.decode.samplers import MaskSampler, UniformSampler
 from orl_jax.model import qwen3
 from orl_jax.sharding import make_mesh
@@ -245,7 +245,10 @@ def heldout_examples(r, tok, seed: int):
 
 
 def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: dict, log, started: float):
-    """AR greedy baseline, then every QwenDLM variant in `methods` ({name: params}) at every decoding setting."""
+    """AR greedy baseline, then every QwenDLM variant in `methods` at every decoding setting.
+
+    methods: {name: (params, residual)}, the residual a mask-family model was trained with (the uniform family
+    always decodes with self-conditioning, ORLResidual)."""
     import time
 
     examples = heldout_examples(r, tok, args.seed + 7)
@@ -255,10 +258,10 @@ def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: d
     if dlm_cfg.prefix_attention == "causal" and (dlm_cfg.logit_shift or r.ar_weight > 0):
         # the converted weights decoded token by token (their clean rows are trained as the causal model): what
         # the conversion kept of the AR model, after stage 1's extra training
-        rows.append(evaluate(methods["QwenDLM"], dlm_cfg, tok, examples, method="QwenDLM weights, AR decoding",
+        rows.append(evaluate(methods["QwenDLM"][0], dlm_cfg, tok, examples, method="QwenDLM weights, AR decoding",
                              setting="-", ar=True, max_new_tokens=r.eval_max_new))
         log(f"eval QwenDLM as AR: {dataclasses.asdict(rows[-1])}")
-    for method, params in methods.items():
+    for method, (params, mask_residual) in methods.items():
         for steps, thr, *bound in r.eval_settings:
             if dlm_cfg.noise == "uniform":
                 default = UniformSampler.entropy_bound
@@ -266,11 +269,9 @@ def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: d
                 kw = dict(sampler=UniformSampler(max_denoising_steps=steps, confidence=thr, entropy_bound=bound,
                                                  greedy=True), residual=ORLResidual())
                 setting = f"steps<={steps}, confidence={thr}" + (f", entropy bound={bound}" if bound != default else "")
-            else:  # the residual each method was trained with (the base's adapter is untrained: none)
-                residual = (RCDResidual() if method.endswith("+RCD") else
-                            ORLResidual() if "+ORL" in method else NoResidual())
+            else:
                 kw = dict(sampler=MaskSampler(mask_token_id=dlm_cfg.mask_token_id, threshold=max(1 - thr, 0.05)),
-                          max_steps=steps, residual=residual)
+                          max_steps=steps, residual=mask_residual)
                 setting = f"steps<={steps}, fill threshold={max(1 - thr, 0.05):.4g}"  # 0.9995, not 1.00
             rows.append(evaluate(params, dlm_cfg, tok, examples, method=method, setting=setting,
                                  max_new_tokens=r.eval_max_new, **kw))
