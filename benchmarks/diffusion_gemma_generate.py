@@ -2,7 +2,7 @@
 (one canvas), the uniform sampler with DiffusionGemma's defaults except confidence=0 (random weights never converge,
 so every canvas runs the 48-step maximum, as in the transformers peer).
 
-  python benchmarks/diffusion_gemma_generate.py --out dg.jsonl
+  python benchmarks/diffusion_gemma_generate.py --out dg.jsonl [--profile]
 Run side by side with ../shared/peers/hf_diffusion_gemma_generate.py (benchmarks/run_dg_bench.sh).
 """
 
@@ -27,6 +27,8 @@ ap.add_argument("--new", type=int, default=256)
 ap.add_argument("--expert", type=int, default=1, help="expert-parallel over the first N devices (mesh tensor=N)")
 ap.add_argument("--moe-impl", default="bucketed",
                 help="DiffusionGemmaConfig.moe_impl; a comma-separated list (bucketed, pallas, dense): each in turn")
+ap.add_argument("--profile", action="store_true",
+                help="also trace 5 decoder forwards per impl: GPU kernel time vs idle, top kernels (xplane_summary.py)")
 ap.add_argument("--gemm-table", help="tuned small-M GEMM blocks for moe_impl=pallas (kernels/small_m_gemm/bench.py)")
 args = ap.parse_args()
 IMPLS = args.moe_impl.split(",")
@@ -116,6 +118,19 @@ def one_forward(cfg):
         t = time.perf_counter()
         jax.block_until_ready([compiled(params, canvas, cache) for _ in range(5)])
         ts.append((time.perf_counter() - t) / 5)
+    if args.profile:
+        import tempfile
+
+        from xplane_summary import summarize
+
+        d = tempfile.mkdtemp()
+        with jax.profiler.trace(d):
+            jax.block_until_ready([compiled(params, canvas, cache) for _ in range(5)])
+        prof = summarize(d, steps=5)
+        top = prof.pop("top", [])
+        log(what="profile", moe_impl=cfg.moe_impl, **prof)
+        for row in top:
+            log(what="profile_kernel", moe_impl=cfg.moe_impl, **row)
     return float(np.median(ts)) * 1e3, getattr(mem, "temp_size_in_bytes", None)
 
 
