@@ -36,6 +36,7 @@ ap.add_argument("--cached-attention", choices=["orl_jax", "pallas"], default="or
 ap.add_argument("--cached-matmul", choices=["xla", "pallas"], default="xla",
                 help="projections of cached passes <= 64 rows: XLA (cuBLAS) or kernels/small_m_gemm")
 ap.add_argument("--layer-unroll", type=int, default=1, help="ModelConfig.layer_unroll (layers per scan iteration)")
+ap.add_argument("--attention-table", help="tuned attention blocks (kernels/decode_attention/bench.py --table)")
 ap.add_argument("--gemm-table", help="tuned small-M GEMM blocks (kernels/small_m_gemm/bench.py --table)")
 args = ap.parse_args()
 runtime.configure(args.cache_dir, xla_flags=() if args.xla_default else runtime.DEFAULT_XLA_FLAGS)
@@ -84,7 +85,11 @@ cfg = preset(args.preset).replace(noise="mask", mask_token_id=preset(args.preset
 if args.gemm_table:
     from orl_jax_kernels.small_m_gemm.kernel import load_tuned
 
-    log(gemm_table=str(load_tuned(args.gemm_table)))
+    log(what="gemm_table", table=str(load_tuned(args.gemm_table)))
+if args.attention_table:
+    from orl_jax_kernels.decode_attention.kernel import load_tuned as load_attention_table
+
+    log(what="attention_table", table=str(load_attention_table(args.attention_table)))
 specs = qwen3.param_specs(cfg)
 MESH = None if args.tensor == 1 else make_mesh(data=1, fsdp=1, tensor=args.tensor,
                                                devices=jax.devices()[:args.tensor])

@@ -88,3 +88,19 @@ def test_kernel_lowers_to_verified_triton_on_any_machine(monkeypatch):
             sd((b, l, s), jnp.int8), sd((b, l, kv, h), jnp.bfloat16), sd((b, l, kv, h), jnp.bfloat16),
             sd((b, l, l), jnp.int8))
     verified_triton_modules(monkeypatch, lambda *a: cached_attention(*a, scale=h ** -0.5), *args)
+
+
+def test_tuned_table_sets_the_blocks_of_its_shapes(tmp_path, monkeypatch):
+    import json
+
+    from orl_jax_kernels.decode_attention import kernel
+
+    monkeypatch.setattr(kernel, "TUNED", {})
+    tuned = Blocks(bl=16, bs=32, chunks_per_split=1, num_warps=8, num_stages=2)
+    (tmp_path / "t.json").write_text(json.dumps([{"l": 32, "s": 96, "blocks": tuned.__dict__, "us": 1.0}]))
+    kernel.load_tuned(tmp_path / "t.json")
+    assert kernel.blocks_for(32, 96) == tuned and kernel.blocks_for(32, 64) == Blocks()
+    q, kc, vc, cm, kself, vself, sm = _inputs(jax.random.key(1))
+    got = attention(q, [(kc, vc, cm), (kself, vself, sm)], impl="pallas")  # reads the table
+    want = attention(q, [(kc, vc, cm), (kself, vself, sm)])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)

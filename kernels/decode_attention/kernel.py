@@ -39,6 +39,25 @@ class Blocks:
     num_stages: int = 2
 
 
+TUNED: dict[tuple[int, int], Blocks] = {}
+
+
+def load_tuned(path) -> dict[tuple[int, int], Blocks]:
+    """Fill TUNED from a JSON table [{"l":, "s":, "blocks": {...}}, ...] (kernels/decode_attention/bench.py
+    --table); call before the first trace."""
+    import json
+    from pathlib import Path
+
+    for row in json.loads(Path(path).read_text()):
+        TUNED[(int(row["l"]), int(row["s"]))] = Blocks(**row["blocks"])
+    return TUNED
+
+
+def blocks_for(l: int, s: int) -> Blocks:
+    """The tuned blocks for l queries over s cache slots, else the defaults."""
+    return TUNED.get((l, s), Blocks())
+
+
 def _tile(n: int, want: int) -> int:
     """The largest power of two <= want dividing n (0 if below 16: tensor-core dots need 16)."""
     t = want

@@ -31,11 +31,12 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
     (tests: test_objectives.py, the cuDNN one marked gpu).
     """
     if impl == "pallas" and len(parts) == 2:
-        from orl_jax_kernels.decode_attention.kernel import cached_attention, supported
+        from orl_jax_kernels.decode_attention.kernel import blocks_for, cached_attention, supported
 
         (kc, vc, cm), (ks, vs, sm) = parts
-        if supported(q.shape[1], kc.shape[1], q.shape[-1]):
-            return cached_attention(q, kc, vc, cm, ks, vs, sm, scale=q.shape[-1] ** -0.5,
+        blocks = blocks_for(q.shape[1], kc.shape[1])
+        if supported(q.shape[1], kc.shape[1], q.shape[-1], blocks):
+            return cached_attention(q, kc, vc, cm, ks, vs, sm, scale=q.shape[-1] ** -0.5, blocks=blocks,
                                     interpret=jax.default_backend() == "cpu")
     elif impl in ("xla", "cudnn") and len(parts) == 1:
         k, v, mask = parts[0]

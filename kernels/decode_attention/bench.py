@@ -1,0 +1,150 @@
+"""GPU benchmark of the cached-pass attention kernel's block choices against XLA's einsums, at the engine's
+shapes (Qwen3-4B: 32 query heads, 8 kv heads, head dim 128, batch 1, prompt 512): block 32 over a 544-slot cache
+and canvas 256 over 768. Writes the tuned table that `kernel.load_tuned` reads.
+
+  python kernels/decode_attention/bench.py [--out attn.jsonl] [--table attn_tuned.json]
+
+Why: a profile of the engine step (benchmarks/results/2026-11-30_engine_profile_h200x2.md) puts the kernel at
+6.9 us per layer at block 32 and 30 us at canvas 256, where its default blocks give 7 key splits x 4 query tiles x
+32 heads = 896 programs and 7 partial outputs to merge.
+
+Every variant is checked against orl_jax's einsum attention on the same inputs, then timed on 36 layers' distinct
+caches passed as separate arguments (the kernel alone, no slicing). The best variant and XLA are also timed as the
+model runs them, a `lax.scan` over a stack of 36 layers' caches ("*_scan" rows).
+"""
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from orl_jax import runtime  # noqa: E402
+
+runtime.configure(None)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from orl_jax.model.attention import cache_mask, full_segments, scaled_attention, self_mask  # noqa: E402
+from orl_jax_kernels.decode_attention.kernel import Blocks, cached_attention, supported  # noqa: E402
+
+INTERPRET = os.environ.get("ORL_BENCH_INTERPRET") == "1"  # CPU smoke run of the script (tiny shapes, no timing sense)
+# name: (queries L, cache slots S); heads N, kv heads K, head dim H
+SHAPES = {"block32": (32, 544), "canvas256": (256, 768)}
+N, KV, H, LAYERS, PROMPT = 32, 8, 128, 36, 512
+if INTERPRET:
+    SHAPES, N, KV, H, LAYERS, PROMPT = {"tiny": (32, 96)}, 4, 2, 32, 2, 64
+
+
+def per_call(g, *args, calls=10):
+    """Median seconds of one call of the jitted g (calls queued back to back, so host dispatch overlaps)."""
+    jax.block_until_ready(g(*args))
+    ts = []
+    for _ in range(3 if INTERPRET else 5):
+        t = time.perf_counter()
+        jax.block_until_ready([g(*args) for _ in range(1 if INTERPRET else calls)])
+        ts.append((time.perf_counter() - t) / (1 if INTERPRET else calls))
+    return float(np.median(ts))
+
+
+def configs(l, s):
+    """Block candidates the kernel supports at (l, s): query tiles, key chunks, cache chunks per split, warps."""
+    out = []
+    for bl, bs, cps, warps in itertools.product((16, 32, 64, 128), (32, 64, 128), (1, 2, 4, 8), (4, 8)):
+        b = Blocks(bl=bl, bs=bs, chunks_per_split=cps, num_warps=warps, num_stages=2)
+        if bl <= l and supported(l, s, H, b) and (not INTERPRET or warps == 4):
+            out.append(b)
+    if supported(l, s, H):
+        out.append(Blocks())  # the default, whose query tile the kernel shrinks to fit l
+    return sorted(set(out), key=str)
+
+
+def inputs(l, s):
+    ks = jax.random.split(jax.random.key(l + s), 2 * LAYERS + 3)
+    q = jax.random.normal(ks[0], (1, l, N, H), jnp.bfloat16)
+    kc = [jax.random.normal(k, (1, s, KV, H), jnp.bfloat16) for k in ks[3:3 + LAYERS]]
+    vc = [jax.random.normal(k, (1, s, KV, H), jnp.bfloat16) for k in ks[3 + LAYERS:]]
+    kself, vself = (jax.random.normal(k, (1, l, KV, H), jnp.bfloat16) for k in ks[1:3])
+    cm = cache_mask(jnp.zeros((1,), jnp.int32), PROMPT, s, l).astype(jnp.int8)  # the prompt's slots are filled
+    sm = self_mask(full_segments(1, l)).astype(jnp.int8)
+    return q, kc, vc, cm, kself, vself, sm
+
+
+def bench_shape(name, l, s, record) -> dict:
+    q, kc, vc, cm, kself, vself, sm = inputs(l, s)
+    scale = H ** -0.5
+    xla = lambda q, kc, vc: scaled_attention(q, [(kc, vc, cm != 0), (kself, vself, sm != 0)], scale)  # noqa: E731
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    ref = scaled_attention(f32(q), [(f32(kc[0]), f32(vc[0]), cm != 0), (f32(kself), f32(vself), sm != 0)], scale)
+
+    def err(out):
+        return float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+
+    def over_layers(f):  # every layer's cache a separate argument: nothing sliced
+        return jax.jit(lambda q, kcs, vcs: jnp.stack([f(q, a, b) for a, b in zip(kcs, vcs)]))
+
+    def row(variant, seconds, rel, **kw):
+        record(shape=name, l=l, s=s, variant=variant, us_per_layer=seconds * 1e6, rel_err=rel, **kw)
+
+    t_xla = per_call(over_layers(xla), q, kc, vc) / LAYERS
+    row("xla", t_xla, err(jax.jit(xla)(q, kc[0], vc[0])))
+    results = []
+    for b in configs(l, s):
+        f = lambda q, a, c, b=b: cached_attention(q, a, c, cm, kself, vself, sm, scale=scale, blocks=b,  # noqa: E731
+                                                  interpret=INTERPRET)
+        try:
+            rel = err(jax.jit(f)(q, kc[0], vc[0]))
+            if not rel < 0.02:  # bf16 rounding is ~0.002; more is a wrong result
+                record(shape=name, variant=str(b), error=f"relative error {rel:.3g}")
+                continue
+            results.append((per_call(over_layers(f), q, kc, vc) / LAYERS, b, rel))
+        except Exception as ex:  # a block config the lowering or the chip rejects
+            record(shape=name, variant=str(b), error=repr(ex)[:160])
+    results.sort(key=lambda r: r[0])
+    default = next((r for r in results if r[1] == Blocks()), None)
+    for t, b, rel in results[:8] + ([default] if default and default not in results[:8] else []):
+        row(str(b), t, rel, blocks=b.__dict__, default=b == Blocks())
+    best_t, best, best_rel = results[0]
+    # the model's situation: a scan over the layer stack hands each layer's cache slice to the kernel
+    kst, vst = jnp.stack(kc), jnp.stack(vc)
+
+    def scanned(f):
+        return jax.jit(lambda q, ks, vs: jax.lax.scan(lambda c, kv: (c, f(q, *kv)), 0, (ks, vs))[1])
+
+    row("xla_scan", per_call(scanned(xla), q, kst, vst) / LAYERS, best_rel)
+    for tag, b in (("best", best), ("default", Blocks())):
+        if supported(l, s, H, b):
+            f = lambda q, a, c, b=b: cached_attention(q, a, c, cm, kself, vself, sm, scale=scale,  # noqa: E731
+                                                      blocks=b, interpret=INTERPRET)
+            row(f"pallas_scan_{tag} {b}", per_call(scanned(f), q, kst, vst) / LAYERS, best_rel)
+    print(f"{name}: L={l} S={s}  xla {t_xla * 1e6:.1f} us  best {best_t * 1e6:.1f} us {best}  default "
+          f"{default[0] * 1e6 if default else float('nan'):.1f} us", flush=True)
+    return {"l": l, "s": s, "blocks": best.__dict__, "us": best_t * 1e6, "xla_us": t_xla * 1e6}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {', '.join(SHAPES)}")
+    ap.add_argument("--out", default="attn_bench.jsonl")
+    ap.add_argument("--table", default="attn_tuned.json", help="per-shape best blocks (kernel.load_tuned)")
+    args = ap.parse_args()
+
+    def record(**rec):
+        print(json.dumps(rec), flush=True)
+        with open(args.out, "a") as fh:
+            fh.write(json.dumps(rec) + "\n")
+
+    table = [bench_shape(name, *SHAPES[name], record) for name in args.shapes.split(",")]
+    tmp = args.table + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(table, fh, indent=1)
+    os.replace(tmp, args.table)  # never a half-written table
+
+
+if __name__ == "__main__":
+    main()
