@@ -25,7 +25,11 @@ def _inputs(key, b=2, l=32, s=96, n=4, kv=2, h=32, dtype=jnp.float32):
     return q, kc, vc, cm, kself, vself, sm
 
 
-@pytest.mark.parametrize("blocks", [Blocks(), Blocks(bl=16, bs=32), Blocks(bl=16, bs=16, chunks_per_split=1)])
+GROUPED = Blocks(bl=16, bs=32, chunks_per_split=1, group_heads=True)
+
+
+@pytest.mark.parametrize("blocks", [Blocks(), Blocks(bl=16, bs=32), Blocks(bl=16, bs=16, chunks_per_split=1),
+                                    Blocks(group_heads=True), GROUPED])
 def test_kernel_equals_reference_in_interpret_mode(blocks):
     q, kc, vc, cm, kself, vself, sm = _inputs(jax.random.key(0))
     want = attention(q, [(kc, vc, cm), (kself, vself, sm)])
@@ -42,6 +46,8 @@ def test_supported_shapes():
     assert supported(32, 544, 128) and supported(256, 768, 128) and supported(16, 16, 16)
     assert not supported(8, 64, 64)  # a block of 8 queries: below the 16-row dot
     assert not supported(32, 40, 64) and not supported(32, 64, 96)
+    assert supported(32, 64, 64, Blocks(group_heads=True), g=4) and not supported(32, 64, 64, Blocks(group_heads=True),
+                                                                                    g=3)
     with pytest.raises(ValueError, match="not supported"):
         q, kc, vc, cm, kself, vself, sm = _inputs(jax.random.key(0), l=8)
         cached_attention(q, kc, vc, cm, kself, vself, sm, scale=1.0, interpret=True)
@@ -75,11 +81,13 @@ def test_kernel_compiled_on_gpu_bf16(l, s, n, kv, h):
     """The shapes generate() meets with cached_attention_impl "auto" on a GPU: Qwen3-4B, the recipe's model."""
     q, kc, vc, cm, kself, vself, sm = _inputs(jax.random.key(0), l=l, s=s, n=n, kv=kv, h=h, dtype=jnp.bfloat16)
     want = attention(q, [(kc, vc, cm), (kself, vself, sm)])
-    got = cached_attention(q, kc, vc, cm, kself, vself, sm, scale=q.shape[-1] ** -0.5)
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
+    for blocks in (Blocks(), Blocks(group_heads=True)):
+        got = cached_attention(q, kc, vc, cm, kself, vself, sm, scale=q.shape[-1] ** -0.5, blocks=blocks)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
 
 
-def test_kernel_lowers_to_verified_triton_on_any_machine(monkeypatch):
+@pytest.mark.parametrize("group_heads", [False, True])
+def test_kernel_lowers_to_verified_triton_on_any_machine(monkeypatch, group_heads):
     """Pallas -> Triton IR at the Qwen3-4B decode shape, cross-platform, through MLIR's verifier (no GPU needed):
     catches an op the Triton lowering does not support, or mixed-type loop bounds, before a GPU session."""
     sd = jax.ShapeDtypeStruct
@@ -87,7 +95,8 @@ def test_kernel_lowers_to_verified_triton_on_any_machine(monkeypatch):
     args = (sd((b, l, n, h), jnp.bfloat16), sd((b, s, kv, h), jnp.bfloat16), sd((b, s, kv, h), jnp.bfloat16),
             sd((b, l, s), jnp.int8), sd((b, l, kv, h), jnp.bfloat16), sd((b, l, kv, h), jnp.bfloat16),
             sd((b, l, l), jnp.int8))
-    verified_triton_modules(monkeypatch, lambda *a: cached_attention(*a, scale=h ** -0.5), *args)
+    blocks = Blocks(group_heads=group_heads)
+    verified_triton_modules(monkeypatch, lambda *a: cached_attention(*a, scale=h ** -0.5, blocks=blocks), *args)
 
 
 def test_tuned_table_sets_the_blocks_of_its_shapes(tmp_path, monkeypatch):

@@ -6,7 +6,8 @@ and canvas 256 over 768. Writes the tuned table that `kernel.load_tuned` reads.
 
 Why: a profile of the engine step (benchmarks/results/2026-11-30_engine_profile_h200x2.md) puts the kernel at
 6.9 us per layer at block 32 and 30 us at canvas 256, where its default blocks give 7 key splits x 4 query tiles x
-32 heads = 896 programs and 7 partial outputs to merge.
+32 heads = 896 programs and 7 partial outputs to merge. The sweep includes `group_heads` (the G query heads of a
+kv head in one program: K/V read once per kv head, G x more rows per dot).
 
 Every variant is checked against orl_jax's einsum attention on the same inputs, then timed on 36 layers' distinct
 caches passed as separate arguments (the kernel alone, no slicing). The best variant and XLA are also timed as the
@@ -31,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from orl_jax.model.attention import cache_mask, full_segments, scaled_attention, self_mask  # noqa: E402
-from orl_jax_kernels.decode_attention.kernel import Blocks, cached_attention, supported  # noqa: E402
+from orl_jax_kernels.decode_attention.kernel import Blocks, _tile, cached_attention, supported  # noqa: E402
 
 INTERPRET = os.environ.get("ORL_BENCH_INTERPRET") == "1"  # CPU smoke run of the script (tiny shapes, no timing sense)
 # name: (queries L, cache slots S); heads N, kv heads K, head dim H
@@ -53,15 +54,21 @@ def per_call(g, *args, calls=10):
 
 
 def configs(l, s):
-    """Block candidates the kernel supports at (l, s): query tiles, key chunks, cache chunks per split, warps."""
-    out = []
-    for bl, bs, cps, warps in itertools.product((16, 32, 64, 128), (32, 64, 128), (1, 2, 4, 8), (4, 8)):
-        b = Blocks(bl=bl, bs=bs, chunks_per_split=cps, num_warps=warps, num_stages=2)
-        if bl <= l and supported(l, s, H, b) and (not INTERPRET or warps == 4):
+    """Block candidates the kernel supports at (l, s), one per distinct effective tiling: query tile, key chunk of
+    the cache and of the own keys, cache chunks per split, heads per program; 4 warps up to 64 rows per program,
+    8 above."""
+    out, seen = [], set()
+    for bl, bs, cps, grouped in itertools.product((16, 32, 64, 128), (32, 64, 128), (1, 2, 4, 8), (False, True)):
+        rows = min(bl, l) * (N // KV if grouped else 1)
+        b = Blocks(bl=bl, bs=bs, chunks_per_split=cps, num_warps=4 if rows <= 64 else 8, num_stages=2,
+                   group_heads=grouped)
+        eff = (_tile(l, bl), _tile(s, bs), _tile(l, bs), cps, grouped)
+        if bl <= l and supported(l, s, H, b, N // KV) and eff not in seen:
+            seen.add(eff)
             out.append(b)
-    if supported(l, s, H):
+    if supported(l, s, H) and Blocks() not in out:
         out.append(Blocks())  # the default, whose query tile the kernel shrinks to fit l
-    return sorted(set(out), key=str)
+    return out
 
 
 def inputs(l, s):

@@ -37,6 +37,9 @@ class Blocks:
     chunks_per_split: int = 2  # cache chunks per program (the own keys are one more split)
     num_warps: int = 4
     num_stages: int = 2
+    # True: one program serves the G query heads of a kv head, their queries stacked as G x bl rows of one dot, so
+    # each K/V chunk is read once per kv head instead of G times (needs G a power of two)
+    group_heads: bool = False
 
 
 TUNED: dict[tuple[int, int], Blocks] = {}
@@ -66,15 +69,22 @@ def _tile(n: int, want: int) -> int:
     return t if t >= 16 else 0
 
 
-def supported(l: int, s: int, h: int, blocks: Blocks = Blocks()) -> bool:
-    """Queries per pass l, cache slots s, head dim h: tiles of >= 16 must divide l, s; h a power of two >= 16."""
-    return bool(_tile(l, blocks.bl) and _tile(s, blocks.bs) and _tile(l, blocks.bs)) and h >= 16 and not h & (h - 1)
+def supported(l: int, s: int, h: int, blocks: Blocks = Blocks(), g: int = 1) -> bool:
+    """Queries per pass l, cache slots s, head dim h, query heads per kv head g: tiles of >= 16 must divide l, s;
+    h a power of two >= 16; with group_heads, g a power of two."""
+    pow2 = lambda x: x >= 1 and not x & (x - 1)  # noqa: E731
+    return (bool(_tile(l, blocks.bl) and _tile(s, blocks.bs) and _tile(l, blocks.bs)) and h >= 16 and pow2(h)
+            and (not blocks.group_heads or pow2(g)))
 
 
 def _kernel(q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref, ms_ref, o_ref, m_out, l_out, *, scale: float, cs: int,
-            ss: int, cps: int):
-    q = q_ref[0, :, 0, :]  # [BL, H]
-    bl, h = q.shape
+            ss: int, cps: int, grouped: bool):
+    if grouped:  # [BL, G, H] -> rows (query, head) of one dot
+        bl, g, h = q_ref.shape[1:]
+        q = q_ref[0].reshape(bl * g, h)
+    else:
+        q = q_ref[0, :, 0, :]  # [BL, H]
+        (bl, h), g = q.shape, 1
     split = pl.program_id(3)
     own = split == pl.num_programs(3) - 1  # the last split holds the pass's own keys, the others the cache
     n_cache = kc_ref.shape[1] // cs
@@ -90,6 +100,8 @@ def _kernel(q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref, ms_ref, o_ref, m_out,
             k = k_ref[0, pl.ds(s0, chunk), 0, :]  # [C, H]
             v = v_ref[0, pl.ds(s0, chunk), 0, :]
             vis = m_ref[0, :, pl.ds(s0, chunk)] != 0  # [BL, C]
+            if grouped:  # every head of the group sees what its query sees
+                vis = jnp.broadcast_to(vis[:, None, :], (bl, g, chunk)).reshape(bl * g, chunk)
             s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
             s = jnp.where(vis, s, NEG)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -100,12 +112,19 @@ def _kernel(q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref, ms_ref, o_ref, m_out,
 
         return jax.lax.fori_loop(jnp.int32(0), trips, body, carry)
 
-    carry = (jnp.full((bl,), -jnp.inf, jnp.float32), jnp.zeros((bl,), jnp.float32), jnp.zeros((bl, h), jnp.float32))
+    rows = bl * g
+    carry = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
+             jnp.zeros((rows, h), jnp.float32))
     carry = stream(kc_ref, vc_ref, mc_ref, cs, first, cache_trips, carry)
     m, l, acc = stream(ks_ref, vs_ref, ms_ref, ss, 0, self_trips, carry)
-    o_ref[0, 0, :, 0, :] = acc  # unnormalized: the splits are combined outside
-    m_out[0, 0, 0, :] = m
-    l_out[0, 0, 0, :] = l
+    if grouped:  # m, l laid out [P, B, L, N] here (transposed outside)
+        o_ref[0, 0] = acc.reshape(bl, g, h)
+        m_out[0, 0] = m.reshape(bl, g)
+        l_out[0, 0] = l.reshape(bl, g)
+    else:
+        o_ref[0, 0, :, 0, :] = acc  # unnormalized: the splits are combined outside
+        m_out[0, 0, 0, :] = m
+        l_out[0, 0, 0, :] = l
 
 
 def combine(o, m, l, dtype):
@@ -124,10 +143,10 @@ def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask,
     (bool or int8; int8 avoids a conversion per call) -> [B, L, N, H]. Shapes: see `supported`."""
     b, l, n, h = q.shape
     s, kv = k_cache.shape[1], k_cache.shape[2]
-    if not supported(l, s, h, blocks):
-        raise ValueError(f"cached_attention: L={l}, S={s}, H={h} not supported with {blocks}")
-    bl, cs, ss = _tile(l, blocks.bl), _tile(s, blocks.bs), _tile(l, blocks.bs)
     g = n // kv
+    if not supported(l, s, h, blocks, g):
+        raise ValueError(f"cached_attention: L={l}, S={s}, H={h}, G={g} not supported with {blocks}")
+    bl, cs, ss = _tile(l, blocks.bl), _tile(s, blocks.bs), _tile(l, blocks.bs)
     splits = -(-(s // cs) // blocks.chunks_per_split) + 1
     kwargs = {}
     if not interpret:
@@ -136,22 +155,28 @@ def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask,
         kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=blocks.num_warps,
                                                             num_stages=blocks.num_stages)
     f32 = jnp.float32
+    grouped = blocks.group_heads
+    kvh = (lambda j: j) if grouped else (lambda j: j // g)  # grid axis 1: kv heads (grouped) or query heads
+    nh = g if grouped else 1  # query heads per program
+    stats = (splits, b, l, n) if grouped else (splits, b, n, l)
+    stat_spec = (pl.BlockSpec((1, 1, bl, g), lambda i, j, t, p: (p, i, t, j)) if grouped else
+                 pl.BlockSpec((1, 1, 1, bl), lambda i, j, t, p: (p, i, j, t)))
     o, m, lsum = pl.pallas_call(
-        functools.partial(_kernel, scale=scale, cs=cs, ss=ss, cps=blocks.chunks_per_split),
-        out_shape=(jax.ShapeDtypeStruct((splits, b, l, n, h), f32), jax.ShapeDtypeStruct((splits, b, n, l), f32),
-                   jax.ShapeDtypeStruct((splits, b, n, l), f32)),
-        grid=(b, n, l // bl, splits),
-        in_specs=[pl.BlockSpec((1, bl, 1, h), lambda i, j, t, p: (i, t, j, 0)),
-                  pl.BlockSpec((1, s, 1, h), lambda i, j, t, p: (i, 0, j // g, 0)),
-                  pl.BlockSpec((1, s, 1, h), lambda i, j, t, p: (i, 0, j // g, 0)),
+        functools.partial(_kernel, scale=scale, cs=cs, ss=ss, cps=blocks.chunks_per_split, grouped=grouped),
+        out_shape=(jax.ShapeDtypeStruct((splits, b, l, n, h), f32), jax.ShapeDtypeStruct(stats, f32),
+                   jax.ShapeDtypeStruct(stats, f32)),
+        grid=(b, kv if grouped else n, l // bl, splits),
+        in_specs=[pl.BlockSpec((1, bl, nh, h), lambda i, j, t, p: (i, t, j, 0)),
+                  pl.BlockSpec((1, s, 1, h), lambda i, j, t, p: (i, 0, kvh(j), 0)),
+                  pl.BlockSpec((1, s, 1, h), lambda i, j, t, p: (i, 0, kvh(j), 0)),
                   pl.BlockSpec((1, bl, s), lambda i, j, t, p: (i, t, 0)),
-                  pl.BlockSpec((1, l, 1, h), lambda i, j, t, p: (i, 0, j // g, 0)),
-                  pl.BlockSpec((1, l, 1, h), lambda i, j, t, p: (i, 0, j // g, 0)),
+                  pl.BlockSpec((1, l, 1, h), lambda i, j, t, p: (i, 0, kvh(j), 0)),
+                  pl.BlockSpec((1, l, 1, h), lambda i, j, t, p: (i, 0, kvh(j), 0)),
                   pl.BlockSpec((1, bl, l), lambda i, j, t, p: (i, t, 0))],
-        out_specs=(pl.BlockSpec((1, 1, bl, 1, h), lambda i, j, t, p: (p, i, t, j, 0)),
-                   pl.BlockSpec((1, 1, 1, bl), lambda i, j, t, p: (p, i, j, t)),
-                   pl.BlockSpec((1, 1, 1, bl), lambda i, j, t, p: (p, i, j, t))),
+        out_specs=(pl.BlockSpec((1, 1, bl, nh, h), lambda i, j, t, p: (p, i, t, j, 0)), stat_spec, stat_spec),
         interpret=interpret,
         **kwargs,
     )(q, k_cache, v_cache, cache_mask.astype(jnp.int8), k_self, v_self, self_mask.astype(jnp.int8))
+    if grouped:
+        m, lsum = jnp.swapaxes(m, 2, 3), jnp.swapaxes(lsum, 2, 3)
     return combine(o, m, lsum, q.dtype)

@@ -35,7 +35,7 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
 
         (kc, vc, cm), (ks, vs, sm) = parts
         blocks = blocks_for(q.shape[1], kc.shape[1])
-        if supported(q.shape[1], kc.shape[1], q.shape[-1], blocks):
+        if supported(q.shape[1], kc.shape[1], q.shape[-1], blocks, q.shape[2] // kc.shape[2]):
             return cached_attention(q, kc, vc, cm, ks, vs, sm, scale=q.shape[-1] ** -0.5, blocks=blocks,
                                     interpret=jax.default_backend() == "cpu")
     elif impl in ("xla", "cudnn") and len(parts) == 1:
