@@ -53,7 +53,9 @@ def test_supported_shapes():
         cached_attention(q, kc, vc, cm, kself, vself, sm, scale=1.0, interpret=True)
 
 
-def test_generate_with_the_kernel_equals_the_default():
+@pytest.mark.parametrize("in_place", [False, True])
+def test_generate_with_the_kernel_equals_the_default(in_place, monkeypatch):
+    """With in_place, the kernel reads each layer of the cache stacks where it lies (Blocks.cache_in_place)."""
     from orl_jax import params as P
     from orl_jax.config import preset
     from orl_jax.decode.engine import generate
@@ -68,10 +70,20 @@ def test_generate_with_the_kernel_equals_the_default():
               residual=ORLResidual(), eos_token_id=(), pad_token_id=0)
     want = generate(params, cfg, prompts, **kw)
     fused = cfg.replace(cached_attention_impl="pallas")
+    layers_read = []
+    if in_place:
+        from orl_jax_kernels.decode_attention import kernel
+
+        monkeypatch.setattr(kernel, "blocks_for", lambda l, s: Blocks(cache_in_place=True))
+        real = kernel.cached_attention
+        monkeypatch.setattr(kernel, "cached_attention",
+                            lambda *a, **k: layers_read.append(k["layer"]) or real(*a, **k))
+        jax.clear_caches()  # trace again: the blocks are not part of generate()'s cache key
     assert "pallas_call" in str(jax.make_jaxpr(lambda p: generate(p, fused, prompts, **kw).tokens)(params))
     got = generate(params, fused, prompts, **kw)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     assert int(got.total_forwards) == int(want.total_forwards)
+    assert bool(layers_read) == in_place and all(layer is not None for layer in layers_read)
 
 
 @pytest.mark.gpu
@@ -84,10 +96,14 @@ def test_kernel_compiled_on_gpu_bf16(l, s, n, kv, h):
     for blocks in (Blocks(), Blocks(group_heads=True)):
         got = cached_attention(q, kc, vc, cm, kself, vself, sm, scale=q.shape[-1] ** -0.5, blocks=blocks)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
+    stack = lambda a: jnp.stack([a * 0, a, a * 0])  # noqa: E731  (layer 1 of a stack, read in place)
+    got = cached_attention(q, stack(kc), stack(vc), cm, kself, vself, sm, scale=q.shape[-1] ** -0.5,
+                           layer=jnp.int32(1))
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("group_heads", [False, True])
-def test_kernel_lowers_to_verified_triton_on_any_machine(monkeypatch, group_heads):
+@pytest.mark.parametrize("group_heads,stacked", [(False, False), (True, False), (False, True)])
+def test_kernel_lowers_to_verified_triton_on_any_machine(monkeypatch, group_heads, stacked):
     """Pallas -> Triton IR at the Qwen3-4B decode shape, cross-platform, through MLIR's verifier (no GPU needed):
     catches an op the Triton lowering does not support, or mixed-type loop bounds, before a GPU session."""
     sd = jax.ShapeDtypeStruct
@@ -96,7 +112,26 @@ def test_kernel_lowers_to_verified_triton_on_any_machine(monkeypatch, group_head
             sd((b, l, s), jnp.int8), sd((b, l, kv, h), jnp.bfloat16), sd((b, l, kv, h), jnp.bfloat16),
             sd((b, l, l), jnp.int8))
     blocks = Blocks(group_heads=group_heads)
+    if stacked:  # 36 layers of cache, read at a traced layer index
+        args = (args[0], sd((36, b, s, kv, h), jnp.bfloat16), sd((36, b, s, kv, h), jnp.bfloat16), *args[3:],
+                sd((), jnp.int32))
+        verified_triton_modules(monkeypatch, lambda *a: cached_attention(*a[:-1], scale=h ** -0.5, blocks=blocks,
+                                                                         layer=a[-1]), *args)
+        return
     verified_triton_modules(monkeypatch, lambda *a: cached_attention(*a, scale=h ** -0.5, blocks=blocks), *args)
+
+
+def test_kernel_reads_a_layer_of_the_cache_stacks_in_place():
+    q, kc, vc, cm, kself, vself, sm = _inputs(jax.random.key(2))
+    kst = jnp.stack([kc * 0.5, kc, kc * 2.0])
+    vst = jnp.stack([vc * 0.5, vc, vc * 3.0])
+    kw = dict(scale=q.shape[-1] ** -0.5, interpret=True)
+    for blocks in (Blocks(), GROUPED):
+        want = cached_attention(q, kst[2], vst[2], cm, kself, vself, sm, blocks=blocks, **kw)
+        got = cached_attention(q, kst, vst, cm, kself, vself, sm, blocks=blocks, layer=jnp.int32(2), **kw)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="needs `layer`"):
+        cached_attention(q, kst, vst, cm, kself, vself, sm, **kw)
 
 
 def test_tuned_table_sets_the_blocks_of_its_shapes(tmp_path, monkeypatch):

@@ -11,7 +11,8 @@ kv head in one program: K/V read once per kv head, G x more rows per dot).
 
 Every variant is checked against orl_jax's einsum attention on the same inputs, then timed on 36 layers' distinct
 caches passed as separate arguments (the kernel alone, no slicing). The best variant and XLA are also timed as the
-model runs them, a `lax.scan` over a stack of 36 layers' caches ("*_scan" rows).
+model runs them, a `lax.scan` over a stack of 36 layers' caches ("*_scan" rows), the kernel both on the scan's
+slices and reading each layer of the stacks in place ("*_in_place"); the table keeps the faster of the two.
 """
 
 import argparse
@@ -123,12 +124,23 @@ def bench_shape(name, l, s, record) -> dict:
     def scanned(f):
         return jax.jit(lambda q, ks, vs: jax.lax.scan(lambda c, kv: (c, f(q, *kv)), 0, (ks, vs))[1])
 
+    def in_place(b):  # the kernel reads layer i of the stacks where they lie (Blocks.cache_in_place)
+        layers = jnp.arange(LAYERS, dtype=jnp.int32)
+        return jax.jit(lambda q, ks, vs: jax.lax.scan(lambda c, i: (c, cached_attention(
+            q, ks, vs, cm, kself, vself, sm, scale=scale, blocks=b, layer=i, interpret=INTERPRET)), 0, layers)[1])
+
     row("xla_scan", per_call(scanned(xla), q, kst, vst) / LAYERS, best_rel)
+    scan_t = {}
     for tag, b in (("best", best), ("default", Blocks())):
-        if supported(l, s, H, b):
+        if supported(l, s, H, b, N // KV):
             f = lambda q, a, c, b=b: cached_attention(q, a, c, cm, kself, vself, sm, scale=scale,  # noqa: E731
                                                       blocks=b, interpret=INTERPRET)
-            row(f"pallas_scan_{tag} {b}", per_call(scanned(f), q, kst, vst) / LAYERS, best_rel)
+            scan_t[tag, False] = per_call(scanned(f), q, kst, vst) / LAYERS
+            scan_t[tag, True] = per_call(in_place(b), q, kst, vst) / LAYERS
+            row(f"pallas_scan_{tag} {b}", scan_t[tag, False], best_rel)
+            row(f"pallas_scan_{tag} {Blocks(**(b.__dict__ | {'cache_in_place': True}))}", scan_t[tag, True],
+                err(in_place(b)(q, kst, vst)[0]))
+    best = Blocks(**(best.__dict__ | {"cache_in_place": scan_t["best", True] < scan_t["best", False]}))
     print(f"{name}: L={l} S={s}  xla {t_xla * 1e6:.1f} us  best {best_t * 1e6:.1f} us {best}  default "
           f"{default[0] * 1e6 if default else float('nan'):.1f} us", flush=True)
     return {"l": l, "s": s, "blocks": best.__dict__, "us": best_t * 1e6, "xla_us": t_xla * 1e6}

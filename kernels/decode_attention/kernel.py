@@ -40,6 +40,11 @@ class Blocks:
     # True: one program serves the G query heads of a kv head, their queries stacked as G x bl rows of one dot, so
     # each K/V chunk is read once per kv head instead of G times (needs G a power of two)
     group_heads: bool = False
+    # True: in a layer loop, read layer i of the whole cache stacks in place (the caller passes them with `layer`)
+    # instead of the loop's slices, which reach a custom call as copies (likely the two ~2 us memcpy per layer of
+    # benchmarks/results/2026-11-30_engine_profile_h200x2.md). Used by attention() when its cache part is a
+    # StackedWeight.
+    cache_in_place: bool = False
 
 
 TUNED: dict[tuple[int, int], Blocks] = {}
@@ -77,8 +82,8 @@ def supported(l: int, s: int, h: int, blocks: Blocks = Blocks(), g: int = 1) -> 
             and (not blocks.group_heads or pow2(g)))
 
 
-def _kernel(q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref, ms_ref, o_ref, m_out, l_out, *, scale: float, cs: int,
-            ss: int, cps: int, grouped: bool):
+def _kernel(layer_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref, ms_ref, o_ref, m_out, l_out, *, scale: float,
+            cs: int, ss: int, cps: int, grouped: bool, stacked: bool):
     if grouped:  # [BL, G, H] -> rows (query, head) of one dot
         bl, g, h = q_ref.shape[1:]
         q = q_ref[0].reshape(bl * g, h)
@@ -87,18 +92,23 @@ def _kernel(q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref, ms_ref, o_ref, m_out,
         (bl, h), g = q.shape, 1
     split = pl.program_id(3)
     own = split == pl.num_programs(3) - 1  # the last split holds the pass's own keys, the others the cache
-    n_cache = kc_ref.shape[1] // cs
+    n_cache = kc_ref.shape[-3] // cs
+    layer = layer_ref[0]
     first = split * cps
     # int32 loop bounds: Triton's scf.for needs bounds of one type (where(own, 1, 0) otherwise lowers to i1)
     cache_trips = ((~own).astype(jnp.int32) * jnp.minimum(cps, n_cache - first)).astype(jnp.int32)
     self_trips = own.astype(jnp.int32) * (ks_ref.shape[1] // ss)
 
-    def stream(k_ref, v_ref, m_ref, chunk, start, trips, carry):
+    def stream(k_ref, v_ref, m_ref, chunk, start, trips, carry, stacked=False):
         def body(j, carry):
             m, l, acc = carry
             s0 = pl.multiple_of((start + j) * chunk, chunk)
-            k = k_ref[0, pl.ds(s0, chunk), 0, :]  # [C, H]
-            v = v_ref[0, pl.ds(s0, chunk), 0, :]
+            if stacked:  # [layers, 1, S, 1, H]: layer `layer` of the whole stack
+                k = k_ref[layer, 0, pl.ds(s0, chunk), 0, :]  # [C, H]
+                v = v_ref[layer, 0, pl.ds(s0, chunk), 0, :]
+            else:
+                k = k_ref[0, pl.ds(s0, chunk), 0, :]
+                v = v_ref[0, pl.ds(s0, chunk), 0, :]
             vis = m_ref[0, :, pl.ds(s0, chunk)] != 0  # [BL, C]
             if grouped:  # every head of the group sees what its query sees
                 vis = jnp.broadcast_to(vis[:, None, :], (bl, g, chunk)).reshape(bl * g, chunk)
@@ -115,7 +125,7 @@ def _kernel(q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref, ms_ref, o_ref, m_out,
     rows = bl * g
     carry = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
              jnp.zeros((rows, h), jnp.float32))
-    carry = stream(kc_ref, vc_ref, mc_ref, cs, first, cache_trips, carry)
+    carry = stream(kc_ref, vc_ref, mc_ref, cs, first, cache_trips, carry, stacked)
     m, l, acc = stream(ks_ref, vs_ref, ms_ref, ss, 0, self_trips, carry)
     if grouped:  # m, l laid out [P, B, L, N] here (transposed outside)
         o_ref[0, 0] = acc.reshape(bl, g, h)
@@ -138,11 +148,16 @@ def combine(o, m, l, dtype):
 
 @functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
 def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask, *, scale: float,
-                     blocks: Blocks = Blocks(), interpret: bool = False):
-    """q [B, L, N, H]; k/v_cache [B, S, K, H]; cache_mask [B, L, S]; k/v_self [B, L, K, H]; self_mask [B, L, L]
-    (bool or int8; int8 avoids a conversion per call) -> [B, L, N, H]. Shapes: see `supported`."""
+                     blocks: Blocks = Blocks(), interpret: bool = False, layer=None):
+    """q [B, L, N, H]; k/v_cache [B, S, K, H], or whole stacks [layers, B, S, K, H] read at int32 scalar `layer`;
+    cache_mask [B, L, S]; k/v_self [B, L, K, H]; self_mask [B, L, L] (bool or int8; int8 avoids a conversion per
+    call) -> [B, L, N, H]. Shapes: see `supported`."""
+    stacked = k_cache.ndim == 5
+    if stacked != (layer is not None) or k_cache.shape != v_cache.shape:
+        raise ValueError(f"cached_attention: k/v_cache of shapes {k_cache.shape}, {v_cache.shape} with layer="
+                         f"{'given' if layer is not None else None}: a stack [layers, B, S, K, H] needs `layer`")
     b, l, n, h = q.shape
-    s, kv = k_cache.shape[1], k_cache.shape[2]
+    s, kv = k_cache.shape[-3], k_cache.shape[-2]
     g = n // kv
     if not supported(l, s, h, blocks, g):
         raise ValueError(f"cached_attention: L={l}, S={s}, H={h}, G={g} not supported with {blocks}")
@@ -159,16 +174,20 @@ def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask,
     kvh = (lambda j: j) if grouped else (lambda j: j // g)  # grid axis 1: kv heads (grouped) or query heads
     nh = g if grouped else 1  # query heads per program
     stats = (splits, b, l, n) if grouped else (splits, b, n, l)
+    cache_spec = (pl.BlockSpec((k_cache.shape[0], 1, s, 1, h), lambda i, j, t, p: (0, i, 0, kvh(j), 0)) if stacked
+                  else pl.BlockSpec((1, s, 1, h), lambda i, j, t, p: (i, 0, kvh(j), 0)))
+    layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     stat_spec = (pl.BlockSpec((1, 1, bl, g), lambda i, j, t, p: (p, i, t, j)) if grouped else
                  pl.BlockSpec((1, 1, 1, bl), lambda i, j, t, p: (p, i, j, t)))
     o, m, lsum = pl.pallas_call(
-        functools.partial(_kernel, scale=scale, cs=cs, ss=ss, cps=blocks.chunks_per_split, grouped=grouped),
+        functools.partial(_kernel, scale=scale, cs=cs, ss=ss, cps=blocks.chunks_per_split, grouped=grouped,
+                          stacked=stacked),
         out_shape=(jax.ShapeDtypeStruct((splits, b, l, n, h), f32), jax.ShapeDtypeStruct(stats, f32),
                    jax.ShapeDtypeStruct(stats, f32)),
         grid=(b, kv if grouped else n, l // bl, splits),
-        in_specs=[pl.BlockSpec((1, bl, nh, h), lambda i, j, t, p: (i, t, j, 0)),
-                  pl.BlockSpec((1, s, 1, h), lambda i, j, t, p: (i, 0, kvh(j), 0)),
-                  pl.BlockSpec((1, s, 1, h), lambda i, j, t, p: (i, 0, kvh(j), 0)),
+        in_specs=[pl.BlockSpec((1,), lambda i, j, t, p: (0,)),
+                  pl.BlockSpec((1, bl, nh, h), lambda i, j, t, p: (i, t, j, 0)),
+                  cache_spec, cache_spec,
                   pl.BlockSpec((1, bl, s), lambda i, j, t, p: (i, t, 0)),
                   pl.BlockSpec((1, l, 1, h), lambda i, j, t, p: (i, 0, kvh(j), 0)),
                   pl.BlockSpec((1, l, 1, h), lambda i, j, t, p: (i, 0, kvh(j), 0)),
@@ -176,7 +195,7 @@ def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask,
         out_specs=(pl.BlockSpec((1, 1, bl, nh, h), lambda i, j, t, p: (p, i, t, j, 0)), stat_spec, stat_spec),
         interpret=interpret,
         **kwargs,
-    )(q, k_cache, v_cache, cache_mask.astype(jnp.int8), k_self, v_self, self_mask.astype(jnp.int8))
+    )(layer_arr, q, k_cache, v_cache, cache_mask.astype(jnp.int8), k_self, v_self, self_mask.astype(jnp.int8))
     if grouped:
         m, lsum = jnp.swapaxes(m, 2, 3), jnp.swapaxes(lsum, 2, 3)
     return combine(o, m, lsum, q.dtype)

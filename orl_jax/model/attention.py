@@ -15,6 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from orl_jax.model.streamed import StackedWeight
+
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked row (left padding) stays NaN-free
 
 
@@ -24,7 +26,9 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
 
     The parts (cache, self) share one softmax: their scores are concatenated, never their K/V, so a long cache is
     read once and not copied. Scores and softmax run in float32 (as HF's eager attention does).
-    impl "pallas" (cache + self parts, shapes the kernel supports): kernels/decode_attention's fused kernel.
+    impl "pallas" (cache + self parts, shapes the kernel supports): kernels/decode_attention's fused kernel. The
+    cache part's k and v may be StackedWeight (layer i of the cache stacks): the kernel then reads them in place
+    when its blocks say cache_in_place, every other path takes the layer loop's slice.
     impl "xla" / "cudnn" (one part only): jax.nn.dot_product_attention with that implementation, the mask passed
     whole. A query row with no visible key (padding) may then differ from ours (the mean of all values); no loss
     reads such rows, but the value must stay finite, since masked keys still multiply it by 0 in later layers
@@ -36,12 +40,20 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
         (kc, vc, cm), (ks, vs, sm) = parts
         blocks = blocks_for(q.shape[1], kc.shape[1])
         if supported(q.shape[1], kc.shape[1], q.shape[-1], blocks, q.shape[2] // kc.shape[2]):
-            return cached_attention(q, kc, vc, cm, ks, vs, sm, scale=q.shape[-1] ** -0.5, blocks=blocks,
+            in_place = blocks.cache_in_place and isinstance(kc, StackedWeight)
+            kc, vc, layer = (kc.stack, vc.stack, kc.index) if in_place else (_slice(kc), _slice(vc), None)
+            return cached_attention(q, kc, vc, cm, ks, vs, sm, scale=q.shape[-1] ** -0.5, blocks=blocks, layer=layer,
                                     interpret=jax.default_backend() == "cpu")
-    elif impl in ("xla", "cudnn") and len(parts) == 1:
+    parts = [(_slice(k), _slice(v), m) for k, v, m in parts]
+    if impl in ("xla", "cudnn") and len(parts) == 1:
         k, v, mask = parts[0]
         return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation=impl)
     return scaled_attention(q, parts, q.shape[-1] ** -0.5)
+
+
+def _slice(a):
+    """A cache part's array; a StackedWeight (a layer of the cache stacks) as the layer loop delivers it."""
+    return a.sliced() if isinstance(a, StackedWeight) else a
 
 
 def scaled_attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]], scale: float) -> jax.Array:

@@ -147,18 +147,22 @@ def backbone(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
         cvis, self_vis = cvis.astype(jnp.int8), self_vis.astype(jnp.int8)
 
     streamed = cache is not None and cfg.cached_matmul_impl == "pallas"
+    # the attention kernel may read layer i of the cache stacks in place (decode_attention Blocks.cache_in_place)
+    cache_stacked = cache is not None and cached_attention_impl(cfg) == "pallas"
 
     def body(x, xs):
         (w, i), ck, cv = xs
         if streamed:
             w = layer_in_place(params["layers"], i, w)
+        if cache_stacked:
+            ck, cv = StackedWeight(cache.k, i, ck), StackedWeight(cache.v, i, cv)
         cache_part = None if ck is None else (ck, cv, cvis)
         x, k, v = _layer(cfg, x, w, cos, sin, self_vis, cache_part)
         return constrain(x, ACTIVATION_AXES), (k, v)
 
     if remat:
         body = jax.checkpoint(body, prevent_cse=False)
-    ws = (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32) if streamed else None)
+    ws = (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32) if streamed or cache_stacked else None)
     xs = (ws, None, None) if cache is None else (ws, cache.k, cache.v)
     unroll = 1 if cache is None else min(cfg.layer_unroll, cfg.num_layers)
     x, (k, v) = jax.lax.scan(body, constrain(x, ACTIVATION_AXES), xs, unroll=unroll)
