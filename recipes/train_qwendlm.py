@@ -75,6 +75,10 @@ class Recipe:
     orl_prompt_pool: int = 0
     lr2: float = 3e-4  # stage-2 peak rate (warmup: a tenth of the rounds); the h200 run diverged at 1e-4
     l_aec: float = 10.0  # weight of Adjacent Entropy Contraction in ORL's loss (ORLLossConfig.l_aec)
+    # ORL's L_pred trains the positions whose behaviour normalized entropy is above this (ORLLossConfig.pred_gate).
+    # 0.02 is ~0.965 confidence at vocab 2494: positions between that and a strict decoding threshold (0.999), the
+    # ones that keep a block open there, get no L_pred gradient (only the anchor, zero at temperature 1)
+    pred_gate: float = 0.02
     # stage 2: the adapter g_phi's learning rate as a multiple of lr2. Lower than the backbone's by our reading of
     # METHOD.md; the mask family's adapter starts untrained (zero output) and may want more
     adapter_lr_scale: float = 0.5
@@ -141,6 +145,9 @@ def parse_args(argv=None):
                     help="stage 2, mask family: the rollouts' fill threshold in (0, 1]; default: the preset's")
     ap.add_argument("--lr2", type=float, help="stage-2 peak learning rate (ORL and RCD); default: the preset's")
     ap.add_argument("--l-aec", type=float, help="ORL's AEC loss weight (AEC values are ~1e-3); default: the preset's")
+    ap.add_argument("--pred-gate", type=float,
+                    help="ORL: L_pred trains positions whose behaviour normalized entropy is above this; default: the "
+                         "preset's")
     ap.add_argument("--adapter-lr-scale", type=float,
                     help="stage 2: the adapter's learning rate as a multiple of --lr2; default: the preset's")
     ap.add_argument("--attention-impl", choices=["orl_jax", "xla", "cudnn"],
@@ -190,7 +197,7 @@ def parse_args(argv=None):
         ap.error("--time-limit is per process: with --distributed, stop the job with the scheduler's preemption "
                  "(orbax's preemption sync point) instead")
     args.deadline = None if args.time_limit is None else time.monotonic() + 60 * args.time_limit
-    for name in ("l_aec", "ar_weight", "adapter_lr_scale"):
+    for name in ("l_aec", "ar_weight", "adapter_lr_scale", "pred_gate"):
         v = getattr(args, name)
         if v is not None and not v >= 0:
             ap.error(f"--{name.replace('_', '-')} must be a number >= 0, got {v}")

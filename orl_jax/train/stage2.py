@@ -137,7 +137,7 @@ def stage2(r, args, out: Path, tok, cfg, params, log, methods=("orl", "noaec", "
     """{report name: (params, residual)} for the chosen of ORL ("orl"), ORL without AEC ("noaec") and the RCD
     baseline ("rcd"). The residual is the one a mask-family model was trained with, hence decodes with: ORL's
     adapter on the previous step's hidden state, RCD's interpolated embedding."""
-    base = ORLLossConfig(l_aec=r.l_aec)
+    base = ORLLossConfig(l_aec=r.l_aec, pred_gate=r.pred_gate)
     log(f"stage 2 ({', '.join(methods)}): ORL, {r.orl_rounds} rounds of {r.orl_prompts} prompts x "
         f"{r.orl_group} responses")
     runs = {"orl": ("QwenDLM+ORL", ORLResidual(),
