@@ -285,8 +285,8 @@ def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: d
              "bound 0.1, self-conditioning residual (ORLResidual); mask family: threshold fill, residual as "
              "trained (base: none, ORL: ORLResidual, RCD: RCDResidual). TPF counts "
              "denoising and commit forwards; tokens/s is the batched decode after compilation.",
-             f"This process (the last call of a resumed run): {time.perf_counter() - started:.0f} s on "
-             f"{jax.devices()[0].device_kind}."]
+             f"Run time of this process: {time.perf_counter() - started:.0f} s on {jax.devices()[0].device_kind} "
+             "(a resumed run counts only its last call)."]
     for name in ("stage2_orl", "stage2_orl_noaec"):
         log_file = out / name / "logs" / "metrics.jsonl"
         if log_file.exists():
