@@ -38,8 +38,14 @@ def summarize(trace_dir: str, steps: int, top: int = 25, plane_prefix: str = "/d
         path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
         return {"kernels": 0, "planes": {p.name: [ln.name for ln in p.lines][:8]
                                          for p in ProfileData.from_file(path).planes}}
-    ev.sort(key=lambda e: e[2])
-    busy, end = 0, None  # union of [start, start + dur): overlapping streams count once
+    return summarize_events(ev, steps, top)
+
+
+def summarize_events(ev: list[tuple[str, str, int, int]], steps: int, top: int = 25) -> dict:
+    """Per step: span (first start to last end), busy time (union of the kernels' intervals: overlapping streams
+    count once), kernel count; the `top` (kernel, hlo op) pairs by total time."""
+    ev = sorted(ev, key=lambda e: e[2])
+    busy, end = 0, None
     for _, _, s, d in ev:
         if end is None or s >= end:
             busy, end = busy + d, s + d

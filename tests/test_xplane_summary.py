@@ -1,0 +1,24 @@
+"""benchmarks/xplane_summary.py: busy time is the union of kernel intervals (overlaps count once), idle the rest."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from xplane_summary import summarize_events  # noqa: E402
+
+
+def test_busy_time_is_the_union_of_kernel_intervals():
+    # (kernel, hlo op, start ns, duration ns) over 2 steps: [0, 100) and [50, 150) overlap -> 150 busy; a gap of 50;
+    # [200, 300) contains [220, 240); busy 250 of a 300 ns span
+    ev = [("gemm", "dot.1", 0, 100), ("fusion", "add.2", 50, 100), ("gemm", "dot.1", 200, 100),
+          ("copy", "copy.3", 220, 20)]
+    s = summarize_events(ev, steps=2, top=2)
+    assert s["kernels_per_step"] == 2
+    assert s["span_ms_per_step"] == pytest.approx(300 / 2 / 1e6)
+    assert s["busy_ms_per_step"] == pytest.approx(250 / 2 / 1e6)
+    assert s["idle_pct"] == pytest.approx(100 * 50 / 300)
+    assert [r["kernel"] for r in s["top"]] == ["gemm", "fusion"]  # by total time, cut at `top`
+    assert s["top"][0]["calls_per_step"] == 1 and s["top"][0]["us_per_call"] == pytest.approx(0.1)
