@@ -14,10 +14,7 @@ set -uo pipefail
 out=$1; secs=$2; shift 2
 mkdir -p "$out/logs" "$out/bench"
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30 BENCH=$out/bench
-# the checkout is not pip-installed on the device: make `orl_jax` and `orl_jax_kernels` (the kernels/ folder under
-# its installed name) importable from the source tree
-shim=$(mktemp -d); ln -sfn "$PWD/kernels" "$shim/orl_jax_kernels"
-export PYTHONPATH="$PWD:$shim${PYTHONPATH:+:$PYTHONPATH}"
+source "$(dirname "$0")/source_tree_env.sh"
 { date -u; nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv; } > "$out/logs/gpu.txt" 2>&1
 i=0
 for job in "$@"; do
