@@ -125,38 +125,40 @@ PRESETS = {
 }
 
 
+# Recipe fields that a flag of the same name overrides: (type, help, valid values), declared and checked in one loop
+NUMERIC_FLAGS = {
+    "stage0_steps": (int, "stage-0 (AR pretraining) steps", "> 0"),
+    "stage1_steps": (int, "stage-1 (conversion) steps", "> 0"),
+    "orl_rounds": (int, "stage-2 rounds (ORL) and updates (RCD); lowering it below a run's saved round count ends "
+                        "that stage there", "> 0"),
+    "orl_prompts": (int, "stage 2: prompts per ORL round", "> 0"),
+    "orl_group": (int, "stage 2: sampled responses per prompt", "> 0"),
+    "orl_prompt_pool": (int, "stage 2: cycle the rounds through a fixed set of this many train prompts (0: fresh "
+                             "prompts every round)", ">= 0"),
+    "orl_threshold": (float, "stage 2, mask family: the rollouts' fill threshold", "in (0, 1]"),
+    "lr2": (float, "stage-2 peak learning rate (ORL and RCD)", "in (0, 1)"),
+    "l_aec": (float, "ORL's AEC loss weight (AEC values are ~1e-3)", ">= 0"),
+    "pred_gate": (float, "ORL: L_pred trains positions whose behaviour normalized entropy is above this", ">= 0"),
+    "adapter_lr_scale": (float, "stage 2: the adapter's learning rate as a multiple of --lr2", ">= 0"),
+    "ar_weight": (float, "stage 1: weight of the next-token loss on the clean rows (DiffusionObjective.ar_weight)",
+                  ">= 0"),
+}
+VALID = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0, "in (0, 1]": lambda v: 0 < v <= 1,
+         "in (0, 1)": lambda v: 0 < v < 1}
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="default")
     ap.add_argument("--hf-model", help="a real Qwen3 checkpoint directory (replaces the tokenizer and stage 0)")
     ap.add_argument("--out", default="outputs/train_qwendlm")
     ap.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
-    ap.add_argument("--stage0-steps", type=int)
-    ap.add_argument("--stage1-steps", type=int)
-    ap.add_argument("--orl-rounds", type=int,
-                    help="stage-2 rounds (ORL) and updates (RCD); lowering it below a run's saved round count "
-                         "ends that stage there")
-    ap.add_argument("--orl-prompts", type=int, help="stage 2: prompts per ORL round; default: the preset's")
-    ap.add_argument("--orl-group", type=int, help="stage 2: sampled responses per prompt; default: the preset's")
-    ap.add_argument("--orl-prompt-pool", type=int,
-                    help="stage 2: cycle the rounds through a fixed set of this many train prompts (0: fresh prompts "
-                         "every round, the default)")
-    ap.add_argument("--orl-threshold", type=float,
-                    help="stage 2, mask family: the rollouts' fill threshold in (0, 1]; default: the preset's")
-    ap.add_argument("--lr2", type=float, help="stage-2 peak learning rate (ORL and RCD); default: the preset's")
-    ap.add_argument("--l-aec", type=float, help="ORL's AEC loss weight (AEC values are ~1e-3); default: the preset's")
-    ap.add_argument("--pred-gate", type=float,
-                    help="ORL: L_pred trains positions whose behaviour normalized entropy is above this; default: the "
-                         "preset's")
-    ap.add_argument("--adapter-lr-scale", type=float,
-                    help="stage 2: the adapter's learning rate as a multiple of --lr2; default: the preset's")
+    for name, (typ, what, valid) in NUMERIC_FLAGS.items():
+        ap.add_argument("--" + name.replace("_", "-"), type=typ, help=f"{what} ({valid}); default: the preset's")
     ap.add_argument("--attention-impl", choices=["orl_jax", "xla", "cudnn"],
                     help="training attention (ModelConfig.attention_impl); default: the preset's")
     ap.add_argument("--logit-shift", action=argparse.BooleanOptionalAction,
                     help="QwenDLM's AR shift (ModelConfig.logit_shift); default: the preset's (on)")
-    ap.add_argument("--ar-weight", type=float,
-                    help="stage 1: weight of the next-token loss on the clean rows (DiffusionObjective.ar_weight); "
-                         "default: the preset's")
     ap.add_argument("--noise", choices=["uniform", "mask"], default="uniform",
                     help="QwenDLM variant: uniform-state canvas (default) or mask tokens")
     ap.add_argument("--skip-stage2", action="store_true", help="stop after the conversion (no ORL)")
@@ -181,26 +183,16 @@ def parse_args(argv=None):
     if unknown or not methods:
         ap.error(f"--stage2-methods: unknown {unknown or 'empty list'}; choose from {', '.join(STAGE2_METHODS)}")
     args.stage2_methods = tuple(m for m in STAGE2_METHODS if m in methods)
-    for name in ("stage0_steps", "stage1_steps", "orl_rounds", "orl_prompts", "orl_group"):
+    for name, (_, _, valid) in NUMERIC_FLAGS.items():  # NaN fails every check
         v = getattr(args, name)
-        if v is not None and v <= 0:
-            ap.error(f"--{name.replace('_', '-')} must be a positive number, got {v}")
-    if args.orl_prompt_pool is not None and args.orl_prompt_pool < 0:
-        ap.error(f"--orl-prompt-pool must be >= 0, got {args.orl_prompt_pool}")
-    if args.orl_threshold is not None and not 0 < args.orl_threshold <= 1:
-        ap.error(f"--orl-threshold must be in (0, 1], got {args.orl_threshold}")
-    if args.lr2 is not None and not 0 < args.lr2 < 1:
-        ap.error(f"--lr2 must be in (0, 1), got {args.lr2}")
+        if v is not None and not VALID[valid](v):
+            ap.error(f"--{name.replace('_', '-')} must be {valid}, got {v}")
     if args.time_limit is not None and not args.time_limit > 0:
         ap.error(f"--time-limit must be a positive number of minutes, got {args.time_limit}")
     if args.time_limit is not None and args.distributed:  # each host's clock would stop it at another step
         ap.error("--time-limit is per process: with --distributed, stop the job with the scheduler's preemption "
                  "(orbax's preemption sync point) instead")
     args.deadline = None if args.time_limit is None else time.monotonic() + 60 * args.time_limit
-    for name in ("l_aec", "ar_weight", "adapter_lr_scale", "pred_gate"):
-        v = getattr(args, name)
-        if v is not None and not v >= 0:
-            ap.error(f"--{name.replace('_', '-')} must be a number >= 0, got {v}")
     return args
 
 

@@ -14,7 +14,7 @@ from orl_jax.sharding import make_mesh
 from orl_jax.train.optim import OptimConfig, ParamGroup, make_optimizer
 from orl_jax.train.orl import ORLConfig, make_orl_loss, orl_iteration, replay_arrays_batch
 from orl_jax.train.orl_losses import ORLLossConfig, normalized_entropy
-from orl_jax.train.replay import behaviour_logp, replay_logits
+from orl_jax.train.replay import behaviour_logp, policy_logits, replay_logits
 from orl_jax.train.step import make_train_step
 
 BL = 4
@@ -55,8 +55,8 @@ def setup():
 
 def _entropy_err(params, cfg, arrays):
     b = replay_arrays_batch(arrays)
-    ent = normalized_entropy(behaviour_logp(SAMPLER, replay_logits(params, cfg, ORLResidual(), b),
-                                            jnp.asarray(arrays["step"])))
+    lg = policy_logits(SAMPLER, replay_logits(params, cfg, ORLResidual(), b))
+    ent = normalized_entropy(behaviour_logp(SAMPLER, lg, jnp.asarray(arrays["step"])))
     m = arrays["state_valid"][:, None] & arrays["valid"]
     return float(np.abs(np.asarray(ent) - arrays["entropy"])[m].max())
 

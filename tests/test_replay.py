@@ -12,7 +12,7 @@ from orl_jax.decode.residual import ORLResidual
 from orl_jax.decode.samplers import MaskSampler, UniformSampler
 from orl_jax.model import qwen3
 from orl_jax.train.orl_losses import normalized_entropy
-from orl_jax.train.replay import behaviour_logp, build_replay, replay_logits
+from orl_jax.train.replay import behaviour_logp, build_replay, policy_logits, replay_logits
 
 BL = 4
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
@@ -44,13 +44,13 @@ def test_replayed_logits_reproduce_the_rollout(rollout):
     cfg, params, out, batch, sampler = rollout
     assert len(batch.step) == int(np.sum(np.asarray(out.capture["active"])[:int(out.total_forwards)]))
     logits = replay_logits(params, cfg, ORLResidual(), batch)
-    ent = normalized_entropy(behaviour_logp(sampler, logits, jnp.asarray(batch.step)))
+    ent = normalized_entropy(behaviour_logp(sampler, policy_logits(sampler, logits), jnp.asarray(batch.step)))
     assert 0.05 < float(batch.entropy.mean()) < 0.95  # non-trivial distributions
     np.testing.assert_allclose(np.asarray(ent), batch.entropy, atol=2e-5)
     # a perturbed model does not reproduce them: the check can fail
     bad = dict(params, final_norm=params["final_norm"] * 1.5)
-    ent_bad = normalized_entropy(behaviour_logp(sampler, replay_logits(bad, cfg, ORLResidual(), batch),
-                                                jnp.asarray(batch.step)))
+    bad_logits = policy_logits(sampler, replay_logits(bad, cfg, ORLResidual(), batch))
+    ent_bad = normalized_entropy(behaviour_logp(sampler, bad_logits, jnp.asarray(batch.step)))
     assert np.abs(np.asarray(ent_bad) - batch.entropy).max() > 1e-3
 
 

@@ -173,9 +173,9 @@ def policy_logits(sampler, logits: jax.Array) -> jax.Array:
     raise TypeError(f"unknown sampler {type(sampler).__name__}")
 
 
-def behaviour_logp(sampler, logits: jax.Array, step: jax.Array) -> jax.Array:
-    """The distribution the rollout's sampler drew from at each state: [S, L, V] log-probs."""
-    lg = policy_logits(sampler, logits)
+def behaviour_logp(sampler, lg: jax.Array, step: jax.Array) -> jax.Array:
+    """The distribution the rollout's sampler drew from at each state: [S, L, V] log-probs, from the policy's
+    logits lg (policy_logits of the replayed logits)."""
     if isinstance(sampler, UniformSampler):
         return jax.nn.log_softmax(lg / jax.vmap(sampler.temperature)(step)[:, None, None], axis=-1)
     return jax.nn.log_softmax(lg if sampler.temperature == 0 else lg / sampler.temperature, axis=-1)
