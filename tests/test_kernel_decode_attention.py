@@ -71,14 +71,13 @@ def test_generate_with_the_kernel_equals_the_default(in_place, monkeypatch):
     want = generate(params, cfg, prompts, **kw)
     fused = cfg.replace(cached_attention_impl="pallas")
     layers_read = []
-    if in_place:
-        from orl_jax_kernels.decode_attention import kernel
+    from orl_jax_kernels.decode_attention import kernel
 
-        monkeypatch.setattr(kernel, "blocks_for", lambda l, s: Blocks(cache_in_place=True))
-        real = kernel.cached_attention
-        monkeypatch.setattr(kernel, "cached_attention",
-                            lambda *a, **k: layers_read.append(k["layer"]) or real(*a, **k))
-        jax.clear_caches()  # trace again: the blocks are not part of generate()'s cache key
+    monkeypatch.setattr(kernel, "blocks_for", lambda *shape: Blocks(cache_in_place=in_place))
+    real = kernel.cached_attention
+    monkeypatch.setattr(kernel, "cached_attention",
+                        lambda *a, **k: (k["layer"] is not None and layers_read.append(k["layer"])) or real(*a, **k))
+    jax.clear_caches()  # trace again: the blocks are not part of generate()'s cache key
     assert "pallas_call" in str(jax.make_jaxpr(lambda p: generate(p, fused, prompts, **kw).tokens)(params))
     got = generate(params, fused, prompts, **kw)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
@@ -143,8 +142,18 @@ def test_tuned_table_sets_the_blocks_of_its_shapes(tmp_path, monkeypatch):
     tuned = Blocks(bl=16, bs=32, chunks_per_split=1, num_warps=8, num_stages=2)
     (tmp_path / "t.json").write_text(json.dumps([{"l": 32, "s": 96, "blocks": tuned.__dict__, "us": 1.0}]))
     kernel.load_tuned(tmp_path / "t.json")
-    assert kernel.blocks_for(32, 96) == tuned and kernel.blocks_for(32, 64) == Blocks()
+    assert kernel.blocks_for(32, 96) == tuned and kernel.blocks_for(32, 64) == kernel.SHORT_PASS
     q, kc, vc, cm, kself, vself, sm = _inputs(jax.random.key(1))
     got = attention(q, [(kc, vc, cm), (kself, vself, sm)], impl="pallas")  # reads the table
     want = attention(q, [(kc, vc, cm), (kself, vself, sm)])
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+def test_untuned_shapes_take_the_measured_rule_where_supported(monkeypatch):
+    from orl_jax_kernels.decode_attention import kernel
+
+    monkeypatch.setattr(kernel, "TUNED", {})
+    assert kernel.blocks_for(32, 544, 128, 4) == kernel.SHORT_PASS
+    assert kernel.blocks_for(256, 768, 128, 4) == kernel.LONG_PASS
+    assert kernel.blocks_for(256, 768, 128, 3) == Blocks()  # grouping needs a power-of-two group
+    assert kernel.SHORT_PASS.cache_in_place and kernel.LONG_PASS.cache_in_place

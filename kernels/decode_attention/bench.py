@@ -33,7 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from orl_jax.model.attention import cache_mask, full_segments, scaled_attention, self_mask  # noqa: E402
-from orl_jax_kernels.decode_attention.kernel import Blocks, _tile, cached_attention, supported  # noqa: E402
+from orl_jax_kernels.decode_attention.kernel import Blocks, _tile, blocks_for, cached_attention, supported  # noqa: E402
 
 INTERPRET = os.environ.get("ORL_BENCH_INTERPRET") == "1"  # CPU smoke run of the script (tiny shapes, no timing sense)
 # name: (queries L, cache slots S); heads N, kv heads K, head dim H
@@ -57,19 +57,26 @@ def per_call(g, *args, calls=10):
 def configs(l, s):
     """Block candidates the kernel supports at (l, s), one per distinct effective tiling: query tile, key chunk of
     the cache and of the own keys, cache chunks per split, heads per program; 4 warps up to 64 rows per program,
-    8 above."""
+    8 above, at most 256 rows (512 asked for more shared memory than an H200 has: 2026-11-30 sweep). Plus the
+    dataclass defaults and the library's rule (kernel.blocks_for), the two baselines."""
     out, seen = [], set()
     for bl, bs, cps, grouped in itertools.product((16, 32, 64, 128), (32, 64, 128), (1, 2, 4, 8), (False, True)):
         rows = min(bl, l) * (N // KV if grouped else 1)
         b = Blocks(bl=bl, bs=bs, chunks_per_split=cps, num_warps=4 if rows <= 64 else 8, num_stages=2,
                    group_heads=grouped)
         eff = (_tile(l, bl), _tile(s, bs), _tile(l, bs), cps, grouped)
-        if bl <= l and supported(l, s, H, b, N // KV) and eff not in seen:
+        if bl <= l and rows <= 256 and supported(l, s, H, b, N // KV) and eff not in seen:
             seen.add(eff)
             out.append(b)
-    if supported(l, s, H) and Blocks() not in out:
-        out.append(Blocks())  # the default, whose query tile the kernel shrinks to fit l
+    for b in (Blocks(), library_blocks(l, s)):  # the default's query tile: the kernel shrinks it to fit l
+        if supported(l, s, H, b, N // KV) and b not in out:
+            out.append(b)
     return out
+
+
+def library_blocks(l, s):
+    """What the library picks at (l, s) without a tuned table."""
+    return blocks_for(l, s, H, N // KV)
 
 
 def inputs(l, s):
@@ -114,9 +121,10 @@ def bench_shape(name, l, s, record) -> dict:
         except Exception as ex:  # a block config the lowering or the chip rejects
             record(shape=name, variant=str(b), error=repr(ex)[:160])
     results.sort(key=lambda r: r[0])
+    base = [r for r in results if r[1] in (Blocks(), library_blocks(l, s)) and r not in results[:8]]
+    for t, b, rel in results[:8] + base:
+        row(str(b), t, rel, blocks=b.__dict__, default=b == Blocks(), library=b == library_blocks(l, s))
     default = next((r for r in results if r[1] == Blocks()), None)
-    for t, b, rel in results[:8] + ([default] if default and default not in results[:8] else []):
-        row(str(b), t, rel, blocks=b.__dict__, default=b == Blocks())
     best_t, best, best_rel = results[0]
     # the model's situation: a scan over the layer stack hands each layer's cache slice to the kernel
     kst, vst = jnp.stack(kc), jnp.stack(vc)
@@ -131,14 +139,15 @@ def bench_shape(name, l, s, record) -> dict:
 
     row("xla_scan", per_call(scanned(xla), q, kst, vst) / LAYERS, best_rel)
     scan_t = {}
-    for tag, b in (("best", best), ("default", Blocks())):
+    for tag, b in (("best", best), ("library", library_blocks(l, s)), ("default", Blocks())):
         if supported(l, s, H, b, N // KV):
             f = lambda q, a, c, b=b: cached_attention(q, a, c, cm, kself, vself, sm, scale=scale,  # noqa: E731
                                                       blocks=b, interpret=INTERPRET)
             scan_t[tag, False] = per_call(scanned(f), q, kst, vst) / LAYERS
             scan_t[tag, True] = per_call(in_place(b), q, kst, vst) / LAYERS
-            row(f"pallas_scan_{tag} {b}", scan_t[tag, False], best_rel)
-            row(f"pallas_scan_{tag} {Blocks(**(b.__dict__ | {'cache_in_place': True}))}", scan_t[tag, True],
+            placed = lambda yes, b=b: Blocks(**(b.__dict__ | {"cache_in_place": yes}))  # noqa: E731
+            row(f"pallas_scan_{tag} {placed(False)}", scan_t[tag, False], best_rel)
+            row(f"pallas_scan_{tag} {placed(True)}", scan_t[tag, True],
                 err(in_place(b)(q, kst, vst)[0]))
     best = Blocks(**(best.__dict__ | {"cache_in_place": scan_t["best", True] < scan_t["best", False]}))
     print(f"{name}: L={l} S={s}  xla {t_xla * 1e6:.1f} us  best {best_t * 1e6:.1f} us {best}  default "
@@ -158,11 +167,13 @@ def main():
         with open(args.out, "a") as fh:
             fh.write(json.dumps(rec) + "\n")
 
-    table = [bench_shape(name, *SHAPES[name], record) for name in args.shapes.split(",")]
-    tmp = args.table + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(table, fh, indent=1)
-    os.replace(tmp, args.table)  # never a half-written table
+    table = []
+    for name in args.shapes.split(","):  # the table is rewritten after each shape: a stopped sweep keeps those done
+        table.append(bench_shape(name, *SHAPES[name], record))
+        tmp = args.table + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(table, fh, indent=1)
+        os.replace(tmp, args.table)  # never a half-written table
 
 
 if __name__ == "__main__":

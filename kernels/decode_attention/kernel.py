@@ -49,6 +49,14 @@ class Blocks:
 
 TUNED: dict[tuple[int, int], Blocks] = {}
 
+# The library's blocks where the table has no entry, from the H200 sweep at the engine's two shapes (Qwen3-4B, 36
+# layers in a scan; benchmarks/results/2026-11-30_attention_sweep_h200x2.md): 16-query tiles, 4 warps and the cache
+# read in place won at both. Block 32 over 544 slots: 16.1 us per layer (the dataclass defaults 20.5). Canvas 256
+# over 768: the heads of a kv head grouped, 8 chunks of 64 keys per split, 31.9 us (defaults 50.6). Other shapes
+# take the rule of the nearer of the two by pass length: a heuristic, measured at those two shapes only.
+SHORT_PASS = Blocks(bl=16, bs=32, chunks_per_split=4, cache_in_place=True)
+LONG_PASS = Blocks(bl=16, bs=64, chunks_per_split=8, group_heads=True, cache_in_place=True)
+
 
 def load_tuned(path) -> dict[tuple[int, int], Blocks]:
     """Fill TUNED from a JSON table [{"l":, "s":, "blocks": {...}}, ...] (kernels/decode_attention/bench.py
@@ -61,9 +69,14 @@ def load_tuned(path) -> dict[tuple[int, int], Blocks]:
     return TUNED
 
 
-def blocks_for(l: int, s: int) -> Blocks:
-    """The tuned blocks for l queries over s cache slots, else the defaults."""
-    return TUNED.get((l, s), Blocks())
+def blocks_for(l: int, s: int, h: int = 128, g: int = 1) -> Blocks:
+    """The blocks for l queries over s cache slots (head dim h, g query heads per kv head): the tuned table's entry,
+    else the measured rule (SHORT_PASS up to 64 queries, LONG_PASS above) where the kernel supports it, else the
+    dataclass defaults."""
+    if (l, s) in TUNED:
+        return TUNED[(l, s)]
+    rule = SHORT_PASS if l <= 64 else LONG_PASS
+    return rule if supported(l, s, h, rule, g) else Blocks()
 
 
 def _tile(n: int, want: int) -> int:

@@ -38,7 +38,7 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
         from orl_jax_kernels.decode_attention.kernel import blocks_for, cached_attention, supported
 
         (kc, vc, cm), (ks, vs, sm) = parts
-        blocks = blocks_for(q.shape[1], kc.shape[1])
+        blocks = blocks_for(q.shape[1], kc.shape[1], q.shape[-1], q.shape[2] // kc.shape[2])
         if supported(q.shape[1], kc.shape[1], q.shape[-1], blocks, q.shape[2] // kc.shape[2]):
             in_place = blocks.cache_in_place and isinstance(kc, StackedWeight)
             kc, vc, layer = (kc.stack, vc.stack, kc.index) if in_place else (_slice(kc), _slice(vc), None)
