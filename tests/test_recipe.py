@@ -145,7 +145,7 @@ def test_orl_rounds_draw_fresh_prompts_or_cycle_a_fixed_pool(tmp_path):
     r = dataclasses.replace(train_qwendlm.PRESETS["smoke"], orl_prompts=2)
     train_tokenizer(task_corpus(n_per_task=40, tasks=list(r.tasks)), r.vocab_size, tmp_path)
     tok = load_tokenizer(tmp_path)
-    prompts = lambda r, rnd: [ex.prompt for ex in round_examples(r, tok, 320, rnd)]  # noqa: E731
+    prompts = lambda r, rnd: [ex.prompt for ex in round_examples(r, tok, 320)(rnd)]  # noqa: E731
     assert prompts(r, 0) != prompts(r, 1) and prompts(r, 1) == prompts(r, 1)  # fresh, reproducible (--resume)
     pooled = dataclasses.replace(r, orl_prompt_pool=3)
     p0, p1, p3 = prompts(pooled, 0), prompts(pooled, 1), prompts(pooled, 3)

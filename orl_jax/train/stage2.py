@@ -65,14 +65,15 @@ def train_prompts(r, tok, max_prompt: int, n: int, seed: int) -> list:
     return exs
 
 
-def round_examples(r, tok, max_prompt: int, rnd: int) -> list:
-    """The r.orl_prompts train examples of ORL round `rnd`: fresh ones (seed 100000 + rnd), or with
-    r.orl_prompt_pool = N the next ones of a fixed set of N, cycled."""
+def round_examples(r, tok, max_prompt: int):
+    """rnd -> the r.orl_prompts train examples of ORL round rnd: fresh ones (seed 100000 + rnd), or with
+    r.orl_prompt_pool = N the next ones of a fixed set of N, cycled (the set is built once: 1024 prompts take
+    ~2 s, as long as a round)."""
     P = r.orl_prompts
     if not r.orl_prompt_pool:
-        return train_prompts(r, tok, max_prompt, P, 100_000 + rnd)
-    fixed = train_prompts(r, tok, max_prompt, r.orl_prompt_pool, 99_999)  # ~50 ms for 64 prompts: not cached
-    return [fixed[(rnd * P + i) % len(fixed)] for i in range(P)]
+        return lambda rnd: train_prompts(r, tok, max_prompt, P, 100_000 + rnd)
+    fixed = train_prompts(r, tok, max_prompt, r.orl_prompt_pool, 99_999)
+    return lambda rnd: [fixed[(rnd * P + i) % len(fixed)] for i in range(P)]
 
 
 def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossConfig, log):
@@ -96,8 +97,9 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
         restored = ck.restore_latest(step.abstract_state(jax.random.key(2)))
         state, start = (restored[0], int(restored[1]["round"])) if restored else (
             step.init_state(params, jax.random.key(2)), 0)
+        examples = round_examples(r, tok, ocfg.max_prompt)
         for rnd in range(start, r.orl_rounds):
-            exs = round_examples(r, tok, ocfg.max_prompt, rnd)
+            exs = examples(rnd)
             prompts = [format_prompt(tok, ex.prompt) for ex in exs]
 
             def verify(responses, exs=exs):  # all rows at once: the code task's sandboxes run in parallel
