@@ -126,7 +126,7 @@ def one_forward(cfg):
         d = tempfile.mkdtemp()
         with jax.profiler.trace(d):
             jax.block_until_ready([compiled(params, canvas, cache) for _ in range(5)])
-        prof = summarize(d, steps=5)
+        prof = summarize(d, steps=5, hlo_text=compiled.as_text())
         top = prof.pop("top", [])
         log(what="profile", moe_impl=cfg.moe_impl, **prof)
         for row in top:

@@ -165,7 +165,7 @@ def step_phase(params, bw):
 
 def profile_phase(params):
     """One traced call of the 16-step fori loop per canvas length: how much of a step the GPU is busy, and with
-    which kernels (benchmarks/xplane_summary.py)."""
+    which kernels, each described from the compiled module (benchmarks/xplane_summary.py, hlo_describe.py)."""
     import tempfile
 
     from xplane_summary import summarize
@@ -179,7 +179,8 @@ def profile_phase(params):
         d = tempfile.mkdtemp()
         with jax.profiler.trace(d):
             jax.block_until_ready(call())
-        s = summarize(d, steps=16)
+        hlo = f.lower(params, cache, canvas, 16, jax.random.key(3), True).compile().as_text()
+        s = summarize(d, steps=16, hlo_text=hlo)
         top = s.pop("top", [])
         log(what="profile", block=L, **s)
         for row in top:

@@ -32,13 +32,23 @@ def kernel_events(trace_dir: str, plane_prefix: str = "/device:GPU") -> list[tup
     return events
 
 
-def summarize(trace_dir: str, steps: int, top: int = 25, plane_prefix: str = "/device:GPU") -> dict:
+def summarize(trace_dir: str, steps: int, top: int = 25, plane_prefix: str = "/device:GPU",
+              hlo_text: str | None = None) -> dict:
+    """summarize_events of the trace; with the traced program's compiled HLO text (`compiled.as_text()`), each top
+    kernel also says what it is: its fusion's shapes, fused ops and source line (hlo_describe.describe)."""
     ev = kernel_events(trace_dir, plane_prefix)
     if not ev:  # say what the trace holds instead
         path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
         return {"kernels": 0, "planes": {p.name: [ln.name for ln in p.lines][:8]
                                          for p in ProfileData.from_file(path).planes}}
-    return summarize_events(ev, steps, top)
+    s = summarize_events(ev, steps, top)
+    if hlo_text is not None:
+        from hlo_describe import describe
+
+        found = describe(hlo_text, [row["kernel"] for row in s["top"]])
+        for row in s["top"]:
+            row.update(found.get(row["kernel"], {}))
+    return s
 
 
 def summarize_events(ev: list[tuple[str, str, int, int]], steps: int, top: int = 25) -> dict:
