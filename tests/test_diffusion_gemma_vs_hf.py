@@ -561,20 +561,34 @@ def test_dense_and_grouped_expert_paths_agree():
         x, weights, experts, gate_up, down, "gelu_tanh")), np.asarray(dense), atol=1e-5)
 
 
-def test_overloaded_expert_falls_back_to_the_dense_path():
-    """When one expert gets more tokens than it has slots, experts_mlp is still exact (dense fallback)."""
+@pytest.mark.parametrize("kernel", [False, True])
+def test_overloaded_experts_take_further_rounds(kernel):
+    """An expert routed more tokens than it has slots takes them in further rounds; still exact (the dense path)."""
     from orl_jax.model import moe
 
     ks = jax.random.split(jax.random.key(12), 4)
-    t, d, e, f, k = 64, 8, 16, 4, 2
+    t, d, e, f, k = 64, 32, 32, 16, 2
     x = jax.random.normal(ks[0], (t, d))
     gate_up, down = jax.random.normal(ks[1], (e, d, 2 * f)), jax.random.normal(ks[2], (e, f, d))
-    experts = jnp.stack([jnp.zeros(t, jnp.int32), jnp.arange(t, dtype=jnp.int32) % (e - 1) + 1], axis=1)
-    assert t > moe.capacity(t, k, e)  # expert 0 takes every token: more than its slots
+    # expert 0 takes every token, expert 1 every other one, the rest share what is left
+    second = jnp.where(jnp.arange(t) % 2 == 0, 1, jnp.arange(t) % (e - 2) + 2).astype(jnp.int32)
+    experts = jnp.stack([jnp.zeros(t, jnp.int32), second], axis=1)
+    c = moe.capacity(t, k, e)
+    assert t > 2 * c and t // 2 > c  # expert 0 needs 3+ rounds, expert 1 2+
     weights = jax.nn.softmax(jax.random.normal(ks[3], (t, k)), axis=-1)
     dense = moe.dense_experts_mlp(x, weights, experts, gate_up, down, "gelu_tanh")
-    got = jax.jit(moe.experts_mlp, static_argnums=5)(x, weights, experts, gate_up, down, "gelu_tanh")
-    np.testing.assert_allclose(np.asarray(got), np.asarray(dense), atol=1e-5)
+    f_ = jax.jit(moe.bucketed_experts_mlp, static_argnums=(5, 6, 7))
+    got = f_(x, weights, experts, gate_up, down, "gelu_tanh", c, kernel)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(dense), atol=1e-4, rtol=1e-5)
+    one = moe.bucketed_experts_mlp(x, weights, experts, gate_up, down, "gelu_tanh", c, kernel)
+    balanced = jnp.stack([jnp.arange(t) % e, (jnp.arange(t) + 1) % e], axis=1).astype(jnp.int32)
+    np.testing.assert_allclose(np.asarray(one), np.asarray(got), atol=1e-4, rtol=1e-5)  # eager too
+    np.testing.assert_allclose(  # no overflow: the first round alone
+        np.asarray(f_(x, weights, balanced, gate_up, down, "gelu_tanh", c, kernel)),
+        np.asarray(moe.dense_experts_mlp(x, weights, balanced, gate_up, down, "gelu_tanh")), atol=1e-4, rtol=1e-5)
+    jaxpr = str(jax.make_jaxpr(lambda: moe.bucketed_experts_mlp(x, weights, experts, gate_up, down, "gelu_tanh",
+                                                                  c, kernel))())
+    assert "while" in jaxpr and ("pallas_call" in jaxpr) == kernel
 
 
 def test_bucketed_experts_inside_the_model_equal_the_dense_path(dg_ours, monkeypatch):

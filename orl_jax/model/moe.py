@@ -3,9 +3,9 @@
 Dispatch, by size (experts_mlp); every path is exact (nothing is dropped) and equals the reference loop:
 - decode sizes (T <= BUCKETED_MAX_TOKENS): bucketed. Each expert gathers its routed tokens into `capacity` slots and
   one batched product per projection runs [E, C, D] x [E, D, 2F]: every expert's weights are read once and the work
-  is E x C rows instead of E x T. If a call routes more tokens to one expert than it has slots, that call runs the
-  dense path instead (every token through every expert, unchosen ones weighted 0), chosen on the device by
-  `lax.cond` (on GPU its predicate is one small device-to-host copy per MoE layer);
+  is E x C rows instead of E x T. An expert routed more tokens than it has slots takes the rest in further rounds
+  of C slots (a `while_loop` that runs no trip unless some expert overflows; on GPU its predicate is one small
+  device-to-host copy per MoE layer). With the small-M kernel a round reads only the experts with tokens in it;
 - larger T: the T * k assignments are sorted by expert into contiguous rows and `grouped_matmul` multiplies each
   group by its own expert's matrix (`jax.lax.ragged_dot`); rows are weighted, put back in token order and summed.
 
@@ -17,8 +17,6 @@ quantized weights do in layers.einsum.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -48,11 +46,13 @@ def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
 
 
 # Up to this many tokens the experts run bucketed: each expert gathers its routed tokens into `capacity` slots and
-# one batched product per projection reads every expert's weights once. Exact: when any expert gets more tokens
-# than it has slots, that call takes the dense path (every token through every expert, unchosen ones weighted 0)
-# instead. On an H200, XLA's GPU ragged_dot took 3.2 ms per gate/up product at DiffusionGemma's canvas (256 tokens x
-# top-8, 128 experts) against 0.7 ms for the dense product (benchmarks/ragged_dot_probe.py): it does not skip
-# unused groups' work. Bucketing at 4x the mean load computes 4x less than dense at that size.
+# one batched product per projection reads every expert's weights once. Exact: an expert with more tokens than
+# slots takes them in further rounds. On an H200, XLA's GPU ragged_dot took 3.2 ms per gate/up product at
+# DiffusionGemma's canvas (256 tokens x top-8, 128 experts) against 0.7 ms for the dense product
+# (benchmarks/ragged_dot_probe.py): it does not skip unused groups' work. Bucketing at 4x the mean load computes 4x
+# less than dense at that size. The overflow used to take the dense path: with random weights 4 of the 5 full
+# layers of DiffusionGemma 26B did, each copying its 1.5 GB of experts for XLA's GEMMs and computing every expert on
+# every token, ~1.4 ms per layer (benchmarks/results/2026-11-30_dg_profile_h200x2.md).
 BUCKETED_MAX_TOKENS = 512
 CAPACITY_FACTOR = 4
 
@@ -74,39 +74,49 @@ def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up, d
     c = capacity(t, k, gate_up.shape[0])
     if impl == "dense" or c >= t:  # every expert could take every token: bucketing saves nothing
         return dense_experts_mlp(x, weights, experts, gate_up, down, act)
-    load = jnp.bincount(experts.reshape(-1), length=gate_up.shape[0])
-    return jax.lax.cond(jnp.max(load) <= c,
-                        lambda: bucketed_experts_mlp(x, weights, experts, gate_up, down, act, c, impl == "pallas"),
-                        lambda: dense_experts_mlp(x, weights, experts, gate_up, down, act))
+    return bucketed_experts_mlp(x, weights, experts, gate_up, down, act, c, impl == "pallas")
 
 
 def bucketed_experts_mlp(x, weights, experts, gate_up, down, act: str, capacity: int, kernel: bool = False
                          ) -> jax.Array:
-    """Each expert's routed tokens in `capacity` slots ([E, C, D]); exact only while no expert has more tokens
-    than slots (experts_mlp checks and falls back to the dense path). kernel: both products through
-    kernels/small_m_gemm (each expert's weights streamed once, experts without tokens skipped)."""
+    """Each expert's routed tokens in `capacity` slots ([E, C, D]), one batched product per projection. Exact for
+    any load: round r holds the assignments of rank r*C .. r*C + C - 1 within their expert, and rounds after the
+    first run only when some expert has more than C tokens (a while_loop: not reverse-differentiable; training
+    passes are longer than BUCKETED_MAX_TOKENS and take grouped_experts_mlp). kernel: both products through
+    kernels/small_m_gemm (each expert's weights streamed once per round, experts without tokens in the round
+    skipped), else XLA's einsum over every expert."""
     t, k = experts.shape
     num_experts = gate_up.shape[0]
     flat = experts.reshape(-1)  # [M]: the (token, choice) assignments
     m = flat.shape[0]
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=num_experts)
-    ranks = jnp.arange(m) - (jnp.cumsum(sizes) - sizes)[flat[order]]  # slot of each sorted assignment
-    slot = jnp.zeros((m,), jnp.int32).at[order].set(ranks.astype(jnp.int32))  # [M]
-    # dispatch tables [E, C]: the token in each slot (t = an all-zero row) and its routing weight
-    tok = jnp.full((num_experts, capacity), t, jnp.int32).at[flat, slot].set(jnp.arange(m) // k, mode="drop")
-    wts = jnp.zeros((num_experts, capacity), jnp.float32).at[flat, slot].set(weights.reshape(-1), mode="drop")
-    xs = jnp.take(jnp.concatenate([x, jnp.zeros_like(x[:1])]), tok, axis=0)  # [E, C, D]
+    ranks = jnp.arange(m) - (jnp.cumsum(sizes) - sizes)[flat[order]]
+    rank = jnp.zeros((m,), jnp.int32).at[order].set(ranks.astype(jnp.int32))  # [M]: place in its expert's queue
+    xz = jnp.concatenate([x, jnp.zeros_like(x[:1])])  # row t: the empty slots' all-zero input
     if kernel:  # small-M kernel, weights read in place (model/streamed.py); unsupported shapes fall back there
-        mm = lambda a, w: as_stacked(w).einsum("ecd,edf->ecf", a, rows=sizes)  # noqa: E731
+        mm = lambda a, w, rows: as_stacked(w).einsum("ecd,edf->ecf", a, rows=rows)  # noqa: E731
     else:
-        mm = functools.partial(einsum, "ecd,edf->ecf")
-    gu = mm(xs, gate_up)  # [E, C, 2F]
-    g, u = jnp.split(gu, 2, axis=-1)
-    h = (ACTIVATIONS[act](g) * u).astype(jnp.float32) * wts[..., None]  # [E, C, F]
-    y = mm(h.astype(x.dtype), down)  # [E, C, D]
-    ya = y[flat, jnp.minimum(slot, capacity - 1)].reshape(t, k, -1)  # each assignment's weighted output
-    return jnp.sum(ya.astype(jnp.float32), axis=1).astype(x.dtype)  # [T, D]
+        mm = lambda a, w, rows: einsum("ecd,edf->ecf", a, w)  # noqa: E731
+
+    def one_round(r, acc):
+        slot = rank - r * capacity
+        here = (slot >= 0) & (slot < capacity)  # the assignments of this round
+        slot = jnp.where(here, slot, capacity)  # others out of range: dropped from the tables
+        # dispatch tables [E, C]: the token in each slot (t = the all-zero row) and its routing weight
+        tok = jnp.full((num_experts, capacity), t, jnp.int32).at[flat, slot].set(jnp.arange(m) // k, mode="drop")
+        wts = jnp.zeros((num_experts, capacity), jnp.float32).at[flat, slot].set(weights.reshape(-1), mode="drop")
+        rows = jnp.clip(sizes - r * capacity, 0, capacity)  # [E]
+        gu = mm(jnp.take(xz, tok, axis=0), gate_up, rows)  # [E, C, 2F]
+        g, u = jnp.split(gu, 2, axis=-1)
+        h = (ACTIVATIONS[act](g) * u).astype(jnp.float32) * wts[..., None]  # [E, C, F]
+        y = mm(h.astype(x.dtype), down, rows)  # [E, C, D]
+        ya = jnp.where(here[:, None], y[flat, jnp.minimum(slot, capacity - 1)], 0)  # [M, D] weighted outputs
+        return acc + jnp.sum(ya.reshape(t, k, -1).astype(jnp.float32), axis=1)
+
+    out = one_round(0, jnp.zeros((t, x.shape[-1]), jnp.float32))
+    rounds = (jnp.max(sizes) + capacity - 1) // capacity
+    return jax.lax.fori_loop(1, rounds, one_round, out).astype(x.dtype)  # [T, D]
 
 
 def dense_experts_mlp(x, weights, experts, gate_up, down, act: str) -> jax.Array:
