@@ -160,3 +160,33 @@ def test_fallback_multiplies_the_scan_slice_not_a_slice_of_the_stack():
 
     assert "pallas_call" not in str(jaxpr)  # every projection fell back
     assert not stacks & set(sliced_operands(jaxpr.jaxpr))
+
+
+def test_many_groups_run_unsplit_and_write_the_output_dtype(monkeypatch):
+    """Enough groups x column tiles fill the chip without split-K: no float32 partials, the kernel writes bf16."""
+    from orl_jax_kernels.small_m_gemm import kernel
+
+    monkeypatch.setattr(kernel, "TUNED", {})
+    assert kernel.blocks_for(704, 2816, groups=128).splits == 1  # DiffusionGemma's experts (down)
+    assert kernel.blocks_for(2560, 6144).splits == Blocks().splits  # one dense weight: split-K
+    ks = jax.random.split(jax.random.key(6), 2)
+    x = jax.random.normal(ks[0], (4, 16, 256), jnp.bfloat16)
+    w = jax.random.normal(ks[1], (4, 256, 128), jnp.bfloat16)
+    rows = jnp.array([16, 0, 3, 16])
+    f = lambda x, w: batched_small_m_matmul(x, w, None, rows, Blocks(bn=128, bk=64, splits=1),  # noqa: E731
+                                            interpret=True)
+    out = f(x, w)
+    want = jnp.einsum("emk,ekn->emn", x, w, preferred_element_type=jnp.float32) * (rows > 0)[:, None, None]
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want.astype(jnp.bfloat16), np.float32),
+                               rtol=2e-2, atol=5e-2)
+    jaxpr = str(jax.make_jaxpr(f)(x, w))
+    assert "reduce_sum" not in jaxpr and "f32[1,4" not in jaxpr  # no partial sums to add
+
+
+def test_unsplit_expert_kernel_lowers_to_verified_triton(monkeypatch):
+    sd = jax.ShapeDtypeStruct
+    verified_triton_modules(
+        monkeypatch, lambda x, w, i, r: batched_small_m_matmul(x, w, i, r, Blocks(bn=128, bk=64, splits=1)),
+        sd((128, 64, 704), jnp.bfloat16), sd((5, 128, 704, 2816), jnp.bfloat16), sd((), jnp.int32),
+        sd((128,), jnp.int32))

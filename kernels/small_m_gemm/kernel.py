@@ -4,7 +4,9 @@ At M = 32 a GEMM with a 2560 x 6144 bf16 weight reads 31 MB and does 1 GFLOP: it
 once. cuBLAS reaches 35-60% of HBM bandwidth on these shapes (../shared/REFERENCE.md) because it launches too
 few blocks. Here every program owns one BN-wide column tile of the weight and every S-th BK-deep chunk of the
 contraction (split-K), streams those tiles through tensor-core dots into a float32 accumulator, and writes a
-partial sum; the S partials ([S, M, N] float32, a few % of the weight's bytes) are summed by XLA.
+partial sum; the S partials ([S, M, N] float32, a few % of the weight's bytes) are summed by XLA. Batched over many
+groups (experts), the groups alone fill the chip: the kernel then runs unsplit and writes the output dtype
+(`blocks_for`, FILLED).
 
 Stacked weights: `w` may be a layer stack [L, K, N] with `layer` an int32 scalar. The kernel then reads layer
 `layer` in place. Under `lax.scan` over stacked params the body's slice `w[i]` can reach a custom call as a
@@ -48,14 +50,23 @@ def load_tuned(path) -> dict[tuple[int, int], Blocks | None]:
     return TUNED
 
 
-def blocks_for(k: int, n: int) -> Blocks | None:
-    """The tuned blocks of (K, N), else Blocks() with the largest tiles (<= its own) that divide K and N."""
+# Programs (groups x column tiles) from which split-K is not needed to fill an H200's 132 SMs. Above it the kernel
+# runs unsplit and writes its output in the final dtype: split-K's float32 partials cost DiffusionGemma's experts
+# (128 groups of 64 rows) 4 x 92 MB written and read again per down product, on 0.5 GB of weights
+# (benchmarks/results/2026-11-30_dg_profile_h200x2.md: down at 52% of bandwidth).
+FILLED = 4 * 132
+
+
+def blocks_for(k: int, n: int, groups: int = 1) -> Blocks | None:
+    """The tuned blocks of (K, N), else Blocks() with the largest tiles (<= its own) that divide K and N, unsplit
+    when `groups` x column tiles fill the chip (FILLED)."""
     if (k, n) in TUNED:
         return TUNED[(k, n)]
     d = Blocks()
     tile = lambda size, want: next((t for t in (want, 64, 32, 16) if t <= want and size % t == 0), want)  # noqa: E731
-    return Blocks(bn=tile(n, d.bn), bk=tile(k, d.bk), splits=d.splits, num_warps=d.num_warps,
-                  num_stages=d.num_stages)
+    bn = tile(n, d.bn)
+    return Blocks(bn=bn, bk=tile(k, d.bk), splits=1 if groups * (n // bn) >= FILLED else d.splits,
+                  num_warps=d.num_warps, num_stages=d.num_stages)
 
 
 def _kernel(layer_ref, rows_ref, x_ref, w_ref, o_ref, *, bk: int, n_chunks: int, stacked: bool):
@@ -72,7 +83,7 @@ def _kernel(layer_ref, rows_ref, x_ref, w_ref, o_ref, *, bk: int, n_chunks: int,
 
     trips = (n_chunks - s + n_splits - 1) // n_splits
     trips = jnp.where(rows_ref[e] > 0, trips, 0)  # a group without rows reads none of its weight
-    o_ref[0, 0] = jax.lax.fori_loop(0, trips, body, jnp.zeros((m, bn), jnp.float32))
+    o_ref[0, 0] = jax.lax.fori_loop(0, trips, body, jnp.zeros((m, bn), jnp.float32)).astype(o_ref.dtype)
 
 
 SMEM_BYTES = 220 * 1024  # of the H100/H200's 227 KB of shared memory per block
@@ -113,7 +124,7 @@ def batched_small_m_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | None =
                          f"got w of shape {w.shape} with layer={'given' if layer is not None else None}")
     if w.shape[-3] != e or w.shape[-2] != k:
         raise ValueError(f"small_m_matmul: x of shape {x.shape} does not match w of shape {w.shape}")
-    blocks = blocks or blocks_for(k, n)
+    blocks = blocks or blocks_for(k, n, e)
     if not supported(m, k, n, blocks):
         raise ValueError(f"small_m_matmul: shape M={m}, K={k}, N={n} not supported with {blocks}")
     mp = max(16, 1 << (m - 1).bit_length())  # tensor-core dots need M >= 16
@@ -130,9 +141,11 @@ def batched_small_m_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | None =
               else pl.BlockSpec((1, k, blocks.bn), lambda g, j, s: (g, 0, j)))
     layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     rows = jnp.ones((e,), jnp.int32) if rows is None else rows.astype(jnp.int32)
+    out_dtype = out_dtype or x.dtype
     partial = pl.pallas_call(
         functools.partial(_kernel, bk=blocks.bk, n_chunks=n_chunks, stacked=stacked),
-        out_shape=jax.ShapeDtypeStruct((splits, e, mp, n), jnp.float32),
+        # split: float32 partial sums, added by XLA; unsplit: the output itself
+        out_shape=jax.ShapeDtypeStruct((splits, e, mp, n), jnp.float32 if splits > 1 else out_dtype),
         grid=(e, n // blocks.bn, splits),
         in_specs=[pl.BlockSpec((1,), lambda g, j, s: (0,)),
                   pl.BlockSpec((e,), lambda g, j, s: (0,)),
@@ -142,4 +155,5 @@ def batched_small_m_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | None =
         interpret=interpret,
         **kwargs,
     )(layer_arr, rows, xp, w)
-    return partial.sum(axis=0)[:, :m].astype(out_dtype or x.dtype)
+    out = partial.sum(axis=0).astype(out_dtype) if splits > 1 else partial[0]
+    return out[:, :m]
