@@ -38,6 +38,9 @@ ap.add_argument("--cached-matmul", choices=["xla", "pallas"], default="xla",
                 help="projections of cached passes <= 64 rows: XLA (cuBLAS) or kernels/small_m_gemm")
 ap.add_argument("--layer-unroll", type=int, default=1, help="ModelConfig.layer_unroll (layers per scan iteration)")
 ap.add_argument("--attention-table", help="tuned attention blocks (kernels/decode_attention/bench.py --table)")
+ap.add_argument("--attention-blocks", choices=["library", "dataclass"], default="library",
+                help="the attention kernel's blocks without a table: the library's measured rule (blocks_for) or "
+                     "the Blocks() defaults it replaced (A/B of the rule in one call)")
 ap.add_argument("--gemm-table", help="tuned small-M GEMM blocks (kernels/small_m_gemm/bench.py --table)")
 args = ap.parse_args()
 runtime.configure(args.cache_dir, xla_flags=() if args.xla_default else runtime.DEFAULT_XLA_FLAGS)
@@ -60,7 +63,7 @@ T0 = time.perf_counter()
 def log(**kw):
     kw |= {"phase": args.phase, "tensor": args.tensor, "cached_attention": args.cached_attention,
            "cached_matmul": args.cached_matmul, "layer_unroll": args.layer_unroll,
-           "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "attention_blocks": args.attention_blocks, "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "device": jax.devices()[0].device_kind,
            "jax": jax.__version__, "t": round(time.perf_counter() - T0, 1)}
     print(json.dumps(kw), flush=True)
@@ -87,6 +90,10 @@ if args.gemm_table:
     from orl_jax_kernels.small_m_gemm.kernel import load_tuned
 
     log(what="gemm_table", table=str(load_tuned(args.gemm_table)))
+if args.attention_blocks == "dataclass":
+    from orl_jax_kernels.decode_attention import kernel as attention_kernel
+
+    attention_kernel.blocks_for = lambda *shape: attention_kernel.Blocks()  # read by model/attention.py at trace time
 if args.attention_table:
     from orl_jax_kernels.decode_attention.kernel import load_tuned as load_attention_table
 

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Side-by-side engine benchmark on the GPU machine: PyTorch peers, then orl_jax, one after the other (never
-# concurrently). Usage: bash benchmarks/run_engine_bench.sh PART OUTDIR   (PART: peers-step | generate | attention)
+# concurrently). Usage: bash benchmarks/run_engine_bench.sh PART OUTDIR
+#   (PART: peers-step | generate | attention | ab)
 # attention: sweep the attention kernel's blocks (kernels/decode_attention/bench.py -> attn_tuned.json), then the
 # step and its profile with that table.
+# ab: the CUDA-graph peer, then the step with the library's attention blocks and with the Blocks() defaults, then
+# the profile (kernels named from the compiled module).
 set -uo pipefail
 part=$1; out=$2; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -21,6 +24,14 @@ elif [ "$part" = attention ]; then
     timeout 200 python3 benchmarks/engine_step.py --phase $phase --attention-table "$out/attn_tuned.json" \
       --out "$out/engine.jsonl" > "$out/${phase}_tuned.log" 2>&1
   done
+elif [ "$part" = ab ]; then
+  { for b in 32 256; do echo "== torch_graph_step BLOCK=$b"; BLOCK=$b timeout 150 python3 $peers/torch_graph_step.py; done
+  } > "$out/peers.txt" 2>&1
+  for blocks in library dataclass; do
+    timeout 240 python3 benchmarks/engine_step.py --phase step --attention-blocks $blocks --out "$out/engine.jsonl" \
+      > "$out/step_$blocks.log" 2>&1
+  done
+  timeout 200 python3 benchmarks/engine_step.py --phase profile --out "$out/engine.jsonl" > "$out/profile.log" 2>&1
 else
   timeout 300 python3 benchmarks/engine_step.py --phase generate --out "$out/engine.jsonl" > "$out/gen_cold.log" 2>&1
   timeout 200 python3 benchmarks/engine_step.py --phase generate --out "$out/engine.jsonl" > "$out/gen_warm.log" 2>&1
