@@ -163,7 +163,8 @@ def parse_args(argv=None):
                     help="QwenDLM variant: uniform-state canvas (default) or mask tokens")
     ap.add_argument("--skip-stage2", action="store_true", help="stop after the conversion (no ORL)")
     ap.add_argument("--stage2-methods", default="orl,noaec,rcd",
-                    help="comma-separated stage-2 methods to train: orl, noaec (ORL without AEC), rcd. Separate "
+                    help="comma-separated stage-2 methods to train: orl, noaec (ORL without AEC), rcd, orl_rcd (ORL "
+                         "rounds on the RCD model in RCD's residual form; trains rcd first if needed). Separate "
                          "processes (one GPU each, same --out, --resume, --no-eval) can train them side by side")
     ap.add_argument("--time-limit", type=float, metavar="MINUTES",
                     help="stop a training stage once this many minutes have passed since the start, as on SIGTERM "
@@ -196,7 +197,7 @@ def parse_args(argv=None):
     return args
 
 
-STAGE2_METHODS = ("orl", "noaec", "rcd")
+STAGE2_METHODS = ("orl", "noaec", "rcd", "orl_rcd")  # orl_rcd: not in the default list (see stage2.stage2)
 EXIT_STOPPED = 75  # a stage was stopped (SIGTERM) and checkpointed: run again with --resume (sysexits' TEMPFAIL)
 
 

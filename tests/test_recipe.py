@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
@@ -66,13 +68,21 @@ def test_mask_family_runs_every_stage_2_method(tmp_path):
     its own residual form, and an evaluation that decodes each with the residual it was trained with. (The smoke
     model verifies no response, so its ORL rounds take no update: tests/test_orl.py covers the mask-family update.)"""
     out = tmp_path / "run"
-    train_qwendlm.main(["--preset", "smoke", "--out", str(out), "--noise", "mask", "--stage2-methods", "orl,rcd"])
+    train_qwendlm.main(["--preset", "smoke", "--out", str(out), "--noise", "mask", "--stage2-methods",
+                        "orl,rcd,orl_rcd"])
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [r["method"] for r in rows] == ["AR (greedy)", "QwenDLM weights, AR decoding", "QwenDLM", "QwenDLM+ORL",
-                                           "QwenDLM+RCD"]
+                                           "QwenDLM+RCD", "QwenDLM+RCD+ORL"]
     assert all(r["tpf"] > 0 and "fill threshold" in r["setting"] for r in rows[2:])
-    orl = [json.loads(line) for line in (out / "stage2_orl/logs/metrics.jsonl").read_text().splitlines()]
-    assert len(orl) == 2 and all(m["rollout_tpf"] > 0 for m in orl)  # (tests/test_orl.py checks the update)
+    for name in ("stage2_orl", "stage2_orl_rcd"):  # orl_rcd: ORL rounds on the RCD model (trained once, reused)
+        orl = [json.loads(line) for line in (out / name / "logs/metrics.jsonl").read_text().splitlines()]
+        assert len(orl) == 2 and all(m["rollout_tpf"] > 0 for m in orl)  # (tests/test_orl.py checks the update)
+    # no response verifies, so no update: orl_rcd exports the params it started from, RCD's (not the base's)
+    from orl_jax.checkpoint import load_params
+
+    leaves = lambda name: jax.tree.leaves(load_params(out / name / "params")[1])  # noqa: E731
+    assert all(np.array_equal(a, b) for a, b in zip(leaves("stage2_rcd"), leaves("stage2_orl_rcd")))
+    assert not all(np.array_equal(a, b) for a, b in zip(leaves("stage1"), leaves("stage2_orl_rcd")))
     assert "RCDResidual" in (out / "report.md").read_text()
 
 

@@ -8,7 +8,7 @@ import pytest
 from orl_jax import params as P
 from orl_jax.config import preset
 from orl_jax.decode.engine import generate
-from orl_jax.decode.residual import ORLResidual
+from orl_jax.decode.residual import ORLResidual, RCDResidual
 from orl_jax.decode.samplers import MaskSampler, UniformSampler
 from orl_jax.model import qwen3
 from orl_jax.train.orl_losses import normalized_entropy
@@ -20,11 +20,13 @@ SAMPLER = UniformSampler(max_denoising_steps=3, entropy_bound=1.0)
 MASK_SAMPLER = MaskSampler(mask_token_id=255, threshold=0.3, temperature=1.0)  # sampled: a few steps per block
 
 
-@pytest.fixture(scope="module", params=["own_row", "logit_shift", "mask"])
+@pytest.fixture(scope="module", params=["own_row", "logit_shift", "mask", "mask_rcd"])
 def rollout(request):
-    """(cfg, params, out, batch, sampler): a captured rollout of 3 blocks and its replay batch. "mask": the mask
-    family with the ORL residual (g_phi weighted by the previous step's entropy at [MASK] positions)."""
-    mask = request.param == "mask"
+    """(cfg, params, out, batch, sampler, residual): a captured rollout of 3 blocks and its replay batch. "mask":
+    the mask family with the ORL residual (g_phi weighted by the previous step's entropy at [MASK] positions);
+    "mask_rcd": with RCD's residual form (the recipe's orl_rcd variant)."""
+    mask = request.param.startswith("mask")
+    residual = RCDResidual() if request.param == "mask_rcd" else ORLResidual()
     cfg = preset("tiny-qwendlm").replace(block_length=BL, logit_shift=request.param != "own_row",
                                          noise="mask" if mask else "uniform")
     sampler = MASK_SAMPLER if mask else SAMPLER
@@ -32,30 +34,35 @@ def rollout(request):
     params["embed"] = params["embed"] * 4.0  # decisive enough to accept tokens, far from one-hot
     params["adapter"] = dict(params["adapter"], down=jax.random.normal(jax.random.key(4), (32, 64)) * 0.3)
     out = generate(params, cfg, PROMPTS, key=jax.random.key(1), max_new_tokens=3 * BL, sampler=sampler,
-                   residual=ORLResidual(), capture=True, eos_token_id=(), pad_token_id=0)
+                   residual=residual, capture=True, eos_token_id=(), pad_token_id=0)
     batch = build_replay(PROMPTS, out, [True, True], block_length=BL, pad_id=0,
                          mask_token_id=cfg.mask_token_id if mask else None)
     if mask:  # later steps of a block carry a residual at [MASK] positions: the replay must feed it back
         assert batch.a.max() > 0.05 and (batch.tokens == cfg.mask_token_id).any()
-    return cfg, params, out, batch, sampler
+    return cfg, params, out, batch, sampler, residual
 
 
 def test_replayed_logits_reproduce_the_rollout(rollout):
-    cfg, params, out, batch, sampler = rollout
+    cfg, params, out, batch, sampler, residual = rollout
     assert len(batch.step) == int(np.sum(np.asarray(out.capture["active"])[:int(out.total_forwards)]))
-    logits = replay_logits(params, cfg, ORLResidual(), batch)
+    logits = replay_logits(params, cfg, residual, batch)
     ent = normalized_entropy(behaviour_logp(sampler, policy_logits(sampler, logits), jnp.asarray(batch.step)))
     assert 0.05 < float(batch.entropy.mean()) < 0.95  # non-trivial distributions
     np.testing.assert_allclose(np.asarray(ent), batch.entropy, atol=2e-5)
     # a perturbed model does not reproduce them: the check can fail
     bad = dict(params, final_norm=params["final_norm"] * 1.5)
-    bad_logits = policy_logits(sampler, replay_logits(bad, cfg, ORLResidual(), batch))
+    bad_logits = policy_logits(sampler, replay_logits(bad, cfg, residual, batch))
     ent_bad = normalized_entropy(behaviour_logp(sampler, bad_logits, jnp.asarray(batch.step)))
     assert np.abs(np.asarray(ent_bad) - batch.entropy).max() > 1e-3
+    if cfg.noise == "mask":  # the residual form reaches the replay: the other form does not reproduce the rollout
+        other = ORLResidual() if isinstance(residual, RCDResidual) else RCDResidual()
+        other_logits = policy_logits(sampler, replay_logits(params, cfg, other, batch))
+        ent_other = normalized_entropy(behaviour_logp(sampler, other_logits, jnp.asarray(batch.step)))
+        assert np.abs(np.asarray(ent_other) - batch.entropy).max() > 1e-3
 
 
 def test_staircase_visibility_by_gradients(rollout):
-    cfg, params, out, batch, _ = rollout
+    cfg, params, out, batch, _, residual = rollout
     r, L = 0, BL
     states = [s for s in range(len(batch.step)) if batch.state_row[s] == r]
     p = len(PROMPTS[0])
@@ -65,7 +72,7 @@ def test_staircase_visibility_by_gradients(rollout):
                                  jnp.asarray(batch.mask[r:r + 1]))
         return qwen3.logits(params, cfg, h[:, batch.state_start[s]:batch.state_start[s] + L]).sum()
 
-    x0 = ORLResidual().embed(params, cfg, jnp.asarray(batch.tokens[r:r + 1]), jnp.asarray(batch.z[r:r + 1]),
+    x0 = residual.embed(params, cfg, jnp.asarray(batch.tokens[r:r + 1]), jnp.asarray(batch.z[r:r + 1]),
                              jnp.asarray(batch.a[r:r + 1]))
     for s in states:
         g = np.abs(np.asarray(jax.grad(state_logits)(x0, s))[0]).sum(-1)  # [N]
@@ -80,7 +87,7 @@ def test_staircase_visibility_by_gradients(rollout):
 
 
 def test_unverified_responses_are_dropped(rollout):
-    cfg, params, out, _, _ = rollout
+    cfg, params, out, _, _, _ = rollout
     batch = build_replay(PROMPTS, out, [False, True], block_length=BL, pad_id=0,
                          mask_token_id=cfg.mask_token_id if cfg.noise == "mask" else None)
     assert set(batch.state_row.tolist()) == {0} and batch.tokens.shape[0] == 1

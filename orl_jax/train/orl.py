@@ -27,7 +27,7 @@ import numpy as np
 
 from orl_jax.checks import int_at_least
 from orl_jax.decode.engine import generate
-from orl_jax.decode.residual import ORLResidual
+from orl_jax.decode.residual import ORLResidual, RCDResidual
 from orl_jax.train.orl_losses import ORLLossConfig, orl_loss
 from orl_jax.train.replay import ReplayBatch, behaviour_logp, build_replay, policy_logits, replay_logits
 
@@ -42,6 +42,9 @@ class ORLConfig:
     # which states, when a response has more than max_states: "blocks" = whole blocks in a random order (every
     # block of an answer is trained over the rounds), "first" = the first ones in decoding order
     state_selection: str = "blocks"
+    # the residual form of the rollouts and of the replay (one policy): ORL's adapter, or RCD's interpolation for
+    # on-policy training of an RCD model (the recipe's "orl_rcd" variant)
+    residual: ORLResidual | RCDResidual = ORLResidual()
 
     def __post_init__(self):
         for name in ("group_size", "max_new_tokens", "max_states", "max_prompt"):
@@ -114,7 +117,7 @@ def rollout(params, cfg, prompts: Sequence[Sequence[int]], key, sampler, orl_cfg
             raise ValueError(f"prompt {i} has {len(p)} tokens > ORLConfig.max_prompt={orl_cfg.max_prompt}")
     rows = [list(p) for p in prompts for _ in range(orl_cfg.group_size)]
     out = generate(params, cfg, rows, key=key, max_new_tokens=orl_cfg.max_new_tokens, sampler=sampler,
-                   residual=ORLResidual(), capture=True, eos_token_id=eos_token_ids, pad_token_id=pad_token_id,
+                   residual=orl_cfg.residual, capture=True, eos_token_id=eos_token_ids, pad_token_id=pad_token_id,
                    mesh=mesh if mesh is not None and mesh.size > 1 else None)
     return rows, out
 

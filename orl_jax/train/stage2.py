@@ -76,19 +76,21 @@ def round_examples(r, tok, max_prompt: int):
     return lambda rnd: [fixed[(rnd * P + i) % len(fixed)] for i in range(P)]
 
 
-def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossConfig, log):
-    """Train `params` with ORL for r.orl_rounds rounds; export to OUT/name/params (reused when present)."""
+def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossConfig, log, residual=None):
+    """Train `params` with ORL for r.orl_rounds rounds (rollouts and replay in the `residual` form); export to
+    OUT/name/params (reused when present)."""
     done = load_export(name, out, cfg, log)
     if done is not None:
         return done
     G, P = r.orl_group, r.orl_prompts
     ocfg = ORLConfig(group_size=G, max_new_tokens=r.eval_max_new, max_states=r.orl_states,
-                     max_prompt=r.orl_max_prompt, loss=loss_cfg)
+                     max_prompt=r.orl_max_prompt, loss=loss_cfg, residual=residual or ORLResidual())
     # sampled proposals: the policy explores. Mask family: sampled at temperature 1, filled above r.orl_threshold
     sampler = (UniformSampler(max_denoising_steps=r.orl_steps) if cfg.noise == "uniform" else
                MaskSampler(mask_token_id=cfg.mask_token_id, threshold=r.orl_threshold, temperature=1.0))
     optim = stage2_optim(r)
-    step = make_train_step(make_orl_loss(cfg, sampler, G * P, loss_cfg, remat=r.remat), make_optimizer(optim),
+    step = make_train_step(make_orl_loss(cfg, sampler, G * P, loss_cfg, ocfg.residual, remat=r.remat),
+                           make_optimizer(optim),
                            make_mesh(data=1, fsdp=-1, tensor=1), qwen3.param_specs(cfg))
     stops = stop_token_ids(tok)
     key = jax.random.key(args.seed + 2)
@@ -136,9 +138,11 @@ def run_rcd(r, args, out: Path, tok, cfg, params, log):
 
 
 def stage2(r, args, out: Path, tok, cfg, params, log, methods=("orl", "noaec", "rcd")) -> dict:
-    """{report name: (params, residual)} for the chosen of ORL ("orl"), ORL without AEC ("noaec") and the RCD
-    baseline ("rcd"). The residual is the one a mask-family model was trained with, hence decodes with: ORL's
-    adapter on the previous step's hidden state, RCD's interpolated embedding."""
+    """{report name: (params, residual)} for the chosen of ORL ("orl"), ORL without AEC ("noaec"), the RCD
+    baseline ("rcd") and "orl_rcd": ORL's on-policy rounds and losses applied to the RCD model in RCD's residual
+    form (our variant: it trains the policy that already reads its residual, where ORL's adapter starts at zero).
+    The residual is the one a mask-family model was trained with, hence decodes with: ORL's adapter on the
+    previous step's soft token, RCD's interpolated embedding."""
     base = ORLLossConfig(l_aec=r.l_aec, pred_gate=r.pred_gate)
     log(f"stage 2 ({', '.join(methods)}): ORL, {r.orl_rounds} rounds of {r.orl_prompts} prompts x "
         f"{r.orl_group} responses")
@@ -147,5 +151,8 @@ def stage2(r, args, out: Path, tok, cfg, params, log, methods=("orl", "noaec", "
             "noaec": ("QwenDLM+ORL (no AEC)", ORLResidual(),
                       lambda: run_orl("stage2_orl_noaec", r, args, out, tok, cfg, params,
                                       dataclasses.replace(base, l_aec=0.0), log)),
-            "rcd": ("QwenDLM+RCD", RCDResidual(), lambda: run_rcd(r, args, out, tok, cfg, params, log))}
+            "rcd": ("QwenDLM+RCD", RCDResidual(), lambda: run_rcd(r, args, out, tok, cfg, params, log)),
+            "orl_rcd": ("QwenDLM+RCD+ORL", RCDResidual(),
+                        lambda: run_orl("stage2_orl_rcd", r, args, out, tok, cfg,
+                                        run_rcd(r, args, out, tok, cfg, params, log), base, log, RCDResidual()))}
     return {runs[m][0]: (runs[m][2](), runs[m][1]) for m in methods}
