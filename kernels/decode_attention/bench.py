@@ -33,7 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from orl_jax.model.attention import cache_mask, full_segments, scaled_attention, self_mask  # noqa: E402
-from orl_jax_kernels.decode_attention.kernel import Blocks, _tile, blocks_for, cached_attention, supported  # noqa: E402
+from orl_jax_kernels.decode_attention.kernel import Blocks, blocks_for, cached_attention, supported, tile  # noqa: E402
 
 INTERPRET = os.environ.get("ORL_BENCH_INTERPRET") == "1"  # CPU smoke run of the script (tiny shapes, no timing sense)
 # name: (queries L, cache slots S); heads N, kv heads K, head dim H
@@ -64,7 +64,7 @@ def configs(l, s):
         rows = min(bl, l) * (N // KV if grouped else 1)
         b = Blocks(bl=bl, bs=bs, chunks_per_split=cps, num_warps=4 if rows <= 64 else 8, num_stages=2,
                    group_heads=grouped)
-        eff = (_tile(l, bl), _tile(s, bs), _tile(l, bs), cps, grouped)
+        eff = (tile(l, bl), tile(s, bs), tile(l, bs), cps, grouped)
         if bl <= l and rows <= 256 and supported(l, s, H, b, N // KV) and eff not in seen:
             seen.add(eff)
             out.append(b)

@@ -79,7 +79,7 @@ def blocks_for(l: int, s: int, h: int = 128, g: int = 1) -> Blocks:
     return rule if supported(l, s, h, rule, g) else Blocks()
 
 
-def _tile(n: int, want: int) -> int:
+def tile(n: int, want: int) -> int:
     """The largest power of two <= want dividing n (0 if below 16: tensor-core dots need 16)."""
     t = want
     while t >= 16 and n % t:
@@ -91,7 +91,7 @@ def supported(l: int, s: int, h: int, blocks: Blocks = Blocks(), g: int = 1) -> 
     """Queries per pass l, cache slots s, head dim h, query heads per kv head g: tiles of >= 16 must divide l, s;
     h a power of two >= 16; with group_heads, g a power of two."""
     pow2 = lambda x: x >= 1 and not x & (x - 1)  # noqa: E731
-    return (bool(_tile(l, blocks.bl) and _tile(s, blocks.bs) and _tile(l, blocks.bs)) and h >= 16 and pow2(h)
+    return (bool(tile(l, blocks.bl) and tile(s, blocks.bs) and tile(l, blocks.bs)) and h >= 16 and pow2(h)
             and (not blocks.group_heads or pow2(g)))
 
 
@@ -174,7 +174,7 @@ def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask,
     g = n // kv
     if not supported(l, s, h, blocks, g):
         raise ValueError(f"cached_attention: L={l}, S={s}, H={h}, G={g} not supported with {blocks}")
-    bl, cs, ss = _tile(l, blocks.bl), _tile(s, blocks.bs), _tile(l, blocks.bs)
+    bl, cs, ss = tile(l, blocks.bl), tile(s, blocks.bs), tile(l, blocks.bs)
     splits = -(-(s // cs) // blocks.chunks_per_split) + 1
     kwargs = {}
     if not interpret:
