@@ -26,7 +26,8 @@ ap.add_argument("--prompt", type=int, default=512)
 ap.add_argument("--new", type=int, default=256)
 ap.add_argument("--expert", type=int, default=1, help="expert-parallel over the first N devices (mesh tensor=N)")
 ap.add_argument("--moe-impl", default="bucketed",
-                help="DiffusionGemmaConfig.moe_impl; a comma-separated list (bucketed, pallas, dense): each in turn")
+                help="DiffusionGemmaConfig.moe_impl; a comma-separated list (bucketed, pallas, pallas_bucketed, "
+                     "dense): each in turn")
 ap.add_argument("--profile", action="store_true",
                 help="also trace 5 decoder forwards per impl: GPU kernel time vs idle, top kernels (xplane_summary.py)")
 ap.add_argument("--gemm-table", help="tuned small-M GEMM blocks for moe_impl=pallas (kernels/small_m_gemm/bench.py)")
@@ -34,7 +35,7 @@ ap.add_argument("--capacity-factor", type=int,
                 help="moe.CAPACITY_FACTOR (slots per expert / mean load; overflow takes further rounds)")
 args = ap.parse_args()
 IMPLS = args.moe_impl.split(",")
-if unknown := sorted(set(IMPLS) - {"bucketed", "pallas", "dense"}):
+if unknown := sorted(set(IMPLS) - {"bucketed", "pallas", "pallas_bucketed", "dense"}):
     ap.error(f"--moe-impl: unknown {unknown}")
 runtime.configure(os.path.expanduser("~/.cache/orl_jax/xla"))
 
@@ -145,7 +146,8 @@ def one_forward(cfg):
 
 def moe_only(impl):
     """ms of the MoE alone over all layers at the canvas: the sliding stack's experts, one layer after the other
-    (read in place for "pallas", sliced for the XLA paths), routing fixed, scaled to the model's layer count."""
+    (read in place for the pallas paths, sliced for the XLA ones), routing fixed, scaled to the model's layer
+    count."""
     from orl_jax.model.moe import experts_mlp
     from orl_jax.model.streamed import StackedWeight
 
@@ -157,7 +159,7 @@ def moe_only(impl):
 
     def run(gu, dn, x, w, e):  # weights as arguments: a closure would embed them in the program as constants
         def layer(i, y):
-            g, d = (StackedWeight(gu, i), StackedWeight(dn, i)) if impl == "pallas" else (gu[i], dn[i])
+            g, d = (StackedWeight(gu, i), StackedWeight(dn, i)) if impl.startswith("pallas") else (gu[i], dn[i])
             return y + experts_mlp(x + y, w, e, g, d, "gelu_tanh", impl)
 
         return jax.lax.fori_loop(0, n, layer, jnp.zeros_like(x))

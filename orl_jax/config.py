@@ -336,12 +336,14 @@ class DiffusionGemmaConfig:
     num_experts: int = 128  # E
     top_k_experts: int = 8
     moe_intermediate_size: int = 704  # F of each expert
-    # Expert dispatch at decode sizes (model/moe.py): "bucketed" (capacity buckets, dense fallback on overflow),
-    # "pallas" (the same buckets through kernels/small_m_gemm, expert weights read in place from the layer stack),
+    # Expert dispatch (model/moe.py): "bucketed" (capacity buckets at decode sizes, further rounds on overflow),
+    # "pallas" (rows sorted by expert through kernels/grouped_gemm, expert weights read in place from the layer
+    # stack), "pallas_bucketed" (the buckets through kernels/small_m_gemm, weights in place),
     # "dense" (every token through every expert) or "auto": pallas on a GPU, bucketed elsewhere and in generate()
     # over a multi-device mesh (see kernel_choice). All exact; a runtime choice, not saved to config.json. At full
-    # size on one H200 a 256-token decoder forward takes 33.1 ms with pallas, 53.1 bucketed
-    # (benchmarks/results/2026-11-30_diffusion_gemma_h200x2.md).
+    # size on one H200 a 256-token decoder forward took 33.1 ms with the buckets through the small-M kernel (now
+    # "pallas_bucketed"), 53.1 bucketed (benchmarks/results/2026-11-30_diffusion_gemma_h200x2.md); the grouped
+    # kernel, "pallas" since session 8, is not timed yet.
     moe_impl: str = "auto"
     sliding_window: int = 1024  # keys per query in sliding layers, the query included
     layer_types: tuple[str, ...] = _DG_DEFAULT_LAYERS  # must repeat (k sliding, 1 full); see diffusion_gemma.py
@@ -384,9 +386,9 @@ class DiffusionGemmaConfig:
         for name in ("head_dim", "global_head_dim"):
             if getattr(self, name) % 2:
                 raise ValueError(f"DiffusionGemmaConfig.{name} must be even for RoPE, got {getattr(self, name)}")
-        if self.moe_impl not in ("auto", "bucketed", "pallas", "dense"):
-            raise ValueError(f"DiffusionGemmaConfig.moe_impl must be 'auto', 'bucketed', 'pallas' or 'dense', "
-                             f"got {self.moe_impl!r}")
+        if self.moe_impl not in ("auto", "bucketed", "pallas", "pallas_bucketed", "dense"):
+            raise ValueError(f"DiffusionGemmaConfig.moe_impl must be 'auto', 'bucketed', 'pallas', "
+                             f"'pallas_bucketed' or 'dense', got {self.moe_impl!r}")
         if self.top_k_experts > self.num_experts:
             raise ValueError(f"DiffusionGemmaConfig.top_k_experts={self.top_k_experts} exceeds "
                              f"num_experts={self.num_experts}")

@@ -608,9 +608,11 @@ def test_bucketed_experts_inside_the_model_equal_the_dense_path(dg_ours, monkeyp
     np.testing.assert_allclose(np.asarray(bucketed), np.asarray(dense), atol=2e-5)
 
 
-def test_pallas_experts_inside_the_model_equal_the_dense_path(dg_ours, monkeypatch):
-    """moe_impl="pallas": the buckets' two products through the small-M kernel (interpret mode on CPU), the expert
-    weights read in place from each layer type's stack; same logits as the dense path."""
+@pytest.mark.parametrize("impl", ["pallas", "pallas_bucketed"])
+def test_pallas_experts_inside_the_model_equal_the_dense_path(dg_ours, monkeypatch, impl):
+    """moe_impl="pallas": the rows sorted by expert through the grouped kernel; "pallas_bucketed": the buckets' two
+    products through the small-M kernel (interpret mode on CPU). Expert weights read in place from each layer
+    type's stack; same logits as the dense path."""
     from orl_jax.model import moe
     from orl_jax_kernels.small_m_gemm import kernel
 
@@ -622,7 +624,13 @@ def test_pallas_experts_inside_the_model_equal_the_dense_path(dg_ours, monkeypat
     tokens = jnp.asarray(_tokens((2, 24), 51))
     assert moe.capacity(48, cfg.top_k_experts, cfg.num_experts) <= 64  # buckets the kernel takes
     dense = jax.jit(dg.forward, static_argnums=(1,))(params, cfg.replace(moe_impl="dense"), tokens)
-    fast = cfg.replace(moe_impl="pallas")
-    assert str(jax.make_jaxpr(lambda p: dg.forward(p, fast, tokens))(params)).count("pallas_call") >= 4
+    fast = cfg.replace(moe_impl=impl)
+    from orl_jax_kernels.grouped_gemm import kernel as grouped
+
+    grouped_calls, real = [], grouped.grouped_matmul
+    monkeypatch.setattr(grouped, "grouped_matmul", lambda *a, **k: grouped_calls.append(1) or real(*a, **k))
+    jaxpr = str(jax.make_jaxpr(lambda p: dg.forward(p, fast, tokens))(params))
+    assert jaxpr.count("pallas_call") >= 4 and "ragged_dot" not in jaxpr  # no XLA fallback
+    assert bool(grouped_calls) == (impl == "pallas")
     got = jax.jit(dg.forward, static_argnums=(1,))(params, fast, tokens)
     np.testing.assert_allclose(np.asarray(got), np.asarray(dense), atol=2e-5)

@@ -240,9 +240,9 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     grouped = lambda a: a.reshape(G, k, *a.shape[1:])
     # Each sliding layer reads its weights from the whole stack by index inside the inner body. Scanning a group's
     # [k, ...] slice instead would hand the inner loop a copy of five layers' weights per group (~7.6 GB at full
-    # size, mostly experts: benchmarks/results/2026-11-29_diffusion_gemma_h200.md). moe_impl "pallas" also keeps
-    # the expert stacks whole for the kernel (StackedWeight), full layers included.
-    stacks = EXPERT_WEIGHTS if moe_impl(cfg) == "pallas" else ()
+    # size, mostly experts: benchmarks/results/2026-11-29_diffusion_gemma_h200.md). The pallas moe_impls also keep
+    # the expert stacks whole for the kernels (StackedWeight), full layers included.
+    stacks = EXPERT_WEIGHTS if moe_impl(cfg) in ("pallas", "pallas_bucketed") else ()
     full_stack = {n: params["full"][n] for n in stacks}  # [G, E, ...]
     full_w = {n: a for n, a in params["full"].items() if n not in stacks}
     index = jnp.arange(G * k, dtype=jnp.int32).reshape(G, k)  # the sliding layer index of each (group, slot)

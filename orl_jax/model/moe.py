@@ -6,6 +6,9 @@ Dispatch, by size (experts_mlp); every path is exact (nothing is dropped) and eq
   is E x C rows instead of E x T. An expert routed more tokens than it has slots takes the rest in further rounds
   of C slots (a `while_loop` that runs no trip unless some expert overflows; on GPU its predicate is one small
   device-to-host copy per MoE layer). With the small-M kernel a round reads only the experts with tokens in it;
+- moe_impl "pallas" (the GPU default): at any size the T * k rows sorted by expert go through kernels/grouped_gemm,
+  one program per (expert, column tile) reading its expert's weights in place once, only the routed rows
+  loaded: no buckets, no rounds, no data-dependent loop;
 - larger T: the T * k assignments are sorted by expert into contiguous rows and `grouped_matmul` multiplies each
   group by its own expert's matrix (`jax.lax.ragged_dot`); rows are weighted, put back in token order and summed.
 
@@ -66,15 +69,17 @@ def capacity(tokens: int, top_k: int, num_experts: int) -> int:
 def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up, down, act: str,
                 impl: str = "bucketed") -> jax.Array:
     """sum_j weights[t, j] * MLP_{experts[t, j]}(x_t). x [T, D]; gate_up [E, D, 2F] (gate | up); down [E, F, D].
-    impl (decode sizes): "bucketed", "pallas" (bucketed, the two products in kernels/small_m_gemm) or "dense"
-    (see the module docstring)."""
+    impl (decode sizes): "bucketed", "dense", "pallas" (the sorted rows through kernels/grouped_gemm, any T, no
+    buckets) or "pallas_bucketed" (the buckets, both products in kernels/small_m_gemm). See the module docstring."""
     t, k = experts.shape
+    if impl == "pallas":  # expert stacks as StackedWeight: their ragged_dot is the grouped kernel
+        return grouped_experts_mlp(x, weights, experts, as_stacked(gate_up), as_stacked(down), act)
     if t > BUCKETED_MAX_TOKENS:
         return grouped_experts_mlp(x, weights, experts, gate_up, down, act)
     c = capacity(t, k, gate_up.shape[0])
     if impl == "dense" or c >= t:  # every expert could take every token: bucketing saves nothing
         return dense_experts_mlp(x, weights, experts, gate_up, down, act)
-    return bucketed_experts_mlp(x, weights, experts, gate_up, down, act, c, impl == "pallas")
+    return bucketed_experts_mlp(x, weights, experts, gate_up, down, act, c, impl == "pallas_bucketed")
 
 
 def bucketed_experts_mlp(x, weights, experts, gate_up, down, act: str, capacity: int, kernel: bool = False

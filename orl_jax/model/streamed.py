@@ -57,7 +57,13 @@ class StackedWeight:
         return self.stack.dtype
 
     def ragged_dot(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
-        """moe.grouped_matmul's product (long passes: the slice is copied, as XLA does for its own ops)."""
+        """moe.grouped_matmul's product: rows sorted by group times layer `index` of an expert stack [L, E, K, N],
+        through kernels/grouped_gemm reading the stack in place; shapes or dtypes it does not take fall back to
+        XLA's ragged_dot on the slice (a copy, as XLA makes for its own ops)."""
+        from orl_jax_kernels.grouped_gemm.kernel import grouped_matmul, supported
+
+        if self.stack.ndim == 4 and self.stack.dtype == x.dtype and supported(*self.stack.shape[2:]):
+            return grouped_matmul(x, self.stack, group_sizes, self.index, interpret=jax.default_backend() == "cpu")
         w = self.sliced().astype(x.dtype)
         return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 

@@ -1,0 +1,99 @@
+"""Grouped (ragged) GEMM for mixture-of-experts decoding: rows sorted by expert, each group times its own expert's
+weight, the expert weights read in place from the layer stack, experts without rows never read.
+
+Why: at DiffusionGemma's canvas (256 tokens x top-8 of 128 experts) the capacity buckets of model/moe.py hand the
+small-M kernel [E, C, D] with C = 4x the mean load: 4x the routed rows gathered, read and written, and an expert
+with more tokens than slots needs another round (a while_loop whose predicate goes to the host once per layer).
+Here the 2048 routed rows stay in one sorted [M, K] array with group offsets. One program per (expert, column
+tile) streams its expert's weight tile once through tensor-core dots for each BM-row tile of its group (one tile
+for any group of <= BM rows), loading and storing only the group's rows (masked). XLA's own ragged_dot on an H200
+does the work of every group (benchmarks/ragged_dot_probe.py), hence a kernel.
+
+Semantics: jax.lax.ragged_dot(x, w[layer], group_sizes) with float32 accumulation (reference.py). Rows past the
+last group are 0. Pallas, Triton lowering; interpret mode on CPU for tests.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from orl_jax_kernels.small_m_gemm.kernel import Blocks, blocks_for, pipeline_stages
+
+BM = 64  # rows per tile: a group of <= BM rows reads its weight once (DiffusionGemma: mean 16 rows per expert)
+
+
+def supported(k: int, n: int, blocks: Blocks | None = None) -> bool:
+    blocks = blocks or blocks_for(k, n, groups=1 << 20)
+    return blocks is not None and k % blocks.bk == 0 and n % blocks.bn == 0
+
+
+def _kernel(layer_ref, off_ref, x_ref, w_ref, o_ref, *, bk: int, n_chunks: int, bm: int, stacked: bool):
+    from jax.experimental.pallas import triton as plt
+
+    e = pl.program_id(0)
+    bn = w_ref.shape[-1]
+    layer = layer_ref[0] if stacked else 0
+    start, rows = off_ref[e], off_ref[e + 1] - off_ref[e]
+
+    def tile(t, carry):
+        r0 = start + t * bm
+        live = (t * bm + jnp.arange(bm)) < rows  # the group's rows of this tile
+
+        def chunk(j, acc):
+            k0 = pl.multiple_of(j * bk, bk)
+            xb = plt.load(x_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)], mask=live[:, None], other=0.0)
+            wb = w_ref[layer, 0, pl.ds(k0, bk), :] if stacked else w_ref[0, pl.ds(k0, bk), :]
+            return acc + jnp.dot(xb, wb, preferred_element_type=jnp.float32)
+
+        acc = jax.lax.fori_loop(0, n_chunks, chunk, jnp.zeros((bm, bn), jnp.float32))
+        plt.store(o_ref.at[pl.ds(r0, bm), :], acc.astype(o_ref.dtype), mask=live[:, None])
+        return carry
+
+    jax.lax.fori_loop(0, (rows + bm - 1) // bm, tile, 0)  # no rows: the expert's weight is not read
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: jax.Array | None = None,
+                   blocks: Blocks | None = None, interpret: bool = False) -> jax.Array:
+    """x [M, K] (rows sorted by group) times w [E, K, N], or the layer `layer` of a stack w [L, E, K, N], group by
+    group: group_sizes [E] (int, summing to <= M) -> [M, N] in x's dtype."""
+    m, k = x.shape
+    e, n = w.shape[-3], w.shape[-1]
+    stacked = w.ndim == 4
+    if stacked != (layer is not None):
+        raise ValueError(f"grouped_matmul: a stacked weight [L, E, K, N] needs `layer` and an unstacked one none; "
+                         f"got w of shape {w.shape} with layer={'given' if layer is not None else None}")
+    if w.shape[-2] != k or group_sizes.shape != (e,):
+        raise ValueError(f"grouped_matmul: x {x.shape}, w {w.shape} and group_sizes {group_sizes.shape} do not match")
+    blocks = blocks or blocks_for(k, n, groups=e)
+    if not supported(k, n, blocks):
+        raise ValueError(f"grouped_matmul: K={k}, N={n} not supported with {blocks}")
+    # BM spare rows: a tile's window never leaves the arrays (interpret mode would clamp it onto other rows)
+    xp = jnp.pad(x, ((0, BM), (0, 0)))
+    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes.astype(jnp.int32))])
+    kwargs = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+
+        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=blocks.num_warps,
+                                                            num_stages=pipeline_stages(blocks, BM))
+    w_spec = (pl.BlockSpec((w.shape[0], 1, k, blocks.bn), lambda g, j: (0, g, 0, j)) if stacked
+              else pl.BlockSpec((1, k, blocks.bn), lambda g, j: (g, 0, j)))
+    out = pl.pallas_call(
+        functools.partial(_kernel, bk=blocks.bk, n_chunks=k // blocks.bk, bm=BM, stacked=stacked),
+        out_shape=jax.ShapeDtypeStruct((m + BM, n), x.dtype),
+        grid=(e, n // blocks.bn),
+        in_specs=[pl.BlockSpec((1,), lambda g, j: (0,)),
+                  pl.BlockSpec((e + 1,), lambda g, j: (0,)),
+                  pl.BlockSpec((m + BM, k), lambda g, j: (0, 0)),
+                  w_spec],
+        out_specs=pl.BlockSpec((m + BM, blocks.bn), lambda g, j: (0, j)),
+        interpret=interpret,
+        **kwargs,
+    )(jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,)), offsets, xp, w)
+    live = jnp.arange(m) < offsets[-1]  # rows past the last group: never written
+    return jnp.where(live[:, None], out[:m], 0)
