@@ -27,6 +27,7 @@ BM = 64  # rows per tile: a group of <= BM rows reads its weight once (Diffusion
 
 
 def supported(k: int, n: int, blocks: Blocks | None = None) -> bool:
+    """The tiles divide K and N. blocks default to the small-M GEMM's for many groups (their `splits` is unused)."""
     blocks = blocks or blocks_for(k, n, groups=1 << 20)
     return blocks is not None and k % blocks.bk == 0 and n % blocks.bn == 0
 
