@@ -1,0 +1,121 @@
+"""GPU benchmark of the grouped expert GEMM at DiffusionGemma 26B-A4B's shapes against the two other expert paths:
+the capacity buckets through the small-M kernel (moe_impl "pallas_bucketed") and XLA's ragged_dot on the layer's
+slice. Sweeps the grouped kernel's tiles and writes the best per shape as a table for small_m_gemm's `load_tuned`
+(the grouped kernel takes its tiles from there).
+
+  python kernels/grouped_gemm/bench.py [--out grouped.jsonl] [--table grouped_tuned.json]
+
+Rows: 256 canvas tokens x top-8 of 128 experts = 2048 routed rows, sorted by expert; the routing is random and
+uniform (each token's 8 distinct experts), so groups hold ~16 rows (a trained router is less even). Weights: a
+stack of LAYERS layers (> the 60 MB L2 together), each call reading the next layer in place. Every variant is
+checked against ragged_dot first.
+"""
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+
+from orl_jax import runtime  # noqa: E402
+
+runtime.configure(None)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from timing import median_seconds  # noqa: E402
+
+from orl_jax_kernels.grouped_gemm.kernel import grouped_matmul, supported  # noqa: E402
+from orl_jax_kernels.grouped_gemm.reference import grouped_matmul_reference  # noqa: E402
+from orl_jax_kernels.small_m_gemm.kernel import Blocks, batched_small_m_matmul, pipeline_stages  # noqa: E402
+
+INTERPRET = os.environ.get("ORL_BENCH_INTERPRET") == "1"  # CPU smoke run (tiny shapes, no timing sense)
+# name: (K, N); E experts, T tokens, top-k, bucket capacity C (moe.capacity at T)
+SHAPES = {"gate_up": (2816, 1408), "down": (704, 2816)}
+E, T, TOPK, C, LAYERS = 128, 256, 8, 64, 4
+if INTERPRET:
+    SHAPES, E, T, TOPK, C, LAYERS = {"tiny": (128, 256)}, 8, 16, 2, 16, 2
+
+
+def routed(key):
+    """Group sizes [E] and the sorted rows' token ids of a random top-k routing."""
+    scores = jax.random.normal(key, (T, E))
+    experts = jax.lax.top_k(scores, TOPK)[1].reshape(-1)
+    order = jnp.argsort(experts, stable=True)
+    return jnp.bincount(experts, length=E).astype(jnp.int32), order // TOPK
+
+
+def configs(k, n):
+    out = []
+    for bn, bk, warps, stages in itertools.product((64, 128, 256), (64, 128), (4, 8), (2, 3, 4)):
+        b = Blocks(bn=bn, bk=bk, splits=1, num_warps=warps, num_stages=stages)
+        if supported(k, n, b) and pipeline_stages(b, 64) == stages:  # skip depths shared memory cannot hold
+            out.append(b)
+    return out
+
+
+def bench_shape(name, k, n, record) -> dict:
+    ks = jax.random.split(jax.random.key(k + n), 3)
+    sizes, tokens = routed(ks[0])
+    x = jax.random.normal(ks[1], (T, k), jnp.bfloat16)
+    xs = jnp.take(x, tokens, axis=0)  # [T * top-k, K] sorted by expert
+    w = (jax.random.normal(ks[2], (LAYERS, E, k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    layers = jnp.arange(LAYERS, dtype=jnp.int32)
+    want = grouped_matmul_reference(xs, w[0], sizes).astype(jnp.float32)
+
+    def timed(f):  # seconds per layer: one program over the LAYERS layers of the stack
+        g = jax.jit(lambda xs, w: jax.lax.map(lambda i: f(xs, w, i), layers))
+        return median_seconds(g, xs, w, reps=3 if INTERPRET else 10) / LAYERS
+
+    def rel(out):
+        return float(jnp.linalg.norm(out.astype(jnp.float32) - want) / jnp.linalg.norm(want))
+
+    xla = lambda xs, w, i: grouped_matmul_reference(xs, w[i], sizes)  # noqa: E731
+    record(shape=name, variant="xla_ragged_dot_slice", us=timed(xla) * 1e6, rel_err=rel(xla(xs, w, 0)))
+    xb = jnp.zeros((E, C, k), jnp.bfloat16)  # the buckets' layout (contents do not change the time)
+    bucket = lambda xs, w, i: batched_small_m_matmul(xb, w, i, sizes, interpret=INTERPRET)  # noqa: E731
+    record(shape=name, variant="small_m_buckets", us=timed(bucket) * 1e6)
+    best = None
+    for b in configs(k, n):
+        f = lambda xs, w, i, b=b: grouped_matmul(xs, w, sizes, i, b, interpret=INTERPRET)  # noqa: E731
+        try:
+            err = rel(f(xs, w, 0))
+            if not err < 0.02:
+                record(shape=name, variant=str(b), error=f"relative error {err:.3g}")
+                continue
+            us = timed(f) * 1e6
+        except Exception as ex:  # a tiling the lowering or the chip rejects
+            record(shape=name, variant=str(b), error=repr(ex)[:160])
+            continue
+        record(shape=name, variant=str(b), us=us, rel_err=err, gb_s=w[0].nbytes / us / 1e3)
+        if best is None or us < best[0]:
+            best = (us, b)
+    print(f"{name}: best {best[0]:.1f} us {best[1]}", flush=True)
+    return {"k": k, "n": n, "blocks": best[1].__dict__, "pallas_us": best[0]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="grouped_bench.jsonl")
+    ap.add_argument("--table", default="grouped_tuned.json", help="best tiles per (K, N) (small_m_gemm.load_tuned)")
+    args = ap.parse_args()
+
+    def record(**rec):
+        print(json.dumps(rec), flush=True)
+        with open(args.out, "a") as fh:
+            fh.write(json.dumps(rec) + "\n")
+
+    table = []
+    for name, (k, n) in SHAPES.items():
+        table.append(bench_shape(name, k, n, record))
+        tmp = args.table + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(table, fh, indent=1)
+        os.replace(tmp, args.table)  # never a half-written table
+
+
+if __name__ == "__main__":
+    main()
