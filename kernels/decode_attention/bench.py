@@ -17,12 +17,12 @@ slices and reading each layer of the stacks in place ("*_in_place"); the table k
 
 import argparse
 import itertools
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
 from orl_jax import runtime  # noqa: E402
 
@@ -31,6 +31,7 @@ runtime.configure(None)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_io import recorder, write_table  # noqa: E402
 
 from orl_jax.model.attention import cache_mask, full_segments, scaled_attention, self_mask  # noqa: E402
 from orl_jax_kernels.decode_attention.kernel import Blocks, blocks_for, cached_attention, supported, tile  # noqa: E402
@@ -162,18 +163,10 @@ def main():
     ap.add_argument("--table", default="attn_tuned.json", help="per-shape best blocks (kernel.load_tuned)")
     args = ap.parse_args()
 
-    def record(**rec):
-        print(json.dumps(rec), flush=True)
-        with open(args.out, "a") as fh:
-            fh.write(json.dumps(rec) + "\n")
-
-    table = []
-    for name in args.shapes.split(","):  # the table is rewritten after each shape: a stopped sweep keeps those done
+    record, table = recorder(args.out), []
+    for name in args.shapes.split(","):
         table.append(bench_shape(name, *SHAPES[name], record))
-        tmp = args.table + ".tmp"
-        with open(tmp, "w") as fh:
-            json.dump(table, fh, indent=1)
-        os.replace(tmp, args.table)  # never a half-written table
+        write_table(args.table, table)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ checked against ragged_dot first.
 
 import argparse
 import itertools
-import json
 import os
 import sys
 
@@ -26,6 +25,7 @@ runtime.configure(None)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from bench_io import recorder, write_table  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
 from orl_jax_kernels.grouped_gemm.kernel import grouped_matmul, supported  # noqa: E402
@@ -103,18 +103,10 @@ def main():
     ap.add_argument("--table", default="grouped_tuned.json", help="best tiles per (K, N) (small_m_gemm.load_tuned)")
     args = ap.parse_args()
 
-    def record(**rec):
-        print(json.dumps(rec), flush=True)
-        with open(args.out, "a") as fh:
-            fh.write(json.dumps(rec) + "\n")
-
-    table = []
+    record, table = recorder(args.out), []
     for name, (k, n) in SHAPES.items():
         table.append(bench_shape(name, k, n, record))
-        tmp = args.table + ".tmp"
-        with open(tmp, "w") as fh:
-            json.dump(table, fh, indent=1)
-        os.replace(tmp, args.table)  # never a half-written table
+        write_table(args.table, table)
 
 
 if __name__ == "__main__":

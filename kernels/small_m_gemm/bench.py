@@ -12,12 +12,12 @@ each layer in place ("pallas_stacked_scan", best blocks).
 
 import argparse
 import itertools
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
 from orl_jax import runtime  # noqa: E402
 
@@ -26,6 +26,7 @@ runtime.configure(None)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_io import recorder, write_table  # noqa: E402
 
 from orl_jax_kernels.small_m_gemm.kernel import Blocks, batched_small_m_matmul, pipeline_stages  # noqa: E402
 
@@ -125,18 +126,11 @@ def main():
     ap.add_argument("--out", default="gemm_bench.jsonl")
     ap.add_argument("--table", default="gemm_tuned.json", help="per-shape best blocks (null: XLA was faster)")
     args = ap.parse_args()
-    m, table = args.m, []
-
-    def record(**rec):
-        print(json.dumps(rec), flush=True)
-        with open(args.out, "a") as fh:
-            fh.write(json.dumps(rec) + "\n")
-
+    m, record, table = args.m, recorder(args.out), []
     for name in args.shapes.split(","):
         e, k, n = SHAPES[name]
         table.append(bench_shape(name, e, k, n, m if e == 1 else 64, record))
-    with open(args.table, "w") as fh:
-        json.dump(table, fh, indent=1)
+        write_table(args.table, table)
 
 
 if __name__ == "__main__":

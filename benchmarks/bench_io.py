@@ -1,0 +1,24 @@
+"""What the kernel sweeps (kernels/*/bench.py) write: a JSON-lines record per variant, printed as it lands, and a
+tuned table rewritten atomically after each shape, so a sweep stopped by its time limit keeps the shapes done and
+never leaves a half-written table."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def recorder(path: str):
+    """record(**fields): print one JSON line and append it to `path`."""
+    def record(**rec):
+        print(json.dumps(rec), flush=True)
+        with open(path, "a") as fh:
+            fh.write(json.dumps(rec) + "\n")
+    return record
+
+
+def write_table(path: str, table: list) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(table, fh, indent=1)
+    os.replace(tmp, path)
