@@ -1,0 +1,22 @@
+"""benchmarks/bench_io.py: records append as JSON lines; the table is replaced whole, never left half-written."""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from bench_io import recorder, write_table  # noqa: E402
+
+
+def test_records_append_and_tables_replace(tmp_path, capsys):
+    record = recorder(str(tmp_path / "r.jsonl"))
+    record(shape="a", us=1.5)
+    record(shape="b", error="refused")
+    lines = (tmp_path / "r.jsonl").read_text().splitlines()
+    assert [json.loads(x)["shape"] for x in lines] == ["a", "b"] and '"us": 1.5' in capsys.readouterr().out
+    table = tmp_path / "t.json"
+    write_table(str(table), [{"k": 1}])
+    write_table(str(table), [{"k": 1}, {"k": 2}])
+    assert json.loads(table.read_text()) == [{"k": 1}, {"k": 2}]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl", "t.json"]  # no temporary left behind
