@@ -30,13 +30,16 @@ ap.add_argument("--moe-impl", default="bucketed",
                      "dense): each in turn")
 ap.add_argument("--profile", action="store_true",
                 help="also trace 5 decoder forwards per impl: GPU kernel time vs idle, top kernels (xplane_summary.py)")
-ap.add_argument("--gemm-table", help="tuned small-M GEMM blocks for moe_impl=pallas (kernels/small_m_gemm/bench.py)")
+ap.add_argument("--gemm-table", help="tuned expert GEMM tiles for the pallas moe_impls (kernels/small_m_gemm/bench.py "
+                                    "or kernels/grouped_gemm/bench.py --table)")
 ap.add_argument("--capacity-factor", type=int,
                 help="moe.CAPACITY_FACTOR (slots per expert / mean load; overflow takes further rounds)")
 args = ap.parse_args()
 IMPLS = args.moe_impl.split(",")
 if unknown := sorted(set(IMPLS) - {"bucketed", "pallas", "pallas_bucketed", "dense"}):
     ap.error(f"--moe-impl: unknown {unknown}")
+if args.capacity_factor is not None and args.capacity_factor < 1:
+    ap.error(f"--capacity-factor must be >= 1, got {args.capacity_factor}")
 runtime.configure(os.path.expanduser("~/.cache/orl_jax/xla"))
 
 import jax  # noqa: E402
@@ -65,8 +68,6 @@ def log(**kw):
 if args.capacity_factor is not None:
     from orl_jax.model import moe
 
-    if args.capacity_factor < 1:
-        ap.error(f"--capacity-factor must be >= 1, got {args.capacity_factor}")
     moe.CAPACITY_FACTOR = args.capacity_factor  # read by moe.capacity at trace time
     log(what="capacity_factor", value=args.capacity_factor)
 if args.gemm_table:
