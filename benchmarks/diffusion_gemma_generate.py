@@ -32,6 +32,8 @@ ap.add_argument("--profile", action="store_true",
                 help="also trace 5 decoder forwards per impl: GPU kernel time vs idle, top kernels (xplane_summary.py)")
 ap.add_argument("--gemm-table", help="tuned expert GEMM tiles for the pallas moe_impls (kernels/small_m_gemm/bench.py "
                                     "or kernels/grouped_gemm/bench.py --table)")
+ap.add_argument("--cached-attention", choices=["orl_jax", "pallas"], default="orl_jax",
+                help="DiffusionGemmaConfig.cached_attention_impl: the einsums or kernels/decode_attention")
 ap.add_argument("--capacity-factor", type=int,
                 help="moe.CAPACITY_FACTOR (slots per expert / mean load; overflow takes further rounds)")
 args = ap.parse_args()
@@ -57,7 +59,8 @@ T0 = time.perf_counter()
 
 
 def log(**kw):
-    kw |= {"expert_parallel": args.expert, "device": jax.devices()[0].device_kind,
+    kw |= {"expert_parallel": args.expert, "cached_attention": args.cached_attention,
+           "device": jax.devices()[0].device_kind,
            "jax": jax.__version__,
            "t": round(time.perf_counter() - T0, 1)}
     print(json.dumps(kw), flush=True)
@@ -74,7 +77,7 @@ if args.gemm_table:
     from orl_jax_kernels.small_m_gemm.kernel import load_tuned
 
     log(gemm_table=str(load_tuned(args.gemm_table)))
-cfg = DG_PRESETS[args.preset].replace(dtype="bfloat16")
+cfg = DG_PRESETS[args.preset].replace(dtype="bfloat16", cached_attention_impl=args.cached_attention)
 specs = diffusion_gemma.param_specs(cfg)
 flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda s: isinstance(s, P.ParamSpec))
 leaves = [s for _, s in flat]

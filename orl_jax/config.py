@@ -345,6 +345,10 @@ class DiffusionGemmaConfig:
     # "pallas_bucketed"), 53.1 bucketed (benchmarks/results/2026-11-30_diffusion_gemma_h200x2.md); the grouped
     # kernel, "pallas" since session 8, is not timed yet.
     moe_impl: str = "auto"
+    # Attention of the cached passes (decoder over the prompt's cache, commit): "orl_jax" (the einsums) or "pallas"
+    # (kernels/decode_attention, scale 1.0, head dims 256 and 512; "auto": the kernel on a GPU). Off by default
+    # until timed at full size on a GPU (session 8 wired it; interpret mode equals the einsums).
+    cached_attention_impl: str = "orl_jax"
     sliding_window: int = 1024  # keys per query in sliding layers, the query included
     layer_types: tuple[str, ...] = _DG_DEFAULT_LAYERS  # must repeat (k sliding, 1 full); see diffusion_gemma.py
     rope_sliding: RopeConfig = RopeConfig("default", 10_000.0)
@@ -389,6 +393,9 @@ class DiffusionGemmaConfig:
         if self.moe_impl not in ("auto", "bucketed", "pallas", "pallas_bucketed", "dense"):
             raise ValueError(f"DiffusionGemmaConfig.moe_impl must be 'auto', 'bucketed', 'pallas', "
                              f"'pallas_bucketed' or 'dense', got {self.moe_impl!r}")
+        if self.cached_attention_impl not in ("auto", "orl_jax", "pallas"):
+            raise ValueError(f"DiffusionGemmaConfig.cached_attention_impl must be 'auto', 'orl_jax' or 'pallas', "
+                             f"got {self.cached_attention_impl!r}")
         if self.top_k_experts > self.num_experts:
             raise ValueError(f"DiffusionGemmaConfig.top_k_experts={self.top_k_experts} exceeds "
                              f"num_experts={self.num_experts}")

@@ -1,6 +1,8 @@
 """The fused cached-pass attention kernel against orl_jax's attention: interpret mode on CPU, compiled on a GPU;
 and generate() with cached_attention_impl="pallas" against the default, token for token."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -155,5 +157,54 @@ def test_untuned_shapes_take_the_measured_rule_where_supported(monkeypatch):
     monkeypatch.setattr(kernel, "TUNED", {})
     assert kernel.blocks_for(32, 544, 128, 4) == kernel.SHORT_PASS
     assert kernel.blocks_for(256, 768, 128, 4) == kernel.LONG_PASS
-    assert kernel.blocks_for(256, 768, 128, 3) == Blocks()  # grouping needs a power-of-two group
+    # grouping needs a power-of-two group: the rule without it
+    assert kernel.blocks_for(256, 768, 128, 3) == dataclasses.replace(kernel.LONG_PASS, group_heads=False)
+    assert kernel.blocks_for(24, 544, 128, 4) == Blocks()  # no 16-query tile divides 24
     assert kernel.SHORT_PASS.cache_in_place and kernel.LONG_PASS.cache_in_place
+
+
+def test_large_head_dims_get_blocks_that_fit_shared_memory(monkeypatch):
+    """DiffusionGemma's heads: sliding 256 wide (2 per kv head) keep the long-pass rule; full-attention heads 512
+    wide, 8 per kv head, lose the grouping and take shorter key chunks to fit an H200's shared memory."""
+    from orl_jax_kernels.decode_attention import kernel
+
+    monkeypatch.setattr(kernel, "TUNED", {})
+    assert kernel.blocks_for(256, 768, 256, 2) == kernel.LONG_PASS
+    full = kernel.blocks_for(256, 768, 512, 8)
+    assert not full.group_heads and full.bs <= 32 and full.cache_in_place
+    assert kernel.smem_bytes(kernel.LONG_PASS, 512, 8) > kernel.SMEM_LIMIT >= kernel.smem_bytes(full, 512, 8)
+    # the configuration the H200 refused (278,528 bytes asked) is over the limit
+    assert kernel.smem_bytes(Blocks(bl=128, bs=128, group_heads=True), 128, 4) > kernel.SMEM_LIMIT
+
+
+def test_diffusion_gemma_full_layer_shape_lowers_to_verified_triton(monkeypatch):
+    """The 26B full-attention layer at canvas 256 over 768 slots (head dim 512, 2 kv heads), scale 1.0."""
+    from orl_jax_kernels.decode_attention.kernel import blocks_for
+
+    sd = jax.ShapeDtypeStruct
+    blocks = blocks_for(256, 768, 512, 8)
+    verified_triton_modules(
+        monkeypatch, lambda *a: cached_attention(*a, scale=1.0, blocks=blocks),
+        sd((1, 256, 16, 512), jnp.bfloat16), sd((1, 768, 2, 512), jnp.bfloat16), sd((1, 768, 2, 512), jnp.bfloat16),
+        sd((1, 256, 768), jnp.int8), sd((1, 256, 2, 512), jnp.bfloat16), sd((1, 256, 2, 512), jnp.bfloat16),
+        sd((1, 256, 256), jnp.int8))
+
+
+def test_diffusion_gemma_decoder_with_the_kernel_equals_the_einsums():
+    """DiffusionGemmaConfig.cached_attention_impl="pallas": the decoder's cache passes (sliding and full layers,
+    scale 1.0) through the kernel in interpret mode give the einsum path's logits."""
+    from orl_jax import params as P
+    from orl_jax.config import DG_PRESETS
+    from orl_jax.model import diffusion_gemma as dg
+
+    cfg = DG_PRESETS["tiny-dg"].replace(head_dim=16, global_head_dim=32, block_length=16)
+    params = P.init(dg.param_specs(cfg), jax.random.key(0))
+    prompt = jax.random.randint(jax.random.key(1), (2, 16), 0, 240)
+    _, cache = dg.prefill(params, cfg, prompt, jnp.array([16, 11]), 48)
+    canvas = jax.random.randint(jax.random.key(2), (2, 16), 0, 240)
+    want = dg.decode(params, cfg, canvas, cache)
+    fused = cfg.replace(cached_attention_impl="pallas")
+    assert "pallas_call" in str(jax.make_jaxpr(lambda p: dg.decode(p, fused, canvas, cache))(params))
+    got = dg.decode(params, fused, canvas, cache)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-4, rtol=2e-4)
+    assert float(want.std()) > 0.01  # non-trivial logits

@@ -34,7 +34,15 @@ import numpy as np  # noqa: E402
 from bench_io import recorder, write_table  # noqa: E402
 
 from orl_jax.model.attention import cache_mask, full_segments, scaled_attention, self_mask  # noqa: E402
-from orl_jax_kernels.decode_attention.kernel import Blocks, blocks_for, cached_attention, supported, tile  # noqa: E402
+from orl_jax_kernels.decode_attention.kernel import (  # noqa: E402
+    SMEM_LIMIT,
+    Blocks,
+    blocks_for,
+    cached_attention,
+    smem_bytes,
+    supported,
+    tile,
+)
 
 INTERPRET = os.environ.get("ORL_BENCH_INTERPRET") == "1"  # CPU smoke run of the script (tiny shapes, no timing sense)
 # name: (queries L, cache slots S); heads N, kv heads K, head dim H
@@ -58,15 +66,15 @@ def per_call(g, *args, calls=10):
 def configs(l, s):
     """Block candidates the kernel supports at (l, s), one per distinct effective tiling: query tile, key chunk of
     the cache and of the own keys, cache chunks per split, heads per program; 4 warps up to 64 rows per program,
-    8 above, at most 256 rows (512 asked for more shared memory than an H200 has: 2026-11-30 sweep). Plus the
-    dataclass defaults and the library's rule (kernel.blocks_for), the two baselines."""
+    8 above, within the shared memory estimate (kernel.smem_bytes: 512 rows asked for more than an H200 has in the
+    2026-11-30 sweep). Plus the dataclass defaults and the library's rule (kernel.blocks_for), the baselines."""
     out, seen = [], set()
     for bl, bs, cps, grouped in itertools.product((16, 32, 64, 128), (32, 64, 128), (1, 2, 4, 8), (False, True)):
         rows = min(bl, l) * (N // KV if grouped else 1)
         b = Blocks(bl=bl, bs=bs, chunks_per_split=cps, num_warps=4 if rows <= 64 else 8, num_stages=2,
                    group_heads=grouped)
         eff = (tile(l, bl), tile(s, bs), tile(l, bs), cps, grouped)
-        if bl <= l and rows <= 256 and supported(l, s, H, b, N // KV) and eff not in seen:
+        if bl <= l and smem_bytes(b, H, N // KV) <= SMEM_LIMIT and supported(l, s, H, b, N // KV) and eff not in seen:
             seen.add(eff)
             out.append(b)
     for b in (Blocks(), library_blocks(l, s)):  # the default's query tile: the kernel shrinks it to fit l

@@ -20,6 +20,7 @@ Pallas, Triton lowering (pallas.triton); interpret mode on CPU for tests.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -69,14 +70,30 @@ def load_tuned(path) -> dict[tuple[int, int], Blocks]:
     return TUNED
 
 
+SMEM_LIMIT = 200 * 1024  # of the H200's 227 KB per block; the estimate below undercounts by ~6%
+
+
+def smem_bytes(blocks: Blocks, h: int, g: int) -> int:
+    """Shared memory of a program, estimated: its query rows and num_stages buffers of one K and one V chunk, bf16
+    (the H200 refused 128 queries x 4 grouped heads with 128-key chunks at h 128: 278,528 bytes asked; this
+    gives 262,144)."""
+    rows = blocks.bl * (g if blocks.group_heads else 1)
+    return 2 * h * (rows + blocks.num_stages * 2 * blocks.bs)
+
+
 def blocks_for(l: int, s: int, h: int = 128, g: int = 1) -> Blocks:
     """The blocks for l queries over s cache slots (head dim h, g query heads per kv head): the tuned table's entry,
-    else the measured rule (SHORT_PASS up to 64 queries, LONG_PASS above) where the kernel supports it, else the
-    dataclass defaults."""
+    else the measured rule (SHORT_PASS up to 64 queries, LONG_PASS above) where the kernel supports it, made to
+    fit shared memory at large head dims (heads ungrouped, then shorter key chunks: DiffusionGemma's 512-wide
+    full-attention heads), else the dataclass defaults."""
     if (l, s) in TUNED:
         return TUNED[(l, s)]
     rule = SHORT_PASS if l <= 64 else LONG_PASS
-    return rule if supported(l, s, h, rule, g) else Blocks()
+    ungrouped = dataclasses.replace(rule, group_heads=False)
+    for b in (rule, ungrouped, dataclasses.replace(ungrouped, bs=32), dataclasses.replace(ungrouped, bs=16)):
+        if supported(l, s, h, b, g) and smem_bytes(b, h, g) <= SMEM_LIMIT:
+            return b
+    return Blocks()
 
 
 def tile(n: int, want: int) -> int:

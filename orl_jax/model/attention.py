@@ -20,12 +20,13 @@ from orl_jax.model.streamed import StackedWeight
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked row (left padding) stays NaN-free
 
 
-def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]], impl: str = "orl_jax"
-              ) -> jax.Array:
+def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]], impl: str = "orl_jax",
+              scale: float | None = None) -> jax.Array:
     """q [B, L, N, H]; parts: (k [B, S, K, H], v [B, S, K, H], mask [B, L, S]) -> [B, L, N, H].
 
     The parts (cache, self) share one softmax: their scores are concatenated, never their K/V, so a long cache is
-    read once and not copied. Scores and softmax run in float32 (as HF's eager attention does).
+    read once and not copied. Scores and softmax run in float32 (as HF's eager attention does). scale: of the
+    scores, head_dim ** -0.5 by default (Gemma 4 uses 1.0: its q/k RMSNorms set the scale).
     impl "pallas" (cache + self parts, shapes the kernel supports): kernels/decode_attention's fused kernel. The
     cache part's k and v may be StackedWeight (layer i of the cache stacks): the kernel then reads them in place
     when its blocks say cache_in_place, every other path takes the layer loop's slice.
@@ -39,16 +40,17 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
 
         (kc, vc, cm), (ks, vs, sm) = parts
         blocks = blocks_for(q.shape[1], kc.shape[1], q.shape[-1], q.shape[2] // kc.shape[2])
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
         if supported(q.shape[1], kc.shape[1], q.shape[-1], blocks, q.shape[2] // kc.shape[2]):
             in_place = blocks.cache_in_place and isinstance(kc, StackedWeight)
             kc, vc, layer = (kc.stack, vc.stack, kc.index) if in_place else (_slice(kc), _slice(vc), None)
-            return cached_attention(q, kc, vc, cm, ks, vs, sm, scale=q.shape[-1] ** -0.5, blocks=blocks, layer=layer,
+            return cached_attention(q, kc, vc, cm, ks, vs, sm, scale=scale, blocks=blocks, layer=layer,
                                     interpret=jax.default_backend() == "cpu")
     parts = [(_slice(k), _slice(v), m) for k, v, m in parts]
     if impl in ("xla", "cudnn") and len(parts) == 1:
         k, v, mask = parts[0]
-        return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation=impl)
-    return scaled_attention(q, parts, q.shape[-1] ** -0.5)
+        return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation=impl)
+    return scaled_attention(q, parts, q.shape[-1] ** -0.5 if scale is None else scale)
 
 
 def _slice(a):

@@ -53,7 +53,7 @@ import numpy as np
 
 from orl_jax.config import FULL, SLIDING, DiffusionGemmaConfig, kernel_choice
 from orl_jax.model import qwen3
-from orl_jax.model.attention import causal_segments, full_segments, scaled_attention, self_mask, window_mask
+from orl_jax.model.attention import attention, causal_segments, full_segments, self_mask, window_mask
 from orl_jax.model.cache import HybridKVCache, KVCache
 from orl_jax.model.layers import (
     apply_rope,
@@ -200,7 +200,8 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     k = rms_norm_fp32(k_lin, w["k_norm"], eps)
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
-    attn = einsum("blnh,nhd->bld", scaled_attention(q, parts, 1.0), w["o"])
+    impl = "orl_jax" if cache_part is None else kernel_choice(cfg.cached_attention_impl, "pallas", "orl_jax")
+    attn = einsum("blnh,nhd->bld", attention(q, parts, impl, scale=1.0), w["o"])
     x = x + rms_norm_fp32(attn, w["post_attn_norm"], eps)
 
     b, l, d = x.shape
