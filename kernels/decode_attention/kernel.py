@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from orl_jax.model.attention import _NEG as NEG  # masked keys score exactly as in the reference
+from orl_jax_kernels.pallas_args import layer_operand, triton_params
 
 
 @dataclass(frozen=True)
@@ -182,10 +183,10 @@ def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask,
     """q [B, L, N, H]; k/v_cache [B, S, K, H], or whole stacks [layers, B, S, K, H] read at int32 scalar `layer`;
     cache_mask [B, L, S]; k/v_self [B, L, K, H]; self_mask [B, L, L] (bool or int8; int8 avoids a conversion per
     call) -> [B, L, N, H]. Shapes: see `supported`."""
-    stacked = k_cache.ndim == 5
-    if stacked != (layer is not None) or k_cache.shape != v_cache.shape:
-        raise ValueError(f"cached_attention: k/v_cache of shapes {k_cache.shape}, {v_cache.shape} with layer="
-                         f"{'given' if layer is not None else None}: a stack [layers, B, S, K, H] needs `layer`")
+    stacked = k_cache.ndim == 5  # [layers, B, S, K, H]
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"cached_attention: k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")
+    layer_arr = layer_operand("cached_attention", stacked, layer, k_cache.shape)
     b, l, n, h = q.shape
     s, kv = k_cache.shape[-3], k_cache.shape[-2]
     g = n // kv
@@ -193,12 +194,6 @@ def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask,
         raise ValueError(f"cached_attention: L={l}, S={s}, H={h}, G={g} not supported with {blocks}")
     bl, cs, ss = tile(l, blocks.bl), tile(s, blocks.bs), tile(l, blocks.bs)
     splits = -(-(s // cs) // blocks.chunks_per_split) + 1
-    kwargs = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-
-        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=blocks.num_warps,
-                                                            num_stages=blocks.num_stages)
     f32 = jnp.float32
     grouped = blocks.group_heads
     kvh = (lambda j: j) if grouped else (lambda j: j // g)  # grid axis 1: kv heads (grouped) or query heads
@@ -206,7 +201,6 @@ def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask,
     stats = (splits, b, l, n) if grouped else (splits, b, n, l)
     cache_spec = (pl.BlockSpec((k_cache.shape[0], 1, s, 1, h), lambda i, j, t, p: (0, i, 0, kvh(j), 0)) if stacked
                   else pl.BlockSpec((1, s, 1, h), lambda i, j, t, p: (i, 0, kvh(j), 0)))
-    layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     stat_spec = (pl.BlockSpec((1, 1, bl, g), lambda i, j, t, p: (p, i, t, j)) if grouped else
                  pl.BlockSpec((1, 1, 1, bl), lambda i, j, t, p: (p, i, j, t)))
     o, m, lsum = pl.pallas_call(
@@ -224,7 +218,7 @@ def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask,
                   pl.BlockSpec((1, bl, l), lambda i, j, t, p: (i, t, 0))],
         out_specs=(pl.BlockSpec((1, 1, bl, nh, h), lambda i, j, t, p: (p, i, t, j, 0)), stat_spec, stat_spec),
         interpret=interpret,
-        **kwargs,
+        **triton_params(blocks.num_warps, blocks.num_stages, interpret),
     )(layer_arr, q, k_cache, v_cache, cache_mask.astype(jnp.int8), k_self, v_self, self_mask.astype(jnp.int8))
     if grouped:
         m, lsum = jnp.swapaxes(m, 2, 3), jnp.swapaxes(lsum, 2, 3)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from orl_jax_kernels.pallas_args import layer_operand, triton_params
 from orl_jax_kernels.small_m_gemm.kernel import Blocks, blocks_for, pipeline_stages
 
 BM = 64  # rows per tile: a group of <= BM rows reads its weight once (DiffusionGemma: mean 16 rows per expert)
@@ -65,9 +66,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: ja
     m, k = x.shape
     e, n = w.shape[-3], w.shape[-1]
     stacked = w.ndim == 4
-    if stacked != (layer is not None):
-        raise ValueError(f"grouped_matmul: a stacked weight [L, E, K, N] needs `layer` and an unstacked one none; "
-                         f"got w of shape {w.shape} with layer={'given' if layer is not None else None}")
+    layer_arr = layer_operand("grouped_matmul", stacked, layer, w.shape)  # stacked: [L, E, K, N]
     if w.shape[-2] != k or group_sizes.shape != (e,):
         raise ValueError(f"grouped_matmul: x {x.shape}, w {w.shape} and group_sizes {group_sizes.shape} do not match")
     blocks = blocks or blocks_for(k, n, groups=e)
@@ -76,12 +75,6 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: ja
     # BM spare rows: a tile's window never leaves the arrays (interpret mode would clamp it onto other rows)
     xp = jnp.pad(x, ((0, BM), (0, 0)))
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes.astype(jnp.int32))])
-    kwargs = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-
-        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=blocks.num_warps,
-                                                            num_stages=pipeline_stages(blocks, BM))
     w_spec = (pl.BlockSpec((w.shape[0], 1, k, blocks.bn), lambda g, j: (0, g, 0, j)) if stacked
               else pl.BlockSpec((1, k, blocks.bn), lambda g, j: (g, 0, j)))
     out = pl.pallas_call(
@@ -94,7 +87,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: ja
                   w_spec],
         out_specs=pl.BlockSpec((m + BM, blocks.bn), lambda g, j: (0, j)),
         interpret=interpret,
-        **kwargs,
-    )(jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,)), offsets, xp, w)
+        **triton_params(blocks.num_warps, pipeline_stages(blocks, BM), interpret),
+    )(layer_arr, offsets, xp, w)
     live = jnp.arange(m) < offsets[-1]  # rows past the last group: never written
     return jnp.where(live[:, None], out[:m], 0)

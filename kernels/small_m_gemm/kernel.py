@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from orl_jax_kernels.pallas_args import layer_operand, triton_params
+
 
 @dataclass(frozen=True)
 class Blocks:
@@ -119,9 +121,7 @@ def batched_small_m_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | None =
     e, m, k = x.shape
     n = w.shape[-1]
     stacked = w.ndim == 4
-    if stacked != (layer is not None):
-        raise ValueError(f"small_m_matmul: a stacked weight [L, (E,) K, N] needs `layer` and an unstacked one none; "
-                         f"got w of shape {w.shape} with layer={'given' if layer is not None else None}")
+    layer_arr = layer_operand("small_m_matmul", stacked, layer, w.shape)  # stacked: [L, (E,) K, N]
     if w.shape[-3] != e or w.shape[-2] != k:
         raise ValueError(f"small_m_matmul: x of shape {x.shape} does not match w of shape {w.shape}")
     blocks = blocks or blocks_for(k, n, e)
@@ -131,15 +131,8 @@ def batched_small_m_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | None =
     xp = jnp.pad(x, ((0, 0), (0, mp - m), (0, 0))) if mp != m else x
     n_chunks = k // blocks.bk
     splits = min(blocks.splits, n_chunks)
-    kwargs = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-
-        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=blocks.num_warps,
-                                                            num_stages=pipeline_stages(blocks, mp))
     w_spec = (pl.BlockSpec((w.shape[0], 1, k, blocks.bn), lambda g, j, s: (0, g, 0, j)) if stacked
               else pl.BlockSpec((1, k, blocks.bn), lambda g, j, s: (g, 0, j)))
-    layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     rows = jnp.ones((e,), jnp.int32) if rows is None else rows.astype(jnp.int32)
     out_dtype = out_dtype or x.dtype
     partial = pl.pallas_call(
@@ -153,7 +146,7 @@ def batched_small_m_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | None =
                   w_spec],
         out_specs=pl.BlockSpec((1, 1, mp, blocks.bn), lambda g, j, s: (s, g, 0, j)),
         interpret=interpret,
-        **kwargs,
+        **triton_params(blocks.num_warps, pipeline_stages(blocks, mp), interpret),
     )(layer_arr, rows, xp, w)
     out = partial.sum(axis=0).astype(out_dtype) if splits > 1 else partial[0]
     return out[:, :m]

@@ -35,22 +35,23 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
     reads such rows, but the value must stay finite, since masked keys still multiply it by 0 in later layers
     (tests: test_objectives.py, the cuDNN one marked gpu).
     """
+    if impl in ("xla", "cudnn") and len(parts) == 1:
+        k, v, mask = parts[0]
+        return jax.nn.dot_product_attention(q, _slice(k), _slice(v), mask=mask[:, None], scale=scale,
+                                            implementation=impl)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     if impl == "pallas" and len(parts) == 2:
         from orl_jax_kernels.decode_attention.kernel import blocks_for, cached_attention, supported
 
         (kc, vc, cm), (ks, vs, sm) = parts
-        blocks = blocks_for(q.shape[1], kc.shape[1], q.shape[-1], q.shape[2] // kc.shape[2])
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
-        if supported(q.shape[1], kc.shape[1], q.shape[-1], blocks, q.shape[2] // kc.shape[2]):
+        (l, h), s, g = q.shape[1::2], kc.shape[1], q.shape[2] // kc.shape[2]
+        blocks = blocks_for(l, s, h, g)
+        if supported(l, s, h, blocks, g):
             in_place = blocks.cache_in_place and isinstance(kc, StackedWeight)
             kc, vc, layer = (kc.stack, vc.stack, kc.index) if in_place else (_slice(kc), _slice(vc), None)
             return cached_attention(q, kc, vc, cm, ks, vs, sm, scale=scale, blocks=blocks, layer=layer,
                                     interpret=jax.default_backend() == "cpu")
-    parts = [(_slice(k), _slice(v), m) for k, v, m in parts]
-    if impl in ("xla", "cudnn") and len(parts) == 1:
-        k, v, mask = parts[0]
-        return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation=impl)
-    return scaled_attention(q, parts, q.shape[-1] ** -0.5 if scale is None else scale)
+    return scaled_attention(q, [(_slice(k), _slice(v), m) for k, v, m in parts], scale)
 
 
 def _slice(a):

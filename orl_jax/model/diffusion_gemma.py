@@ -200,7 +200,7 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     k = rms_norm_fp32(k_lin, w["k_norm"], eps)
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
-    impl = "orl_jax" if cache_part is None else kernel_choice(cfg.cached_attention_impl, "pallas", "orl_jax")
+    impl = "orl_jax" if cache_part is None else qwen3.cached_attention_impl(cfg)
     attn = einsum("blnh,nhd->bld", attention(q, parts, impl, scale=1.0), w["o"])
     x = x + rms_norm_fp32(attn, w["post_attn_norm"], eps)
 

@@ -103,8 +103,9 @@ def embed(params: dict, cfg: ModelConfig, tokens: jax.Array, residual: jax.Array
     return x
 
 
-def cached_attention_impl(cfg: ModelConfig) -> str:
-    """cfg.cached_attention_impl with "auto" resolved (config.kernel_choice)."""
+def cached_attention_impl(cfg) -> str:
+    """cfg.cached_attention_impl (a ModelConfig's or DiffusionGemmaConfig's) with "auto" resolved
+    (config.kernel_choice)."""
     return kernel_choice(cfg.cached_attention_impl, "pallas", "orl_jax")
 
 

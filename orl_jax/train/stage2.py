@@ -13,6 +13,7 @@ the jitted step (TrainStep.bind), never constants baked into it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import jax
@@ -146,13 +147,13 @@ def stage2(r, args, out: Path, tok, cfg, params, log, methods=("orl", "noaec", "
     base = ORLLossConfig(l_aec=r.l_aec, pred_gate=r.pred_gate)
     log(f"stage 2 ({', '.join(methods)}): ORL, {r.orl_rounds} rounds of {r.orl_prompts} prompts x "
         f"{r.orl_group} responses")
+    rcd = functools.cache(lambda: run_rcd(r, args, out, tok, cfg, params, log))  # orl_rcd starts from it
     runs = {"orl": ("QwenDLM+ORL", ORLResidual(),
                     lambda: run_orl("stage2_orl", r, args, out, tok, cfg, params, base, log)),
             "noaec": ("QwenDLM+ORL (no AEC)", ORLResidual(),
                       lambda: run_orl("stage2_orl_noaec", r, args, out, tok, cfg, params,
                                       dataclasses.replace(base, l_aec=0.0), log)),
-            "rcd": ("QwenDLM+RCD", RCDResidual(), lambda: run_rcd(r, args, out, tok, cfg, params, log)),
+            "rcd": ("QwenDLM+RCD", RCDResidual(), rcd),
             "orl_rcd": ("QwenDLM+RCD+ORL", RCDResidual(),
-                        lambda: run_orl("stage2_orl_rcd", r, args, out, tok, cfg,
-                                        run_rcd(r, args, out, tok, cfg, params, log), base, log, RCDResidual()))}
+                        lambda: run_orl("stage2_orl_rcd", r, args, out, tok, cfg, rcd(), base, log, RCDResidual()))}
     return {runs[m][0]: (runs[m][2](), runs[m][1]) for m in methods}

@@ -1,0 +1,24 @@
+"""What every kernel wrapper here hands pallas_call the same way: Triton's compiler settings (none in interpret
+mode) and the layer index of a weight or cache stack read in place (a [1] int32 operand; 0 when unstacked)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def triton_params(num_warps: int, num_stages: int, interpret: bool) -> dict:
+    """pallas_call keyword arguments: the Triton compiler params on a GPU, nothing in interpret mode."""
+    if interpret:
+        return {}
+    from jax.experimental.pallas import triton as pltriton
+
+    return {"compiler_params": pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
+
+
+def layer_operand(fn: str, stacked: bool, layer, shape) -> jax.Array:
+    """The layer index as a [1] int32 array; a stack (stacked) must come with `layer`, a single weight without."""
+    if stacked != (layer is not None):
+        raise ValueError(f"{fn}: an operand of shape {shape} with layer={'given' if layer is not None else None}: "
+                         f"a stack needs `layer` and a single one none")
+    return jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
