@@ -26,11 +26,11 @@ ap.add_argument("--prompt", type=int, default=512)
 ap.add_argument("--new", type=int, default=256)
 ap.add_argument("--expert", type=int, default=1, help="expert-parallel over the first N devices (mesh tensor=N)")
 ap.add_argument("--moe-impl", default="bucketed",
-                help="DiffusionGemmaConfig.moe_impl; a comma-separated list (bucketed, pallas, pallas_bucketed, "
-                     "dense): each in turn")
+                help="DiffusionGemmaConfig.moe_impl; a comma-separated list (bucketed, pallas, dense): "
+                     "each in turn")
 ap.add_argument("--profile", action="store_true",
                 help="also trace 5 decoder forwards per impl: GPU kernel time vs idle, top kernels (xplane_summary.py)")
-ap.add_argument("--gemm-table", help="tuned expert GEMM tiles for the pallas moe_impls (kernels/small_m_gemm/bench.py "
+ap.add_argument("--gemm-table", help="tuned expert GEMM tiles for moe_impl pallas (kernels/small_m_gemm/bench.py "
                                     "or kernels/grouped_gemm/bench.py --table)")
 ap.add_argument("--cached-attention", choices=["orl_jax", "pallas"], default="orl_jax",
                 help="DiffusionGemmaConfig.cached_attention_impl: the einsums or kernels/decode_attention")
@@ -38,7 +38,7 @@ ap.add_argument("--capacity-factor", type=int,
                 help="moe.CAPACITY_FACTOR (slots per expert / mean load; overflow takes further rounds)")
 args = ap.parse_args()
 IMPLS = args.moe_impl.split(",")
-if unknown := sorted(set(IMPLS) - {"bucketed", "pallas", "pallas_bucketed", "dense"}):
+if unknown := sorted(set(IMPLS) - {"bucketed", "pallas", "dense"}):
     ap.error(f"--moe-impl: unknown {unknown}")
 if args.capacity_factor is not None and args.capacity_factor < 1:
     ap.error(f"--capacity-factor must be >= 1, got {args.capacity_factor}")

@@ -338,16 +338,16 @@ class DiffusionGemmaConfig:
     moe_intermediate_size: int = 704  # F of each expert
     # Expert dispatch (model/moe.py): "bucketed" (capacity buckets at decode sizes, further rounds on overflow),
     # "pallas" (rows sorted by expert through kernels/grouped_gemm, expert weights read in place from the layer
-    # stack), "pallas_bucketed" (the buckets through kernels/small_m_gemm, weights in place),
-    # "dense" (every token through every expert) or "auto": pallas on a GPU, bucketed elsewhere and in generate()
-    # over a multi-device mesh (see kernel_choice). All exact; a runtime choice, not saved to config.json. At full
-    # size on one H200 a 256-token decoder forward took 33.1 ms with the buckets through the small-M kernel (now
-    # "pallas_bucketed"), 53.1 bucketed (benchmarks/results/2026-11-30_diffusion_gemma_h200x2.md); the grouped
-    # kernel, "pallas" since session 8, is not timed yet.
+    # stack), "dense" (every token through every expert) or "auto": pallas on a GPU, bucketed elsewhere and in
+    # generate() over a multi-device mesh (see kernel_choice). All exact; a runtime choice, not saved to
+    # config.json. At full size on one H200 a 256-token decoder forward took 22.7 ms with "pallas", 29.9 with the
+    # buckets through the small-M kernel (removed), 53.1 bucketed
+    # (benchmarks/results/2026-11-30_dg_in_place_h200x2.md, 2026-11-30_diffusion_gemma_h200x2.md).
     moe_impl: str = "auto"
     # Attention of the cached passes (decoder over the prompt's cache, commit): "orl_jax" (the einsums) or "pallas"
-    # (kernels/decode_attention, scale 1.0, head dims 256 and 512; "auto": the kernel on a GPU). Off by default
-    # until timed at full size on a GPU (session 8 wired it; interpret mode equals the einsums).
+    # (kernels/decode_attention, scale 1.0, head dims 256 and 512; "auto": the kernel on a GPU). Off by default:
+    # at full size on an H200 it gained nothing (22.72 against 22.66 ms per forward,
+    # benchmarks/results/2026-11-30_dg_in_place_h200x2.md).
     cached_attention_impl: str = "orl_jax"
     sliding_window: int = 1024  # keys per query in sliding layers, the query included
     layer_types: tuple[str, ...] = _DG_DEFAULT_LAYERS  # must repeat (k sliding, 1 full); see diffusion_gemma.py
@@ -390,9 +390,9 @@ class DiffusionGemmaConfig:
         for name in ("head_dim", "global_head_dim"):
             if getattr(self, name) % 2:
                 raise ValueError(f"DiffusionGemmaConfig.{name} must be even for RoPE, got {getattr(self, name)}")
-        if self.moe_impl not in ("auto", "bucketed", "pallas", "pallas_bucketed", "dense"):
-            raise ValueError(f"DiffusionGemmaConfig.moe_impl must be 'auto', 'bucketed', 'pallas', "
-                             f"'pallas_bucketed' or 'dense', got {self.moe_impl!r}")
+        if self.moe_impl not in ("auto", "bucketed", "pallas", "dense"):
+            raise ValueError(f"DiffusionGemmaConfig.moe_impl must be 'auto', 'bucketed', 'pallas' or 'dense', "
+                             f"got {self.moe_impl!r}")
         if self.cached_attention_impl not in ("auto", "orl_jax", "pallas"):
             raise ValueError(f"DiffusionGemmaConfig.cached_attention_impl must be 'auto', 'orl_jax' or 'pallas', "
                              f"got {self.cached_attention_impl!r}")

@@ -30,11 +30,11 @@ the decoder every canvas token sees the last W - 1 committed tokens plus the who
 through the sliding layers of its DynamicCache, which keep the last W - 1 tokens, under no mask.
 
 Layer stacking: two stacks, params["sliding"] [G * k, ...] and params["full"] [G, ...] (G = 5 groups of 5 + 1),
-run as a `lax.scan` over the G groups whose body scans the group's k sliding layers and then runs its full layer.
-Why: the two types differ in parameter and cache shapes, so one stack per type is the natural layout (and the
-loader's), while the scan over groups keeps HF's layer order with exactly two layer bodies compiled, whatever the
-depth; scanning groups of 6 unrolled layers would compile 6 bodies. The KV cache is a HybridKVCache of the same two
-stacks.
+run as a `lax.scan` over the G groups whose body runs the group's k sliding layers (unrolled) and then its full
+layer. Why: the two types differ in parameter and cache shapes, so one stack per type is the natural layout (and
+the loader's), while the scan over groups keeps HF's layer order. The body compiles k + 1 layers, whatever the
+depth; a nested scan over the sliding layers would compile two, but copied their weights (see `backbone`). The KV
+cache is a HybridKVCache of the same two stacks.
 
 Differences from HF (layout, memory and scheduling only): projections are einsum operands [D, N, H] / [N, H, D] /
 [D, F]; experts are [E, D, 2F] (gate | up, HF's packing, transposed) and [E, F, D]; the sliding layers' cache holds
@@ -238,38 +238,40 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     G, k = cfg.num_groups, cfg.sliding_per_group
     rope_s, rope_f = _rope(cfg, positions)
     scalar = "encoder_layer_scalar" if encoder else "layer_scalar"
-    grouped = lambda a: a.reshape(G, k, *a.shape[1:])
-    # Each sliding layer reads its weights from the whole stack by index inside the inner body. Scanning a group's
-    # [k, ...] slice instead would hand the inner loop a copy of five layers' weights per group (~7.6 GB at full
-    # size, mostly experts: benchmarks/results/2026-11-29_diffusion_gemma_h200.md). The pallas moe_impls also keep
-    # the expert stacks whole for the kernels (StackedWeight), full layers included.
-    stacks = EXPERT_WEIGHTS if moe_impl(cfg) in ("pallas", "pallas_bucketed") else ()
-    full_stack = {n: params["full"][n] for n in stacks}  # [G, E, ...]
+    grouped = lambda a: a.reshape(G, k, *a.shape[1:])  # a free reshape of a [G * k, ...] stack
+    # Every matrix reaches its GEMM in place: the group scan slices its weights ([k, ...] per group for the sliding
+    # layers) and the unrolled body takes layer j statically from that slice, a pattern XLA feeds to cuBLAS at an
+    # offset. A nested scan over the sliding layers, or `stack[i]` with i read from an array, copied each layer's
+    # attention and dense MLP weights instead (~2 ms per 26B forward:
+    # benchmarks/results/2026-11-30_dg_in_place_h200x2.md), and scanning [k, ...] slices into an inner loop copies
+    # the experts too (7.6 GB per forward: 2026-11-29_diffusion_gemma_h200.md). The pallas moe_impl keeps the
+    # expert stacks whole for the grouped kernel, which reads layer i in place (StackedWeight).
+    stacks = EXPERT_WEIGHTS if moe_impl(cfg) == "pallas" else ()
     full_w = {n: a for n, a in params["full"].items() if n not in stacks}
-    index = jnp.arange(G * k, dtype=jnp.int32).reshape(G, k)  # the sliding layer index of each (group, slot)
+    sliding_w = {n: grouped(a) for n, a in params["sliding"].items() if n not in stacks}
     if cache is None:
         caches = (None, None, None, None)
     else:
         caches = (grouped(cache.sliding.k), grouped(cache.sliding.v), cache.full.k, cache.full.v)
 
-    def sliding_body(x, xs):
-        ck, cv, i = xs
-        w = {n: StackedWeight(a, i) if n in stacks else a[i] for n, a in params["sliding"].items()}
-        part = None if ck is None else (ck, cv, vis["cache_" + SLIDING])
-        x, kk, vv = _layer(cfg, x, w, rope_s, vis[SLIDING], part, scalar)
-        return x, ((kk, vv) if collect_kv else None)
-
     def group_body(x, xs):
-        wf, cks, cvs, ckf, cvf, idx, g = xs
-        x, kv_s = jax.lax.scan(sliding_body, x, (cks, cvs, idx))
-        wf = wf | {n: StackedWeight(a, g) for n, a in full_stack.items()}
+        wf, ws, cks, cvs, ckf, cvf, g = xs
+        kv_s = []
+        for j in range(k):  # the group's sliding layers, unrolled
+            w = {n: a[j] for n, a in ws.items()} | {n: StackedWeight(params["sliding"][n], g * k + j) for n in stacks}
+            part = None if cks is None else (cks[j], cvs[j], vis["cache_" + SLIDING])
+            x, kk, vv = _layer(cfg, x, w, rope_s, vis[SLIDING], part, scalar)
+            kv_s.append((kk, vv))
+        wf = wf | {n: StackedWeight(params["full"][n], g) for n in stacks}
         part = None if ckf is None else (ckf, cvf, vis["cache_" + FULL])
         x, kf, vf = _layer(cfg, x, wf, rope_f, vis[FULL], part, scalar)
-        return x, ((kv_s, (kf, vf)) if collect_kv else None)
+        if not collect_kv:
+            return x, None
+        return x, (tuple(jnp.stack(t) for t in zip(*kv_s)), (kf, vf))
 
     if remat:
         group_body = jax.checkpoint(group_body, prevent_cse=False)
-    x, kv = jax.lax.scan(group_body, x, (full_w, *caches, index, jnp.arange(G, dtype=jnp.int32)))
+    x, kv = jax.lax.scan(group_body, x, (full_w, sliding_w, *caches, jnp.arange(G, dtype=jnp.int32)))
     h = rms_norm_fp32(x, params["final_norm"], cfg.rms_norm_eps)
     if not collect_kv:
         return h, None, None

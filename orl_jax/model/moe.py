@@ -5,10 +5,11 @@ Dispatch, by size (experts_mlp); every path is exact (nothing is dropped) and eq
   one batched product per projection runs [E, C, D] x [E, D, 2F]: every expert's weights are read once and the work
   is E x C rows instead of E x T. An expert routed more tokens than it has slots takes the rest in further rounds
   of C slots (a `while_loop` that runs no trip unless some expert overflows; on GPU its predicate is one small
-  device-to-host copy per MoE layer). With the small-M kernel a round reads only the experts with tokens in it;
+  device-to-host copy per MoE layer);
 - moe_impl "pallas" (the GPU default): at any size the T * k rows sorted by expert go through kernels/grouped_gemm,
   one program per (expert, column tile) reading its expert's weights in place once, only the routed rows
-  loaded: no buckets, no rounds, no data-dependent loop;
+  loaded: no buckets, no rounds, no data-dependent loop. It replaced "pallas_bucketed" (the buckets through
+  kernels/small_m_gemm): 22.7 against 29.9 ms per 26B forward (benchmarks/results/2026-11-30_dg_in_place_h200x2.md);
 - larger T: the T * k assignments are sorted by expert into contiguous rows and `grouped_matmul` multiplies each
   group by its own expert's matrix (`jax.lax.ragged_dot`); rows are weighted, put back in token order and summed.
 
@@ -69,8 +70,8 @@ def capacity(tokens: int, top_k: int, num_experts: int) -> int:
 def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up, down, act: str,
                 impl: str = "bucketed") -> jax.Array:
     """sum_j weights[t, j] * MLP_{experts[t, j]}(x_t). x [T, D]; gate_up [E, D, 2F] (gate | up); down [E, F, D].
-    impl (decode sizes): "bucketed", "dense", "pallas" (the sorted rows through kernels/grouped_gemm, any T, no
-    buckets) or "pallas_bucketed" (the buckets, both products in kernels/small_m_gemm). See the module docstring."""
+    impl (decode sizes): "bucketed", "dense" or "pallas" (the sorted rows through kernels/grouped_gemm, any T, no
+    buckets). See the module docstring."""
     t, k = experts.shape
     if impl == "pallas":  # expert stacks as StackedWeight: their ragged_dot is the grouped kernel
         return grouped_experts_mlp(x, weights, experts, as_stacked(gate_up), as_stacked(down), act)
@@ -79,30 +80,22 @@ def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up, d
     c = capacity(t, k, gate_up.shape[0])
     if impl == "dense" or c >= t:  # every expert could take every token: bucketing saves nothing
         return dense_experts_mlp(x, weights, experts, gate_up, down, act)
-    return bucketed_experts_mlp(x, weights, experts, gate_up, down, act, c, impl == "pallas_bucketed")
+    return bucketed_experts_mlp(x, weights, experts, gate_up, down, act, c)
 
 
-def bucketed_experts_mlp(x, weights, experts, gate_up, down, act: str, capacity: int, kernel: bool = False
-                         ) -> jax.Array:
-    """Each expert's routed tokens in `capacity` slots ([E, C, D]), one batched product per projection. Exact for
-    any load: round r holds the assignments of rank r*C .. r*C + C - 1 within their expert, and rounds after the
-    first run only when some expert has more than C tokens (a while_loop: not reverse-differentiable; training
-    passes are longer than BUCKETED_MAX_TOKENS and take grouped_experts_mlp). kernel: both products through
-    kernels/small_m_gemm (each expert's weights streamed once per round, experts without tokens in the round
-    skipped), else XLA's einsum over every expert."""
+def bucketed_experts_mlp(x, weights, experts, gate_up, down, act: str, capacity: int) -> jax.Array:
+    """Each expert's routed tokens in `capacity` slots ([E, C, D]), one batched product per projection (XLA's
+    einsum over every expert). Exact for any load: round r holds the assignments of rank r*C .. r*C + C - 1 within
+    their expert, and rounds after the first run only when some expert has more than C tokens (a while_loop: not
+    reverse-differentiable; training passes are longer than BUCKETED_MAX_TOKENS and take grouped_experts_mlp)."""
     t, k = experts.shape
     num_experts = gate_up.shape[0]
     flat = experts.reshape(-1)  # [M]: the (token, choice) assignments
     m = flat.shape[0]
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=num_experts)
-    ranks = jnp.arange(m) - (jnp.cumsum(sizes) - sizes)[flat[order]]
-    rank = jnp.zeros((m,), jnp.int32).at[order].set(ranks.astype(jnp.int32))  # [M]: place in its expert's queue
+    _, pos, sizes = sort_by_expert(experts, num_experts)
+    rank = pos - (jnp.cumsum(sizes) - sizes)[flat]  # [M]: place in its expert's queue
     xz = jnp.concatenate([x, jnp.zeros_like(x[:1])])  # row t: the empty slots' all-zero input
-    if kernel:  # small-M kernel, weights read in place (model/streamed.py); unsupported shapes fall back there
-        mm = lambda a, w, rows: as_stacked(w).einsum("ecd,edf->ecf", a, rows=rows)  # noqa: E731
-    else:
-        mm = lambda a, w, rows: einsum("ecd,edf->ecf", a, w)  # noqa: E731
+    mm = lambda a, w: einsum("ecd,edf->ecf", a, w)  # noqa: E731
 
     def one_round(r, acc):
         slot = rank - r * capacity
@@ -111,11 +104,10 @@ def bucketed_experts_mlp(x, weights, experts, gate_up, down, act: str, capacity:
         # dispatch tables [E, C]: the token in each slot (t = the all-zero row) and its routing weight
         tok = jnp.full((num_experts, capacity), t, jnp.int32).at[flat, slot].set(jnp.arange(m) // k, mode="drop")
         wts = jnp.zeros((num_experts, capacity), jnp.float32).at[flat, slot].set(weights.reshape(-1), mode="drop")
-        rows = jnp.clip(sizes - r * capacity, 0, capacity)  # [E]
-        gu = mm(jnp.take(xz, tok, axis=0), gate_up, rows)  # [E, C, 2F]
+        gu = mm(jnp.take(xz, tok, axis=0), gate_up)  # [E, C, 2F]
         g, u = jnp.split(gu, 2, axis=-1)
         h = (ACTIVATIONS[act](g) * u).astype(jnp.float32) * wts[..., None]  # [E, C, F]
-        y = mm(h.astype(x.dtype), down, rows)  # [E, C, D]
+        y = mm(h.astype(x.dtype), down)  # [E, C, D]
         ya = jnp.where(here[:, None], y[flat, jnp.minimum(slot, capacity - 1)], 0)  # [M, D] weighted outputs
         return acc + jnp.sum(ya.reshape(t, k, -1).astype(jnp.float32), axis=1)
 
@@ -134,17 +126,27 @@ def dense_experts_mlp(x, weights, experts, gate_up, down, act: str) -> jax.Array
     return einsum("tef,efd->td", h.astype(x.dtype), down)  # [T, D]
 
 
-def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str) -> jax.Array:
-    """Rows sorted by expert and multiplied group by group (`grouped_matmul`): work proportional to T * k."""
-    t, k = experts.shape
-    num_experts = gate_up.shape[0]
+def sort_by_expert(experts: jax.Array, num_experts: int):
+    """The T * k (token, choice) assignments in expert order, stable: (order [M]: the assignment in each sorted row,
+    pos [M]: the sorted row of each assignment, sizes [E]). A counting sort (one-hot cumsum, O(M E) elementwise):
+    XLA's GPU sort of M = 2048 keys took 15 us per DiffusionGemma layer, about the cost of this whole function."""
     flat = experts.reshape(-1)  # [M]
-    order = jnp.argsort(flat, stable=True)  # [M]: (token, choice) pairs grouped by expert
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
+    one_hot = (flat[:, None] == jnp.arange(num_experts, dtype=flat.dtype)[None]).astype(jnp.int32)  # [M, E]
+    sizes = jnp.sum(one_hot, axis=0)  # [E]
+    before = jnp.sum((jnp.cumsum(one_hot, axis=0) - one_hot) * one_hot, axis=1)  # [M]: earlier rows, same expert
+    pos = (jnp.cumsum(sizes) - sizes)[flat] + before
+    order = jnp.zeros_like(pos).at[pos].set(jnp.arange(pos.shape[0], dtype=pos.dtype), unique_indices=True)
+    return order, pos, sizes
+
+
+def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str) -> jax.Array:
+    """Rows sorted by expert and multiplied group by group (`grouped_matmul`): work proportional to T * k. The
+    outputs come back by a gather (each assignment reads its sorted row), weighted and summed over the k choices."""
+    t, k = experts.shape
+    order, pos, sizes = sort_by_expert(experts, gate_up.shape[0])
     xs = jnp.take(x, order // k, axis=0)  # [M, D]
     gu = grouped_matmul(xs, gate_up, sizes)  # [M, 2F]
     g, u = jnp.split(gu, 2, axis=-1)
-    y = grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes)  # [M, D]
-    y = y.astype(jnp.float32) * jnp.take(weights.reshape(-1), order)[:, None]
-    y = jnp.zeros_like(y).at[order].set(y)  # back to (token, choice) order
+    y = grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes)  # [M, D] in sorted order
+    y = jnp.take(y, pos, axis=0).astype(jnp.float32) * weights.reshape(-1, 1)  # [M, D] in (token, choice) order
     return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)  # [T, D]

@@ -67,15 +67,15 @@ class StackedWeight:
         w = self.sliced().astype(x.dtype)
         return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 
-    def einsum(self, spec: str, x: jax.Array, rows: jax.Array | None = None) -> jax.Array:
-        """x @ stack[index] by the einsum spec. rows [E] (batched specs): groups with 0 rows are skipped."""
+    def einsum(self, spec: str, x: jax.Array) -> jax.Array:
+        """x @ stack[index] by the einsum spec."""
         from orl_jax_kernels.small_m_gemm.kernel import batched_small_m_matmul, supported
 
         dims = gemm_dims(spec, x.shape, self.stack.shape[1:])
         if dims is not None and self.stack.dtype == x.dtype and supported(*dims[1:4]):
             e, m, k, n, out_shape = dims
             w = self.stack.reshape(self.stack.shape[0], e, k, n)  # contiguous: no copy
-            y = batched_small_m_matmul(x.reshape(e, m, k), w, self.index, rows,
+            y = batched_small_m_matmul(x.reshape(e, m, k), w, self.index,
                                        interpret=jax.default_backend() == "cpu")
             return y.reshape(out_shape)
         return jnp.einsum(spec, x, self.sliced().astype(x.dtype))
