@@ -1,7 +1,7 @@
 """GPU benchmark of the grouped expert GEMM at DiffusionGemma 26B-A4B's shapes against the two other expert paths:
-the capacity buckets through the small-M kernel (the former moe_impl "pallas_bucketed") and XLA's ragged_dot on the layer's
-slice. Sweeps the grouped kernel's tiles and writes the best per shape as a table for small_m_gemm's `load_tuned`
-(the grouped kernel takes its tiles from there).
+the capacity buckets through the small-M kernel (formerly moe_impl "pallas_bucketed") and XLA's ragged_dot on the
+layer's slice. Sweeps the grouped kernel's tiles and writes the best per shape as a table for small_m_gemm's
+`load_tuned` (the grouped kernel takes its tiles from there).
 
   python kernels/grouped_gemm/bench.py [--out grouped.jsonl] [--table grouped_tuned.json]
 
