@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gzip
 import json
 import os
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -29,7 +31,8 @@ ap.add_argument("--moe-impl", default="bucketed",
                 help="DiffusionGemmaConfig.moe_impl; a comma-separated list (bucketed, pallas, dense): "
                      "each in turn")
 ap.add_argument("--profile", action="store_true",
-                help="also trace 5 decoder forwards per impl: GPU kernel time vs idle, top kernels (xplane_summary.py)")
+                help="also trace 5 decoder forwards per impl: GPU kernel time vs idle, top kernels (xplane_summary.py); "
+                     "the compiled decoder's HLO goes beside --out (OUT.IMPL.hlo.txt.gz)")
 ap.add_argument("--gemm-table", help="tuned expert GEMM tiles for moe_impl pallas (kernels/small_m_gemm/bench.py "
                                     "or kernels/grouped_gemm/bench.py --table)")
 ap.add_argument("--cached-attention", choices=["orl_jax", "pallas"], default="orl_jax",
@@ -140,7 +143,10 @@ def one_forward(cfg):
         d = tempfile.mkdtemp()
         with jax.profiler.trace(d):
             jax.block_until_ready([compiled(params, canvas, cache) for _ in range(5)])
-        prof = summarize(d, steps=5, hlo_text=compiled.as_text())
+        hlo = compiled.as_text()
+        with gzip.open(Path(args.out).with_suffix(f".{cfg.moe_impl}.hlo.txt.gz"), "wt") as fh:  # to read the copies
+            fh.write(hlo)
+        prof = summarize(d, steps=5, hlo_text=hlo)
         top = prof.pop("top", [])
         log(what="profile", moe_impl=cfg.moe_impl, **prof)
         for row in top:
