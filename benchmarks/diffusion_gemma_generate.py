@@ -31,8 +31,8 @@ ap.add_argument("--moe-impl", default="bucketed",
                 help="DiffusionGemmaConfig.moe_impl; a comma-separated list (bucketed, pallas, dense): "
                      "each in turn")
 ap.add_argument("--profile", action="store_true",
-                help="also trace 5 decoder forwards per impl: GPU kernel time vs idle, top kernels (xplane_summary.py); "
-                     "the compiled decoder's HLO goes beside --out (OUT.IMPL.hlo.txt.gz)")
+                help="also trace 5 decoder forwards per impl: GPU kernel time vs idle, top kernels (xplane_summary.py);"
+                     " the compiled decoder's HLO goes beside --out (OUT.IMPL.hlo.txt.gz)")
 ap.add_argument("--gemm-table", help="tuned expert GEMM tiles for moe_impl pallas (kernels/small_m_gemm/bench.py "
                                     "or kernels/grouped_gemm/bench.py --table)")
 ap.add_argument("--cached-attention", choices=["orl_jax", "pallas"], default="orl_jax",
