@@ -238,28 +238,29 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     G, k = cfg.num_groups, cfg.sliding_per_group
     rope_s, rope_f = _rope(cfg, positions)
     scalar = "encoder_layer_scalar" if encoder else "layer_scalar"
-    grouped = lambda a: a.reshape(G, k, *a.shape[1:])  # a free reshape of a [G * k, ...] stack
-    # Every matrix reaches its GEMM in place: the group scan slices its weights ([k, ...] per group for the sliding
-    # layers) and the unrolled body takes layer j statically from that slice, a pattern XLA feeds to cuBLAS at an
-    # offset. A nested scan over the sliding layers, or `stack[i]` with i read from an array, copied each layer's
-    # attention and dense MLP weights instead (~2 ms per 26B forward:
-    # benchmarks/results/2026-11-30_dg_in_place_h200x2.md), and scanning [k, ...] slices into an inner loop copies
-    # the experts too (7.6 GB per forward: 2026-11-29_diffusion_gemma_h200.md). The pallas moe_impl keeps the
-    # expert stacks whole for the grouped kernel, which reads layer i in place (StackedWeight).
+    # Every matrix must reach its GEMM in place. XLA feeds cuBLAS a slice of a loop operand at an offset that is a
+    # function of the loop counter (dynamic-slice fusion), but only where the slice has that one consumer. So the
+    # group scan's unrolled body reads sliding layer g * k + j straight from the whole stacks, g coming from a
+    # constant iota. Scanning [G, k, ...] slices instead had XLA copy each group's slice (2.6 GB per 26B forward,
+    # ~1.3 ms), and a nested scan over the sliding layers copied each layer's matrices (~2 ms:
+    # benchmarks/results/2026-11-30_dg_in_place_h200x2.md). The pallas moe_impl's grouped kernel reads the expert
+    # stacks in place itself (StackedWeight).
     stacks = EXPERT_WEIGHTS if moe_impl(cfg) == "pallas" else ()
     full_w = {n: a for n, a in params["full"].items() if n not in stacks}
-    sliding_w = {n: grouped(a) for n, a in params["sliding"].items() if n not in stacks}
+    layer = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)  # noqa: E731
     if cache is None:
-        caches = (None, None, None, None)
+        caches = (None, None)
     else:
-        caches = (grouped(cache.sliding.k), grouped(cache.sliding.v), cache.full.k, cache.full.v)
+        caches = (cache.full.k, cache.full.v)
 
     def group_body(x, xs):
-        wf, ws, cks, cvs, ckf, cvf, g = xs
+        wf, ckf, cvf, g = xs
         kv_s = []
         for j in range(k):  # the group's sliding layers, unrolled
-            w = {n: a[j] for n, a in ws.items()} | {n: StackedWeight(params["sliding"][n], g * k + j) for n in stacks}
-            part = None if cks is None else (cks[j], cvs[j], vis["cache_" + SLIDING])
+            i = g * k + j
+            w = {n: StackedWeight(a, i) if n in stacks else layer(a, i) for n, a in params["sliding"].items()}
+            part = None if cache is None else (layer(cache.sliding.k, i), layer(cache.sliding.v, i),
+                                               vis["cache_" + SLIDING])
             x, kk, vv = _layer(cfg, x, w, rope_s, vis[SLIDING], part, scalar)
             kv_s.append((kk, vv))
         wf = wf | {n: StackedWeight(params["full"][n], g) for n in stacks}
@@ -271,7 +272,7 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
 
     if remat:
         group_body = jax.checkpoint(group_body, prevent_cse=False)
-    x, kv = jax.lax.scan(group_body, x, (full_w, sliding_w, *caches, jnp.arange(G, dtype=jnp.int32)))
+    x, kv = jax.lax.scan(group_body, x, (full_w, *caches, jnp.arange(G, dtype=jnp.int32)))
     h = rms_norm_fp32(x, params["final_norm"], cfg.rms_norm_eps)
     if not collect_kv:
         return h, None, None
