@@ -30,11 +30,10 @@ the decoder every canvas token sees the last W - 1 committed tokens plus the who
 through the sliding layers of its DynamicCache, which keep the last W - 1 tokens, under no mask.
 
 Layer stacking: two stacks, params["sliding"] [G * k, ...] and params["full"] [G, ...] (G = 5 groups of 5 + 1),
-run as a `lax.scan` over the G groups whose body runs the group's k sliding layers (unrolled) and then its full
-layer. Why: the two types differ in parameter and cache shapes, so one stack per type is the natural layout (and
-the loader's), while the scan over groups keeps HF's layer order. The body compiles k + 1 layers, whatever the
-depth; a nested scan over the sliding layers would compile two, but copied their weights (see `backbone`). The KV
-cache is a HybridKVCache of the same two stacks.
+run in HF's layer order: the G groups unrolled, each a loop over its k sliding layers, then its full layer. Why:
+the two types differ in parameter and cache shapes, so one stack per type is the natural layout (and the
+loader's); the loop over sliding layers reads each layer's matrices in place (see `backbone`). The KV cache is a
+HybridKVCache of the same two stacks.
 
 Differences from HF (layout, memory and scheduling only): projections are einsum operands [D, N, H] / [N, H, D] /
 [D, F]; experts are [E, D, 2F] (gate | up, HF's packing, transposed) and [E, F, D]; the sliding layers' cache holds
@@ -238,47 +237,66 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     G, k = cfg.num_groups, cfg.sliding_per_group
     rope_s, rope_f = _rope(cfg, positions)
     scalar = "encoder_layer_scalar" if encoder else "layer_scalar"
-    # Every matrix must reach its GEMM in place. XLA feeds cuBLAS a slice of a loop operand at an offset that is a
-    # function of the loop counter (dynamic-slice fusion), but only where the slice has that one consumer. So the
-    # group scan's unrolled body reads sliding layer g * k + j straight from the whole stacks, g coming from a
-    # constant iota. Scanning [G, k, ...] slices instead had XLA copy each group's slice (2.6 GB per 26B forward,
-    # ~1.3 ms), and a nested scan over the sliding layers copied each layer's matrices (~2 ms:
-    # benchmarks/results/2026-11-30_dg_in_place_h200x2.md). The pallas moe_impl's grouped kernel reads the expert
-    # stacks in place itself (StackedWeight).
+    # The groups are unrolled; each runs its k sliding layers as a loop, then its full layer (weights at static
+    # index g). Passes with a cache (inference) loop with a while_loop whose counter is the sliding layer's index
+    # into the whole stacks: XLA feeds each matrix to its GEMM in place only when its offset is the loop's own
+    # counter (dynamic-slice fusion). Offsets computed any other way made XLA copy the weights: from a scan over
+    # [G, k, ...] group slices (2.6 GB per 26B forward), from `g * k + j` in an unrolled body, or from a nested
+    # scan (~1.3-2 ms per forward: benchmarks/results/2026-11-30_dg_in_place_h200x2.md). Cache-free passes
+    # (training, `forward`) need reverse-mode autodiff, which while_loop lacks: they scan each group's slice of the
+    # stacks, copies included. The pallas moe_impl's grouped kernel reads the expert stacks in place (StackedWeight).
     stacks = EXPERT_WEIGHTS if moe_impl(cfg) == "pallas" else ()
-    full_w = {n: a for n, a in params["full"].items() if n not in stacks}
-    layer = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)  # noqa: E731
-    if cache is None:
-        caches = (None, None)
-    else:
-        caches = (cache.full.k, cache.full.v)
+    sliding_w = {n: a for n, a in params["sliding"].items() if n not in stacks}
+    take = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False, allow_negative_indices=False)  # noqa
 
-    def group_body(x, xs):
-        wf, ckf, cvf, g = xs
-        kv_s = []
-        for j in range(k):  # the group's sliding layers, unrolled
-            i = g * k + j
-            w = {n: StackedWeight(a, i) if n in stacks else layer(a, i) for n, a in params["sliding"].items()}
-            part = None if cache is None else (layer(cache.sliding.k, i), layer(cache.sliding.v, i),
-                                               vis["cache_" + SLIDING])
-            x, kk, vv = _layer(cfg, x, w, rope_s, vis[SLIDING], part, scalar)
-            kv_s.append((kk, vv))
-        wf = wf | {n: StackedWeight(params["full"][n], g) for n in stacks}
-        part = None if ckf is None else (ckf, cvf, vis["cache_" + FULL])
-        x, kf, vf = _layer(cfg, x, wf, rope_f, vis[FULL], part, scalar)
-        if not collect_kv:
-            return x, None
-        return x, (tuple(jnp.stack(t) for t in zip(*kv_s)), (kf, vf))
+    def sliding_layer(x, i, w, ck=None, cv=None):
+        w = w | {n: StackedWeight(params["sliding"][n], i) for n in stacks}
+        part = None if ck is None else (ck, cv, vis["cache_" + SLIDING])
+        return _layer(cfg, x, w, rope_s, vis[SLIDING], part, scalar)
+
+    def sliding_group(x, lo):  # sliding layers lo .. lo + k - 1 -> (x, (k, v) [k, B, L, K, H] or None)
+        if cache is None:
+            def body(x, xs):
+                x, kk, vv = sliding_layer(x, xs[1], xs[0])
+                return x, ((kk, vv) if collect_kv else None)
+
+            body = jax.checkpoint(body, prevent_cse=False) if remat else body
+            xs = ({n: a[lo:lo + k] for n, a in sliding_w.items()}, jnp.arange(lo, lo + k, dtype=jnp.int32))
+            return jax.lax.scan(body, x, xs)
+
+        b, l, _ = x.shape
+        kv_shape = (k, b, l, cfg.num_kv_heads, cfg.head_dim)
+        kv = (jnp.zeros(kv_shape, x.dtype), jnp.zeros(kv_shape, x.dtype)) if collect_kv else None
+
+        def step(carry):
+            i, x, kv = carry
+            w = {n: take(a, i) for n, a in sliding_w.items()}
+            x, kk, vv = sliding_layer(x, i, w, take(cache.sliding.k, i), take(cache.sliding.v, i))
+            if collect_kv:
+                kv = (kv[0].at[i - lo].set(kk), kv[1].at[i - lo].set(vv))
+            return i + 1, x, kv
+
+        _, x, kv = jax.lax.while_loop(lambda c: c[0] < lo + k, step, (jnp.int32(lo), x, kv))
+        return x, kv
+
+    def full_layer(x, g):
+        w = {n: StackedWeight(a, jnp.int32(g)) if n in stacks else a[g] for n, a in params["full"].items()}
+        part = None if cache is None else (cache.full.k[g], cache.full.v[g], vis["cache_" + FULL])
+        return _layer(cfg, x, w, rope_f, vis[FULL], part, scalar)
 
     if remat:
-        group_body = jax.checkpoint(group_body, prevent_cse=False)
-    x, kv = jax.lax.scan(group_body, x, (full_w, *caches, jnp.arange(G, dtype=jnp.int32)))
+        full_layer = jax.checkpoint(full_layer, prevent_cse=False, static_argnums=(1,))
+    kv_s, kv_f = [], []
+    for g in range(G):
+        x, kv = sliding_group(x, g * k)
+        x, kf, vf = full_layer(x, g)
+        kv_s.append(kv)
+        kv_f.append((kf, vf))
     h = rms_norm_fp32(x, params["final_norm"], cfg.rms_norm_eps)
     if not collect_kv:
         return h, None, None
-    (ks, vs), (kf, vf) = kv
-    flat = lambda a: a.reshape(G * k, *a.shape[2:])
-    return h, (flat(ks), flat(vs)), (kf, vf)
+    cat = lambda kvs, axis_op: tuple(axis_op([t[n] for t in kvs]) for n in (0, 1))  # noqa: E731
+    return h, cat(kv_s, jnp.concatenate), cat(kv_f, jnp.stack)
 
 
 def logits(params: dict, cfg: DiffusionGemmaConfig, h: jax.Array) -> jax.Array:
