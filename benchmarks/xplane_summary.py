@@ -53,7 +53,9 @@ def summarize(trace_dir: str, steps: int, top: int = 25, plane_prefix: str = "/d
 
 def summarize_events(ev: list[tuple[str, str, int, int]], steps: int, top: int = 25) -> dict:
     """Per step: span (first start to last end), busy time (union of the kernels' intervals: overlapping streams
-    count once), kernel count; the `top` (kernel, hlo op) pairs by total time."""
+    count once), kernel count; the `top` (kernel, hlo op) pairs by total time. Kernels replayed inside XLA's
+    command buffers (CUDA graphs) carry the buffer's name, not their op's: they count by kernel name alone, so a
+    kernel that several loops launch (one command buffer each) adds up to one row."""
     ev = sorted(ev, key=lambda e: e[2])
     busy, end = 0, None
     for _, _, s, d in ev:
@@ -64,7 +66,7 @@ def summarize_events(ev: list[tuple[str, str, int, int]], steps: int, top: int =
     span = max(s + d for _, _, s, d in ev) - ev[0][2]
     by = collections.defaultdict(lambda: [0, 0])
     for name, op, _, d in ev:
-        k = by[(name[:80], op[:60])]
+        k = by[(name[:80], "command_buffer" if op.startswith("command_buffer") else op[:60])]
         k[0] += 1
         k[1] += d
     rows = sorted(by.items(), key=lambda kv: -kv[1][1])[:top]

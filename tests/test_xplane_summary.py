@@ -22,3 +22,12 @@ def test_busy_time_is_the_union_of_kernel_intervals():
     assert s["idle_pct"] == pytest.approx(100 * 50 / 300)
     assert [r["kernel"] for r in s["top"]] == ["gemm", "fusion"]  # by total time, cut at `top`
     assert s["top"][0]["calls_per_step"] == 1 and s["top"][0]["us_per_call"] == pytest.approx(0.1)
+
+
+def test_kernels_in_several_command_buffers_add_up():
+    ev = [("gemm", "command_buffer_3", 0, 10), ("gemm", "command_buffer_9", 20, 30), ("gemm", "fusion.1", 60, 5)]
+    top = summarize_events(ev, steps=1)["top"]
+    rows = {(r["kernel"], r["hlo_op"]): r for r in top}
+    assert rows[("gemm", "command_buffer")]["calls_per_step"] == 2
+    assert rows[("gemm", "command_buffer")]["us_per_step"] == 40 / 1e3
+    assert rows[("gemm", "fusion.1")]["calls_per_step"] == 1
