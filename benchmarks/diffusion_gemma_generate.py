@@ -146,7 +146,7 @@ def one_forward(cfg):
         hlo = compiled.as_text()
         with gzip.open(Path(args.out).with_suffix(f".{cfg.moe_impl}.hlo.txt.gz"), "wt") as fh:  # to read the copies
             fh.write(hlo)
-        prof = summarize(d, steps=5, hlo_text=hlo)
+        prof = summarize(d, steps=5, top=40, hlo_text=hlo)
         top = prof.pop("top", [])
         log(what="profile", moe_impl=cfg.moe_impl, **prof)
         for row in top:

@@ -43,8 +43,12 @@ ACTIVATIONS = {
 
 
 def gated_mlp(x: jax.Array, gate, up, down, act: str = "silu") -> jax.Array:
-    """down(act(x @ gate) * (x @ up)); x [B, L, D] -> [B, L, D]."""
-    g = einsum("bld,df->blf", x, gate)  # [B, L, F]
+    """down(act(x @ gate) * (x @ up)); x [B, L, D] -> [B, L, D].
+
+    The barrier keeps XLA from folding the activation into the gate GEMM's epilogue (a cublasLt call): XLA reads a
+    layer's weight in place from its stack only for plain cuBLAS GEMMs, so the epilogue cost a copy of the gate
+    matrix in every DiffusionGemma sliding layer (benchmarks/results/2026-11-30_dg_in_place_h200x2.md)."""
+    g = jax.lax.optimization_barrier(einsum("bld,df->blf", x, gate))  # [B, L, F]
     u = einsum("bld,df->blf", x, up)
     return einsum("blf,fd->bld", ACTIVATIONS[act](g) * u, down)  # [B, L, D]
 
