@@ -37,6 +37,8 @@ ap.add_argument("--gemm-table", help="tuned expert GEMM tiles for moe_impl palla
                                     "or kernels/grouped_gemm/bench.py --table)")
 ap.add_argument("--cached-attention", choices=["orl_jax", "pallas"], default="orl_jax",
                 help="DiffusionGemmaConfig.cached_attention_impl: the einsums or kernels/decode_attention")
+ap.add_argument("--attention-table", help="tuned attention blocks for --cached-attention pallas "
+                                         "(kernels/decode_attention/bench.py --table)")
 ap.add_argument("--capacity-factor", type=int,
                 help="moe.CAPACITY_FACTOR (slots per expert / mean load; overflow takes further rounds)")
 args = ap.parse_args()
@@ -76,6 +78,10 @@ if args.capacity_factor is not None:
 
     moe.CAPACITY_FACTOR = args.capacity_factor  # read by moe.capacity at trace time
     log(what="capacity_factor", value=args.capacity_factor)
+if args.attention_table:
+    from orl_jax_kernels.decode_attention.kernel import load_tuned as load_attention_table
+
+    log(what="attention_table", table=str(load_attention_table(args.attention_table)))
 if args.gemm_table:
     from orl_jax_kernels.small_m_gemm.kernel import load_tuned
 

@@ -142,10 +142,13 @@ def test_tuned_table_sets_the_blocks_of_its_shapes(tmp_path, monkeypatch):
 
     monkeypatch.setattr(kernel, "TUNED", {})
     tuned = Blocks(bl=16, bs=32, chunks_per_split=1, num_warps=8, num_stages=2)
-    (tmp_path / "t.json").write_text(json.dumps([{"l": 32, "s": 96, "blocks": tuned.__dict__, "us": 1.0}]))
-    kernel.load_tuned(tmp_path / "t.json")
-    assert kernel.blocks_for(32, 96) == tuned and kernel.blocks_for(32, 64) == kernel.SHORT_PASS
     q, kc, vc, cm, kself, vself, sm = _inputs(jax.random.key(1))
+    h, g = q.shape[-1], q.shape[2] // kc.shape[2]
+    row = {"l": 32, "s": 96, "h": h, "g": g, "blocks": tuned.__dict__, "us": 1.0}
+    (tmp_path / "t.json").write_text(json.dumps([row]))
+    kernel.load_tuned(tmp_path / "t.json")
+    assert kernel.blocks_for(32, 96, h, g) == tuned and kernel.blocks_for(32, 64, h, g) == kernel.SHORT_PASS
+    assert kernel.blocks_for(32, 96, 2 * h, g) != tuned  # another head shape: not this entry
     got = attention(q, [(kc, vc, cm), (kself, vself, sm)], impl="pallas")  # reads the table
     want = attention(q, [(kc, vc, cm), (kself, vself, sm)])
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)

@@ -1,8 +1,11 @@
 """GPU benchmark of the cached-pass attention kernel's block choices against XLA's einsums, at the engine's
 shapes (Qwen3-4B: 32 query heads, 8 kv heads, head dim 128, batch 1, prompt 512): block 32 over a 544-slot cache
-and canvas 256 over 768. Writes the tuned table that `kernel.load_tuned` reads.
+and canvas 256 over 768; and at DiffusionGemma 26B-A4B's decoder pass (canvas 256 over 768 slots, score scale
+1.0): sliding layers (16 heads, 8 kv heads, head dim 256, 25 layers) and full layers (16 heads, 2 kv heads, head
+dim 512, 5 layers). Writes the tuned table that `kernel.load_tuned` reads.
 
-  python kernels/decode_attention/bench.py [--out attn.jsonl] [--table attn_tuned.json]
+  python kernels/decode_attention/bench.py [--shapes block32,canvas256,dg_sliding,dg_full] [--out attn.jsonl]
+      [--table attn_tuned.json]
 
 Why: a profile of the engine step (benchmarks/results/2026-11-30_engine_profile_h200x2.md) puts the kernel at
 6.9 us per layer at block 32 and 30 us at canvas 256, where its default blocks give 7 key splits x 4 query tiles x
@@ -20,6 +23,7 @@ import itertools
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
@@ -45,11 +49,24 @@ from orl_jax_kernels.decode_attention.kernel import (  # noqa: E402
 )
 
 INTERPRET = os.environ.get("ORL_BENCH_INTERPRET") == "1"  # CPU smoke run of the script (tiny shapes, no timing sense)
-# name: (queries L, cache slots S); heads N, kv heads K, head dim H
-SHAPES = {"block32": (32, 544), "canvas256": (256, 768)}
-N, KV, H, LAYERS, PROMPT = 32, 8, 128, 36, 512
+
+
+@dataclass(frozen=True)
+class Shape:
+    l: int  # queries
+    s: int  # cache slots
+    n: int  # query heads
+    kv: int  # kv heads
+    h: int  # head dim
+    layers: int  # distinct caches timed per call (the model's layer count of this kind)
+    scale: float | None = None  # score scale; None: h ** -0.5
+
+
+SHAPES = {"block32": Shape(32, 544, 32, 8, 128, 36), "canvas256": Shape(256, 768, 32, 8, 128, 36),
+          "dg_sliding": Shape(256, 768, 16, 8, 256, 25, 1.0), "dg_full": Shape(256, 768, 16, 2, 512, 5, 1.0)}
+PROMPT = 512  # filled cache slots
 if INTERPRET:
-    SHAPES, N, KV, H, LAYERS, PROMPT = {"tiny": (32, 96)}, 4, 2, 32, 2, 64
+    SHAPES, PROMPT = {"tiny": Shape(32, 96, 4, 2, 32, 2)}, 64
 
 
 def per_call(g, *args, calls=10):
@@ -63,45 +80,48 @@ def per_call(g, *args, calls=10):
     return float(np.median(ts))
 
 
-def configs(l, s):
-    """Block candidates the kernel supports at (l, s), one per distinct effective tiling: query tile, key chunk of
+def configs(sh: Shape):
+    """Block candidates the kernel supports at the shape, one per distinct effective tiling: query tile, key chunk of
     the cache and of the own keys, cache chunks per split, heads per program; 4 warps up to 64 rows per program,
     8 above, within the shared memory estimate (kernel.smem_bytes: 512 rows asked for more than an H200 has in the
     2026-11-30 sweep). Plus the dataclass defaults and the library's rule (kernel.blocks_for), the baselines."""
+    l, s, h, g = sh.l, sh.s, sh.h, sh.n // sh.kv
     out, seen = [], set()
     for bl, bs, cps, grouped in itertools.product((16, 32, 64, 128), (32, 64, 128), (1, 2, 4, 8), (False, True)):
-        rows = min(bl, l) * (N // KV if grouped else 1)
+        rows = min(bl, l) * (g if grouped else 1)
         b = Blocks(bl=bl, bs=bs, chunks_per_split=cps, num_warps=4 if rows <= 64 else 8, num_stages=2,
                    group_heads=grouped)
         eff = (tile(l, bl), tile(s, bs), tile(l, bs), cps, grouped)
-        if bl <= l and smem_bytes(b, H, N // KV) <= SMEM_LIMIT and supported(l, s, H, b, N // KV) and eff not in seen:
+        if bl <= l and smem_bytes(b, h, g) <= SMEM_LIMIT and supported(l, s, h, b, g) and eff not in seen:
             seen.add(eff)
             out.append(b)
-    for b in (Blocks(), library_blocks(l, s)):  # the default's query tile: the kernel shrinks it to fit l
-        if supported(l, s, H, b, N // KV) and b not in out:
+    for b in (Blocks(), library_blocks(sh)):  # the default's query tile: the kernel shrinks it to fit l
+        if supported(l, s, h, b, g) and b not in out:
             out.append(b)
     return out
 
 
-def library_blocks(l, s):
-    """What the library picks at (l, s) without a tuned table."""
-    return blocks_for(l, s, H, N // KV)
+def library_blocks(sh: Shape):
+    """What the library picks at the shape without a tuned table."""
+    return blocks_for(sh.l, sh.s, sh.h, sh.n // sh.kv)
 
 
-def inputs(l, s):
-    ks = jax.random.split(jax.random.key(l + s), 2 * LAYERS + 3)
-    q = jax.random.normal(ks[0], (1, l, N, H), jnp.bfloat16)
-    kc = [jax.random.normal(k, (1, s, KV, H), jnp.bfloat16) for k in ks[3:3 + LAYERS]]
-    vc = [jax.random.normal(k, (1, s, KV, H), jnp.bfloat16) for k in ks[3 + LAYERS:]]
-    kself, vself = (jax.random.normal(k, (1, l, KV, H), jnp.bfloat16) for k in ks[1:3])
+def inputs(sh: Shape):
+    l, s, layers = sh.l, sh.s, sh.layers
+    ks = jax.random.split(jax.random.key(l + s + sh.h), 2 * layers + 3)
+    q = jax.random.normal(ks[0], (1, l, sh.n, sh.h), jnp.bfloat16)
+    kc = [jax.random.normal(k, (1, s, sh.kv, sh.h), jnp.bfloat16) for k in ks[3:3 + layers]]
+    vc = [jax.random.normal(k, (1, s, sh.kv, sh.h), jnp.bfloat16) for k in ks[3 + layers:]]
+    kself, vself = (jax.random.normal(k, (1, l, sh.kv, sh.h), jnp.bfloat16) for k in ks[1:3])
     cm = cache_mask(jnp.zeros((1,), jnp.int32), PROMPT, s, l).astype(jnp.int8)  # the prompt's slots are filled
     sm = self_mask(full_segments(1, l)).astype(jnp.int8)
     return q, kc, vc, cm, kself, vself, sm
 
 
-def bench_shape(name, l, s, record) -> dict:
-    q, kc, vc, cm, kself, vself, sm = inputs(l, s)
-    scale = H ** -0.5
+def bench_shape(name, sh: Shape, record) -> dict:
+    l, s, h, g, layers = sh.l, sh.s, sh.h, sh.n // sh.kv, sh.layers
+    q, kc, vc, cm, kself, vself, sm = inputs(sh)
+    scale = h ** -0.5 if sh.scale is None else sh.scale
     xla = lambda q, kc, vc: scaled_attention(q, [(kc, vc, cm != 0), (kself, vself, sm != 0)], scale)  # noqa: E731
     f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
     ref = scaled_attention(f32(q), [(f32(kc[0]), f32(vc[0]), cm != 0), (f32(kself), f32(vself), sm != 0)], scale)
@@ -115,10 +135,10 @@ def bench_shape(name, l, s, record) -> dict:
     def row(variant, seconds, rel, **kw):
         record(shape=name, l=l, s=s, variant=variant, us_per_layer=seconds * 1e6, rel_err=rel, **kw)
 
-    t_xla = per_call(over_layers(xla), q, kc, vc) / LAYERS
+    t_xla = per_call(over_layers(xla), q, kc, vc) / layers
     row("xla", t_xla, err(jax.jit(xla)(q, kc[0], vc[0])))
     results = []
-    for b in configs(l, s):
+    for b in configs(sh):
         f = lambda q, a, c, b=b: cached_attention(q, a, c, cm, kself, vself, sm, scale=scale, blocks=b,  # noqa: E731
                                                   interpret=INTERPRET)
         try:
@@ -126,13 +146,13 @@ def bench_shape(name, l, s, record) -> dict:
             if not rel < 0.02:  # bf16 rounding is ~0.002; more is a wrong result
                 record(shape=name, variant=str(b), error=f"relative error {rel:.3g}")
                 continue
-            results.append((per_call(over_layers(f), q, kc, vc) / LAYERS, b, rel))
+            results.append((per_call(over_layers(f), q, kc, vc) / layers, b, rel))
         except Exception as ex:  # a block config the lowering or the chip rejects
             record(shape=name, variant=str(b), error=repr(ex)[:160])
     results.sort(key=lambda r: r[0])
-    base = [r for r in results if r[1] in (Blocks(), library_blocks(l, s)) and r not in results[:8]]
+    base = [r for r in results if r[1] in (Blocks(), library_blocks(sh)) and r not in results[:8]]
     for t, b, rel in results[:8] + base:
-        row(str(b), t, rel, blocks=b.__dict__, default=b == Blocks(), library=b == library_blocks(l, s))
+        row(str(b), t, rel, blocks=b.__dict__, default=b == Blocks(), library=b == library_blocks(sh))
     default = next((r for r in results if r[1] == Blocks()), None)
     best_t, best, best_rel = results[0]
     # the model's situation: a scan over the layer stack hands each layer's cache slice to the kernel
@@ -142,18 +162,18 @@ def bench_shape(name, l, s, record) -> dict:
         return jax.jit(lambda q, ks, vs: jax.lax.scan(lambda c, kv: (c, f(q, *kv)), 0, (ks, vs))[1])
 
     def in_place(b):  # the kernel reads layer i of the stacks where they lie (Blocks.cache_in_place)
-        layers = jnp.arange(LAYERS, dtype=jnp.int32)
+        index = jnp.arange(layers, dtype=jnp.int32)
         return jax.jit(lambda q, ks, vs: jax.lax.scan(lambda c, i: (c, cached_attention(
-            q, ks, vs, cm, kself, vself, sm, scale=scale, blocks=b, layer=i, interpret=INTERPRET)), 0, layers)[1])
+            q, ks, vs, cm, kself, vself, sm, scale=scale, blocks=b, layer=i, interpret=INTERPRET)), 0, index)[1])
 
-    row("xla_scan", per_call(scanned(xla), q, kst, vst) / LAYERS, best_rel)
+    row("xla_scan", per_call(scanned(xla), q, kst, vst) / layers, best_rel)
     scan_t = {}
-    for tag, b in (("best", best), ("library", library_blocks(l, s)), ("default", Blocks())):
-        if supported(l, s, H, b, N // KV):
+    for tag, b in (("best", best), ("library", library_blocks(sh)), ("default", Blocks())):
+        if supported(l, s, h, b, g):
             f = lambda q, a, c, b=b: cached_attention(q, a, c, cm, kself, vself, sm, scale=scale,  # noqa: E731
                                                       blocks=b, interpret=INTERPRET)
-            scan_t[tag, False] = per_call(scanned(f), q, kst, vst) / LAYERS
-            scan_t[tag, True] = per_call(in_place(b), q, kst, vst) / LAYERS
+            scan_t[tag, False] = per_call(scanned(f), q, kst, vst) / layers
+            scan_t[tag, True] = per_call(in_place(b), q, kst, vst) / layers
             placed = lambda yes, b=b: Blocks(**(b.__dict__ | {"cache_in_place": yes}))  # noqa: E731
             row(f"pallas_scan_{tag} {placed(False)}", scan_t[tag, False], best_rel)
             row(f"pallas_scan_{tag} {placed(True)}", scan_t[tag, True],
@@ -161,7 +181,7 @@ def bench_shape(name, l, s, record) -> dict:
     best = Blocks(**(best.__dict__ | {"cache_in_place": scan_t["best", True] < scan_t["best", False]}))
     print(f"{name}: L={l} S={s}  xla {t_xla * 1e6:.1f} us  best {best_t * 1e6:.1f} us {best}  default "
           f"{default[0] * 1e6 if default else float('nan'):.1f} us", flush=True)
-    return {"l": l, "s": s, "blocks": best.__dict__, "us": best_t * 1e6, "xla_us": t_xla * 1e6}
+    return {"l": l, "s": s, "h": h, "g": g, "blocks": best.__dict__, "us": best_t * 1e6, "xla_us": t_xla * 1e6}
 
 
 def main():
@@ -173,7 +193,7 @@ def main():
 
     record, table = recorder(args.out), []
     for name in args.shapes.split(","):
-        table.append(bench_shape(name, *SHAPES[name], record))
+        table.append(bench_shape(name, SHAPES[name], record))
         write_table(args.table, table)
 
 

@@ -49,7 +49,7 @@ class Blocks:
     cache_in_place: bool = False
 
 
-TUNED: dict[tuple[int, int], Blocks] = {}
+TUNED: dict[tuple[int, int, int, int], Blocks] = {}  # (queries, cache slots, head dim, heads per kv head)
 
 # The library's blocks where the table has no entry, from the H200 sweep at the engine's two shapes (Qwen3-4B, 36
 # layers in a scan; benchmarks/results/2026-11-30_attention_sweep_h200x2.md): 16-query tiles, 4 warps and the cache
@@ -60,14 +60,14 @@ SHORT_PASS = Blocks(bl=16, bs=32, chunks_per_split=4, cache_in_place=True)
 LONG_PASS = Blocks(bl=16, bs=64, chunks_per_split=8, group_heads=True, cache_in_place=True)
 
 
-def load_tuned(path) -> dict[tuple[int, int], Blocks]:
-    """Fill TUNED from a JSON table [{"l":, "s":, "blocks": {...}}, ...] (kernels/decode_attention/bench.py
-    --table); call before the first trace."""
+def load_tuned(path) -> dict[tuple[int, int, int, int], Blocks]:
+    """Fill TUNED from a JSON table [{"l":, "s":, "h":, "g":, "blocks": {...}}, ...] (kernels/decode_attention/
+    bench.py --table); call before the first trace."""
     import json
     from pathlib import Path
 
     for row in json.loads(Path(path).read_text()):
-        TUNED[(int(row["l"]), int(row["s"]))] = Blocks(**row["blocks"])
+        TUNED[(int(row["l"]), int(row["s"]), int(row["h"]), int(row["g"]))] = Blocks(**row["blocks"])
     return TUNED
 
 
@@ -87,8 +87,8 @@ def blocks_for(l: int, s: int, h: int = 128, g: int = 1) -> Blocks:
     else the measured rule (SHORT_PASS up to 64 queries, LONG_PASS above) where the kernel supports it, made to
     fit shared memory at large head dims (heads ungrouped, then shorter key chunks: DiffusionGemma's 512-wide
     full-attention heads), else the dataclass defaults."""
-    if (l, s) in TUNED:
-        return TUNED[(l, s)]
+    if (l, s, h, g) in TUNED:
+        return TUNED[(l, s, h, g)]
     rule = SHORT_PASS if l <= 64 else LONG_PASS
     ungrouped = dataclasses.replace(rule, group_heads=False)
     for b in (rule, ungrouped, dataclasses.replace(ungrouped, bs=32), dataclasses.replace(ungrouped, bs=16)):

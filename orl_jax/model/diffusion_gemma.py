@@ -271,7 +271,9 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
         def step(carry):
             i, x, kv = carry
             w = {n: take(a, i) for n, a in sliding_w.items()}
-            x, kk, vv = sliding_layer(x, i, w, take(cache.sliding.k, i), take(cache.sliding.v, i))
+            # the cache as layer i of its stacks: the attention kernel may read it in place (Blocks.cache_in_place)
+            ck, cv = (StackedWeight(c, i, take(c, i)) for c in (cache.sliding.k, cache.sliding.v))
+            x, kk, vv = sliding_layer(x, i, w, ck, cv)
             if collect_kv:
                 kv = (kv[0].at[i - lo].set(kk), kv[1].at[i - lo].set(vv))
             return i + 1, x, kv
@@ -281,7 +283,10 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
 
     def full_layer(x, g):
         w = {n: StackedWeight(a, jnp.int32(g)) if n in stacks else a[g] for n, a in params["full"].items()}
-        part = None if cache is None else (cache.full.k[g], cache.full.v[g], vis["cache_" + FULL])
+        part = None
+        if cache is not None:
+            ck, cv = (StackedWeight(c, jnp.int32(g), c[g]) for c in (cache.full.k, cache.full.v))
+            part = (ck, cv, vis["cache_" + FULL])
         return _layer(cfg, x, w, rope_f, vis[FULL], part, scalar)
 
     if remat:
