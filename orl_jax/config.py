@@ -344,11 +344,11 @@ class DiffusionGemmaConfig:
     # buckets through the small-M kernel (removed), 53.1 bucketed
     # (benchmarks/results/2026-11-30_dg_in_place_h200x2.md, 2026-11-30_diffusion_gemma_h200x2.md).
     moe_impl: str = "auto"
-    # Attention of the cached passes (decoder over the prompt's cache, commit): "orl_jax" (the einsums) or "pallas"
-    # (kernels/decode_attention, scale 1.0, head dims 256 and 512; "auto": the kernel on a GPU). Off by default:
-    # at full size on an H200 it gained nothing (22.72 against 22.66 ms per forward,
-    # benchmarks/results/2026-11-30_dg_in_place_h200x2.md).
-    cached_attention_impl: str = "orl_jax"
+    # Attention of the cached passes (decoder over the prompt's cache, commit): "orl_jax" (the einsums), "pallas"
+    # (kernels/decode_attention, scale 1.0, head dims 256 and 512) or "auto": the kernel on a GPU. At full size on
+    # an H200 the forward took 19.22 ms with the kernel's wide-head blocks against 19.60 with the einsums
+    # (benchmarks/results/2026-11-30_dg_in_place_h200x2.md).
+    cached_attention_impl: str = "auto"
     sliding_window: int = 1024  # keys per query in sliding layers, the query included
     layer_types: tuple[str, ...] = _DG_DEFAULT_LAYERS  # must repeat (k sliding, 1 full); see diffusion_gemma.py
     rope_sliding: RopeConfig = RopeConfig("default", 10_000.0)

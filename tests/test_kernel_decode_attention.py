@@ -167,12 +167,14 @@ def test_untuned_shapes_take_the_measured_rule_where_supported(monkeypatch):
 
 
 def test_large_head_dims_get_blocks_that_fit_shared_memory(monkeypatch):
-    """DiffusionGemma's heads: sliding 256 wide (2 per kv head) keep the long-pass rule; full-attention heads 512
-    wide, 8 per kv head, lose the grouping and take shorter key chunks to fit an H200's shared memory."""
+    """DiffusionGemma's heads: sliding 256 wide (2 per kv head) take the wide-head rule (swept at that shape);
+    full-attention heads 512 wide, 8 per kv head, fit neither it nor the grouped long-pass rule: they lose the
+    grouping and take shorter key chunks to fit an H200's shared memory."""
     from orl_jax_kernels.decode_attention import kernel
 
     monkeypatch.setattr(kernel, "TUNED", {})
-    assert kernel.blocks_for(256, 768, 256, 2) == kernel.LONG_PASS
+    assert kernel.blocks_for(256, 768, 256, 2) == kernel.WIDE_HEADS
+    assert kernel.smem_bytes(kernel.WIDE_HEADS, 512, 8) > kernel.SMEM_LIMIT
     full = kernel.blocks_for(256, 768, 512, 8)
     assert not full.group_heads and full.bs <= 32 and full.cache_in_place
     assert kernel.smem_bytes(kernel.LONG_PASS, 512, 8) > kernel.SMEM_LIMIT >= kernel.smem_bytes(full, 512, 8)

@@ -58,6 +58,11 @@ TUNED: dict[tuple[int, int, int, int], Blocks] = {}  # (queries, cache slots, he
 # take the rule of the nearer of the two by pass length: a heuristic, measured at those two shapes only.
 SHORT_PASS = Blocks(bl=16, bs=32, chunks_per_split=4, cache_in_place=True)
 LONG_PASS = Blocks(bl=16, bs=64, chunks_per_split=8, group_heads=True, cache_in_place=True)
+# Long passes of wide heads (h >= 256), where they fit shared memory, from the sweep at DiffusionGemma's sliding
+# layers (256 queries over 768 slots, head dim 256, 2 heads per kv head; 2026-11-30_dg_in_place_h200x2.md):
+# 128-query tiles, 8 warps, 4 chunks of 64 keys per split, 32.2 us per layer against 43.1 for LONG_PASS and 64.4
+# for XLA's einsums. The 512-wide full-attention heads do not fit it and keep the fallbacks below (not swept).
+WIDE_HEADS = Blocks(bl=128, bs=64, chunks_per_split=4, num_warps=8, cache_in_place=True)
 
 
 def load_tuned(path) -> dict[tuple[int, int, int, int], Blocks]:
@@ -84,14 +89,15 @@ def smem_bytes(blocks: Blocks, h: int, g: int) -> int:
 
 def blocks_for(l: int, s: int, h: int = 128, g: int = 1) -> Blocks:
     """The blocks for l queries over s cache slots (head dim h, g query heads per kv head): the tuned table's entry,
-    else the measured rule (SHORT_PASS up to 64 queries, LONG_PASS above) where the kernel supports it, made to
-    fit shared memory at large head dims (heads ungrouped, then shorter key chunks: DiffusionGemma's 512-wide
-    full-attention heads), else the dataclass defaults."""
+    else the measured rule (SHORT_PASS up to 64 queries; above, WIDE_HEADS for heads >= 256 wide, else LONG_PASS)
+    where the kernel supports it, made to fit shared memory at large head dims (heads ungrouped, then shorter key
+    chunks: DiffusionGemma's 512-wide full-attention heads), else the dataclass defaults."""
     if (l, s, h, g) in TUNED:
         return TUNED[(l, s, h, g)]
     rule = SHORT_PASS if l <= 64 else LONG_PASS
     ungrouped = dataclasses.replace(rule, group_heads=False)
-    for b in (rule, ungrouped, dataclasses.replace(ungrouped, bs=32), dataclasses.replace(ungrouped, bs=16)):
+    wide = [WIDE_HEADS] if l > 64 and h >= 256 else []
+    for b in (*wide, rule, ungrouped, dataclasses.replace(ungrouped, bs=32), dataclasses.replace(ungrouped, bs=16)):
         if supported(l, s, h, b, g) and smem_bytes(b, h, g) <= SMEM_LIMIT:
             return b
     return Blocks()
