@@ -128,8 +128,10 @@ def dense_experts_mlp(x, weights, experts, gate_up, down, act: str) -> jax.Array
 
 def sort_by_expert(experts: jax.Array, num_experts: int):
     """The T * k (token, choice) assignments in expert order, stable: (order [M]: the assignment in each sorted row,
-    pos [M]: the sorted row of each assignment, sizes [E]). A counting sort (one-hot cumsum, O(M E) elementwise):
-    XLA's GPU sort of M = 2048 keys took 15 us per DiffusionGemma layer, about the cost of this whole function."""
+    pos [M]: the sorted row of each assignment, sizes [E]). A counting sort (one-hot cumsum, O(M E) elementwise).
+    At DiffusionGemma's canvas (M = 2048, E = 128) it takes ~14 us per layer on an H200 in four small fusions, as
+    much as XLA's sort of the keys did (15 us), but it yields `pos` (the gather combine's index) without an
+    inverse permutation."""
     flat = experts.reshape(-1)  # [M]
     one_hot = (flat[:, None] == jnp.arange(num_experts, dtype=flat.dtype)[None]).astype(jnp.int32)  # [M, E]
     sizes = jnp.sum(one_hot, axis=0)  # [E]
