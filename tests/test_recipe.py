@@ -27,7 +27,9 @@ def test_recipe_smoke_end_to_end_and_resume(tmp_path):
                                            "QwenDLM+ORL (no AEC)", "QwenDLM+RCD"]
     assert all(0.0 <= r["accuracy"] <= 1.0 and r["tpf"] > 0 for r in rows)
     assert all(list(r["per_task"]) == ["arithmetic"] and r["per_task"]["arithmetic"] == r["accuracy"] for r in rows)
-    assert "| arithmetic |" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "| arithmetic |" in report and "paired 95% interval" in report
+    assert all(len(r["hits"]) == r["n"] and np.mean(r["hits"]) == pytest.approx(r["accuracy"]) for r in rows)
     assert all(r["setting"] == "steps<=4, confidence=0.3, entropy bound=0.05" for r in rows[2:])
     assert rows[1]["tpf"] == 1.0
     steps = [json.loads(line)["step"] for line in (out / "stage0/logs/metrics.jsonl").read_text().splitlines()]

@@ -28,6 +28,7 @@ class EvalRow:
     tokens_per_s: float  # valid tokens / wall time of the batched decode (after compilation)
     n: int
     per_task: dict[str, float] | None = None  # accuracy of each task's examples
+    hits: list[int] | None = None  # 1 / 0 per example, in the examples' order (for paired comparisons)
 
 
 def _batches(xs, size):
@@ -41,6 +42,7 @@ def evaluate(params, cfg, tokenizer, examples: Sequence, *, method: str, setting
     stops = stop_token_ids(tokenizer)
     correct, tokens_total, forwards_total, seconds = 0, 0, 0, 0.0
     hits: dict[str, list[bool]] = {}
+    each: list[int] = []
     key = jax.random.key(seed)
     for batch in _batches(list(examples), batch_size):
         prompts = [format_prompt(tokenizer, ex.prompt) for ex in batch]
@@ -62,6 +64,7 @@ def evaluate(params, cfg, tokenizer, examples: Sequence, *, method: str, setting
             resp = response_until_stop(tokenizer, row)
             ok = bool(tasks.verify(ex, tokenizer.decode(resp, skip_special_tokens=True)))
             correct += ok
+            each.append(int(ok))
             hits.setdefault(ex.task, []).append(ok)
             n_tok = min(len(resp) + 1, len(row))
             tokens_total += n_tok
@@ -72,11 +75,31 @@ def evaluate(params, cfg, tokenizer, examples: Sequence, *, method: str, setting
     n = len(examples)
     return EvalRow(method=method, setting=setting, accuracy=correct / max(n, 1),
                    tpf=tokens_total / max(forwards_total, 1), tokens_per_s=tokens_total / max(seconds, 1e-9), n=n,
-                   per_task={t: float(np.mean(v)) for t, v in sorted(hits.items())})
+                   per_task={t: float(np.mean(v)) for t, v in sorted(hits.items())}, hits=each)
 
 
-def write_report(rows: Sequence[EvalRow], out_dir: str | Path, title: str, notes: Sequence[str] = ()) -> Path:
-    """report.md (table), results.jsonl and accuracy_vs_tpf.png in out_dir."""
+def paired_vs_base(rows: Sequence[EvalRow], base: str) -> list[dict]:
+    """Each other method's accuracy against `base` at the same setting, on the same examples: the difference with
+    a 95% interval from the per-example paired differences (+-1.96 standard errors), and the TPF ratio. Paired,
+    the interval is narrower than from two independent accuracies (on 256 examples ~+-5 points each), since both
+    methods see the same prompts."""
+    bases = {r.setting: r for r in rows if r.method == base and r.hits is not None}
+    out = []
+    for r in rows:
+        b = bases.get(r.setting)
+        if r.method == base or b is None or r.hits is None or len(r.hits) != len(b.hits):
+            continue
+        d = np.asarray(r.hits, float) - np.asarray(b.hits, float)
+        se = float(np.std(d, ddof=1) / np.sqrt(len(d))) if len(d) > 1 else float("nan")
+        out.append({"method": r.method, "setting": r.setting, "delta": float(d.mean()), "ci95": 1.96 * se,
+                    "tpf_ratio": r.tpf / b.tpf})
+    return out
+
+
+def write_report(rows: Sequence[EvalRow], out_dir: str | Path, title: str, notes: Sequence[str] = (),
+                 base: str | None = None) -> Path:
+    """report.md (table; with `base`, also each method paired against it: paired_vs_base), results.jsonl and
+    accuracy_vs_tpf.png in out_dir."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "results.jsonl", "w") as f:
@@ -90,6 +113,12 @@ def write_report(rows: Sequence[EvalRow], out_dir: str | Path, title: str, notes
         per = r.per_task or {}
         lines.append(f"| {r.method} | {r.setting} | {100 * r.accuracy:.1f}% | {r.tpf:.2f} | {r.tokens_per_s:.0f} "
                      f"| {r.n} |" + "".join(f" {100 * per[t]:.0f}% |" if t in per else " - |" for t in task_names))
+    paired = paired_vs_base(rows, base) if base else []
+    if paired:
+        lines += ["", f"Against {base} at the same setting, on the same examples (paired 95% interval):", "",
+                  "| method | setting | accuracy difference | TPF ratio |", "|---|---|---|---|"]
+        lines += [f"| {p['method']} | {p['setting']} | {100 * p['delta']:+.1f} +- {100 * p['ci95']:.1f} points "
+                  f"| {p['tpf_ratio']:.2f}x |" for p in paired]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     _plot(rows, out / "accuracy_vs_tpf.png", title)
     return out / "report.md"

@@ -244,6 +244,11 @@ def heldout_examples(r, tok, seed: int):
     return fits[:r.eval_examples]
 
 
+def _brief(row) -> dict:
+    """An evaluation row for the log, without its per-example hits."""
+    return {k: v for k, v in dataclasses.asdict(row).items() if k != "hits"}
+
+
 def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: dict, log, started: float):
     """AR greedy baseline, then every QwenDLM variant in `methods` at every decoding setting.
 
@@ -254,13 +259,13 @@ def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: d
     examples = heldout_examples(r, tok, args.seed + 7)
     rows = [evaluate(ar_params, ar_cfg, tok, examples, method="AR (greedy)", setting="-", ar=True,
                      max_new_tokens=r.eval_max_new)]
-    log(f"eval AR: {dataclasses.asdict(rows[-1])}")
+    log(f"eval AR: {_brief(rows[-1])}")
     if dlm_cfg.prefix_attention == "causal" and (dlm_cfg.logit_shift or r.ar_weight > 0):
         # the converted weights decoded token by token (their clean rows are trained as the causal model): what
         # the conversion kept of the AR model, after stage 1's extra training
         rows.append(evaluate(methods["QwenDLM"][0], dlm_cfg, tok, examples, method="QwenDLM weights, AR decoding",
                              setting="-", ar=True, max_new_tokens=r.eval_max_new))
-        log(f"eval QwenDLM as AR: {dataclasses.asdict(rows[-1])}")
+        log(f"eval QwenDLM as AR: {_brief(rows[-1])}")
     for method, (params, mask_residual) in methods.items():
         for steps, thr, *bound in r.eval_settings:
             if dlm_cfg.noise == "uniform":
@@ -275,7 +280,7 @@ def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: d
                 setting = f"steps<={steps}, fill threshold={max(1 - thr, 0.05):.4g}"  # 0.9995, not 1.00
             rows.append(evaluate(params, dlm_cfg, tok, examples, method=method, setting=setting,
                                  max_new_tokens=r.eval_max_new, **kw))
-            log(f"eval {method} {setting}: {dataclasses.asdict(rows[-1])}")
+            log(f"eval {method} {setting}: {_brief(rows[-1])}")
     notes = [f"Preset `{args.preset}`{' from ' + args.hf_model if args.hf_model else ''}; "
              f"{len(examples)} held-out examples of {', '.join(r.tasks)} (those whose reference answer fits "
              f"{r.eval_max_new} new tokens and {conv_len(r)} tokens with its prompt); max {r.eval_max_new} new "
@@ -294,5 +299,5 @@ def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: d
             updates = sum("loss" in m for m in ms)
             notes.append(f"{name}: {len(ms)} rounds, mean verified share {np.mean([m['verified'] for m in ms]):.2f}, "
                          f"{updates} updates (a round whose responses all fail verification gives no gradient).")
-    path = write_report(rows, out, "AR -> QwenDLM conversion (held-out)", notes)
+    path = write_report(rows, out, "AR -> QwenDLM conversion (held-out)", notes, base="QwenDLM")
     log(f"report: {path}")
