@@ -590,10 +590,13 @@ def test_overloaded_experts_take_further_rounds():
     assert "while" in jaxpr
 
 
-def test_sort_by_expert_is_a_stable_sort():
-    """The counting sort equals a stable argsort by expert; pos inverts order; sizes count each expert."""
+@pytest.mark.parametrize("counting", [True, False])
+def test_sort_by_expert_is_a_stable_sort(counting, monkeypatch):
+    """Both ways (counting sort, argsort for large passes) equal a stable argsort by expert; pos inverts order;
+    sizes count each expert."""
     from orl_jax.model import moe
 
+    monkeypatch.setattr(moe, "COUNTING_SORT_MAX", 1 << 20 if counting else 0)
     experts = jax.random.randint(jax.random.key(3), (37, 3), 0, 6).at[0].set(5)  # expert 5 takes row 0's choices
     order, pos, sizes = jax.jit(moe.sort_by_expert, static_argnums=1)(experts, 7)
     flat = np.asarray(experts).reshape(-1)

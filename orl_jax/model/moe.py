@@ -126,18 +126,28 @@ def dense_experts_mlp(x, weights, experts, gate_up, down, act: str) -> jax.Array
     return einsum("tef,efd->td", h.astype(x.dtype), down)  # [T, D]
 
 
+# Above this many one-hot entries (assignments x experts) sort_by_expert sorts instead of counting: training passes
+# (tens of thousands of assignments) would otherwise build one-hot tables of hundreds of MB.
+COUNTING_SORT_MAX = 1 << 20
+
+
 def sort_by_expert(experts: jax.Array, num_experts: int):
     """The T * k (token, choice) assignments in expert order, stable: (order [M]: the assignment in each sorted row,
-    pos [M]: the sorted row of each assignment, sizes [E]). A counting sort (one-hot cumsum, O(M E) elementwise).
-    At DiffusionGemma's canvas (M = 2048, E = 128) it takes ~14 us per layer on an H200 in four small fusions, as
-    much as XLA's sort of the keys did (15 us), but it yields `pos` (the gather combine's index) without an
-    inverse permutation."""
+    pos [M]: the sorted row of each assignment, sizes [E]). Up to COUNTING_SORT_MAX one-hot entries a counting sort
+    (one-hot cumsum, O(M E) elementwise). At DiffusionGemma's canvas (M = 2048, E = 128) it takes ~14 us per layer
+    on an H200 in four small fusions, as much as XLA's sort of the keys did (15 us), but it yields `pos` (the
+    gather combine's index) without an inverse permutation. Larger: a stable argsort and its inverse."""
     flat = experts.reshape(-1)  # [M]
+    m = flat.shape[0]
+    if m * num_experts > COUNTING_SORT_MAX:
+        order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+        pos = jnp.zeros_like(order).at[order].set(jnp.arange(m, dtype=jnp.int32), unique_indices=True)
+        return order, pos, jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     one_hot = (flat[:, None] == jnp.arange(num_experts, dtype=flat.dtype)[None]).astype(jnp.int32)  # [M, E]
     sizes = jnp.sum(one_hot, axis=0)  # [E]
     before = jnp.sum((jnp.cumsum(one_hot, axis=0) - one_hot) * one_hot, axis=1)  # [M]: earlier rows, same expert
     pos = (jnp.cumsum(sizes) - sizes)[flat] + before
-    order = jnp.zeros_like(pos).at[pos].set(jnp.arange(pos.shape[0], dtype=pos.dtype), unique_indices=True)
+    order = jnp.zeros_like(pos).at[pos].set(jnp.arange(m, dtype=pos.dtype), unique_indices=True)
     return order, pos, sizes
 
 
