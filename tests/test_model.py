@@ -687,3 +687,22 @@ def test_auto_kernels_are_the_pallas_ones_on_a_gpu_only(monkeypatch):
     assert xla_for_auto(preset("tiny-qwen3").replace(cached_attention_impl="pallas")).cached_attention_impl == "pallas"
     with pytest.raises(ValueError, match="cached_attention_impl"):
         preset("tiny-qwen3").replace(cached_attention_impl="fused")
+
+
+def test_pack_vectors_round_trip():
+    """The per-layer vectors of one dtype join one [L, sum n] array; unpacking a row gives layer i's vectors back
+    exactly; matrices and vectors of another dtype stay apart."""
+    from orl_jax.model.streamed import pack_vectors, unpack_vectors
+
+    key = iter(jax.random.split(jax.random.key(0), 5))
+    layers = {"a_norm": jax.random.normal(next(key), (3, 8)), "q": jax.random.normal(next(key), (3, 8, 4)),
+              "b_norm": jax.random.normal(next(key), (3, 2)), "scalar": jax.random.normal(next(key), (3, 1)),
+              "half": jax.random.normal(next(key), (3, 4)).astype(jnp.bfloat16)}
+    rest, packed, layout = pack_vectors(layers)
+    assert set(rest) == {"q", "half"} and packed.shape == (3, 11)
+    assert layout == (("a_norm", 0, 8), ("b_norm", 8, 2), ("scalar", 10, 1))
+    for i in range(3):
+        got = unpack_vectors(packed[i], layout)
+        for n in ("a_norm", "b_norm", "scalar"):
+            np.testing.assert_array_equal(np.asarray(got[n]), np.asarray(layers[n][i]))
+    assert pack_vectors({"q": layers["q"], "a_norm": layers["a_norm"]})[1] is None  # one vector: nothing to join

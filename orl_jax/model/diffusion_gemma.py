@@ -64,7 +64,7 @@ from orl_jax.model.layers import (
     soft_cap,
 )
 from orl_jax.model.moe import experts_mlp, route
-from orl_jax.model.streamed import StackedWeight
+from orl_jax.model.streamed import StackedWeight, pack_vectors, unpack_vectors
 from orl_jax.params import ParamSpec, ones
 
 ACT = "gelu_tanh"  # HF: gelu_pytorch_tanh
@@ -247,6 +247,9 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     # stacks, copies included. The pallas moe_impl's grouped kernel reads the expert stacks in place (StackedWeight).
     stacks = EXPERT_WEIGHTS if moe_impl(cfg) == "pallas" else ()
     sliding_w = {n: a for n, a in params["sliding"].items() if n not in stacks}
+    full_w = {n: a for n, a in params["full"].items() if n not in stacks}
+    if cache is not None:  # inference: each layer's vectors (norms, scales) as one slice of a packed array
+        (sliding_w, sliding_v, sliding_layout), (full_w, full_v, full_layout) = map(pack_vectors, (sliding_w, full_w))
     take = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False, allow_negative_indices=False)  # noqa
 
     def sliding_layer(x, i, w, ck=None, cv=None):
@@ -271,6 +274,8 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
         def step(carry):
             i, x, kv = carry
             w = {n: take(a, i) for n, a in sliding_w.items()}
+            if sliding_v is not None:
+                w |= unpack_vectors(take(sliding_v, i), sliding_layout)
             # the cache as layer i of its stacks: the attention kernel may read it in place (Blocks.cache_in_place)
             ck, cv = (StackedWeight(c, i, take(c, i)) for c in (cache.sliding.k, cache.sliding.v))
             x, kk, vv = sliding_layer(x, i, w, ck, cv)
@@ -282,9 +287,11 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
         return x, kv
 
     def full_layer(x, g):
-        w = {n: StackedWeight(a, jnp.int32(g)) if n in stacks else a[g] for n, a in params["full"].items()}
+        w = {n: a[g] for n, a in full_w.items()} | {n: StackedWeight(params["full"][n], jnp.int32(g)) for n in stacks}
         part = None
         if cache is not None:
+            if full_v is not None:
+                w |= unpack_vectors(full_v[g], full_layout)
             ck, cv = (StackedWeight(c, jnp.int32(g), c[g]) for c in (cache.full.k, cache.full.v))
             part = (ck, cv, vis["cache_" + FULL])
         return _layer(cfg, x, w, rope_f, vis[FULL], part, scalar)

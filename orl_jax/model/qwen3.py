@@ -25,7 +25,7 @@ from orl_jax.config import ModelConfig, kernel_choice
 from orl_jax.model.attention import attention, cache_mask, causal_segments, self_mask
 from orl_jax.model.cache import KVCache
 from orl_jax.model.layers import apply_rope, einsum, fused_gated_mlp, gated_mlp, rms_norm, rope_angles
-from orl_jax.model.streamed import StackedWeight
+from orl_jax.model.streamed import StackedWeight, pack_vectors, unpack_vectors
 from orl_jax.params import ParamSpec, ones, zeros
 from orl_jax.sharding import constrain
 
@@ -151,8 +151,13 @@ def backbone(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
     # the attention kernel may read layer i of the cache stacks in place (decode_attention Blocks.cache_in_place)
     cache_stacked = cache is not None and cached_attention_impl(cfg) == "pallas"
 
+    # cached passes (inference) slice the layer's vectors from one packed array: one copy per layer, not four
+    layers, packed, layout = (params["layers"], None, ()) if cache is None else pack_vectors(params["layers"])
+
     def body(x, xs):
-        (w, i), ck, cv = xs
+        (w, row, i), ck, cv = xs
+        if row is not None:
+            w = w | unpack_vectors(row, layout)
         if streamed:
             w = layer_in_place(params["layers"], i, w)
         if cache_stacked:
@@ -163,7 +168,7 @@ def backbone(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
 
     if remat:
         body = jax.checkpoint(body, prevent_cse=False)
-    ws = (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32) if streamed or cache_stacked else None)
+    ws = (layers, packed, jnp.arange(cfg.num_layers, dtype=jnp.int32) if streamed or cache_stacked else None)
     xs = (ws, None, None) if cache is None else (ws, cache.k, cache.v)
     unroll = 1 if cache is None else min(cfg.layer_unroll, cfg.num_layers)
     x, (k, v) = jax.lax.scan(body, constrain(x, ACTIVATION_AXES), xs, unroll=unroll)

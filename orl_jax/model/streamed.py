@@ -84,3 +84,29 @@ class StackedWeight:
 def as_stacked(w) -> StackedWeight:
     """w itself if it is a StackedWeight, else a one-layer stack of it (a free reshape)."""
     return w if isinstance(w, StackedWeight) else StackedWeight(w[None], jnp.int32(0))
+
+
+def pack_vectors(layers: dict) -> tuple[dict, jax.Array | None, tuple[tuple[str, int, int], ...]]:
+    """A layer-stack dict with its per-layer vectors ([L, n] arrays of the first vector's dtype: norm weights,
+    scales) joined into one [L, sum n] array, for layer loops to slice once per layer: (the other stacks,
+    packed, layout ((name, start, size), ...)). unpack_vectors(packed[i], layout) gives layer i's vectors back.
+
+    Why: a layer loop hands each stacked operand to its layer as a per-iteration slice, and XLA on GPU copied
+    every small vector slice in a separate launch (~1.7 us each, 7 per DiffusionGemma layer: see
+    benchmarks/results/2026-11-30_dg_in_place_h200x2.md); one packed slice is one launch. Not yet timed."""
+    vectors = [n for n, a in layers.items() if a.ndim == 2]
+    if len(vectors) < 2:
+        return layers, None, ()
+    dtype = layers[vectors[0]].dtype
+    vectors = [n for n in vectors if layers[n].dtype == dtype]
+    layout, start = [], 0
+    for n in vectors:
+        layout.append((n, start, layers[n].shape[1]))
+        start += layers[n].shape[1]
+    rest = {n: a for n, a in layers.items() if n not in vectors}
+    return rest, jnp.concatenate([layers[n] for n in vectors], axis=1), tuple(layout)
+
+
+def unpack_vectors(row: jax.Array, layout: tuple[tuple[str, int, int], ...]) -> dict:
+    """One layer's vectors from its row of pack_vectors' array (static slices)."""
+    return {n: row[start:start + size] for n, start, size in layout}
