@@ -248,6 +248,8 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     stacks = EXPERT_WEIGHTS if moe_impl(cfg) == "pallas" else ()
     sliding_w = {n: a for n, a in params["sliding"].items() if n not in stacks}
     full_w = {n: a for n, a in params["full"].items() if n not in stacks}
+    if cache is not None and qwen3.cached_attention_impl(cfg) == "pallas":  # the kernel reads int8 masks
+        vis = {name: m.astype(jnp.int8) for name, m in vis.items()}  # once, not in every layer (a launch each)
     if cache is not None:  # inference: each layer's vectors (norms, scales) as one slice of a packed array
         (sliding_w, sliding_v, sliding_layout), (full_w, full_v, full_layout) = map(pack_vectors, (sliding_w, full_w))
     take = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False, allow_negative_indices=False)  # noqa
