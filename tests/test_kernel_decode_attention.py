@@ -182,17 +182,20 @@ def test_large_head_dims_get_blocks_that_fit_shared_memory(monkeypatch):
     assert kernel.smem_bytes(Blocks(bl=128, bs=128, group_heads=True), 128, 4) > kernel.SMEM_LIMIT
 
 
-def test_diffusion_gemma_full_layer_shape_lowers_to_verified_triton(monkeypatch):
-    """The 26B full-attention layer at canvas 256 over 768 slots (head dim 512, 2 kv heads), scale 1.0."""
+@pytest.mark.parametrize("l, s, kv, h", [(256, 768, 2, 512), (256, 768, 8, 256), (512, 1024, 8, 256)])
+def test_diffusion_gemma_layer_shapes_lower_to_verified_triton(monkeypatch, l, s, kv, h):
+    """The 26B layers at their library blocks, scale 1.0: the full-attention layer at canvas 256 over 768 slots
+    (head dim 512, 2 kv heads), the sliding layer there (WIDE_HEADS, run on the H200 in session 9) and the
+    sliding layer in a 512-token prefill (the same blocks over a longer pass, not run on a GPU)."""
     from orl_jax_kernels.decode_attention.kernel import blocks_for
 
     sd = jax.ShapeDtypeStruct
-    blocks = blocks_for(256, 768, 512, 8)
+    blocks = blocks_for(l, s, h, 16 // kv)
     verified_triton_modules(
         monkeypatch, lambda *a: cached_attention(*a, scale=1.0, blocks=blocks),
-        sd((1, 256, 16, 512), jnp.bfloat16), sd((1, 768, 2, 512), jnp.bfloat16), sd((1, 768, 2, 512), jnp.bfloat16),
-        sd((1, 256, 768), jnp.int8), sd((1, 256, 2, 512), jnp.bfloat16), sd((1, 256, 2, 512), jnp.bfloat16),
-        sd((1, 256, 256), jnp.int8))
+        sd((1, l, 16, h), jnp.bfloat16), sd((1, s, kv, h), jnp.bfloat16), sd((1, s, kv, h), jnp.bfloat16),
+        sd((1, l, s), jnp.int8), sd((1, l, kv, h), jnp.bfloat16), sd((1, l, kv, h), jnp.bfloat16),
+        sd((1, l, l), jnp.int8))
 
 
 def test_diffusion_gemma_decoder_with_the_kernel_equals_the_einsums():
