@@ -175,12 +175,16 @@ def _kernel(layer_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref, ms_ref, o_
 
 
 def combine(o, m, l, dtype):
-    """Merge the key splits' partial softmaxes: o [P, B, L, N, H] (unnormalized), m and l [P, B, N, L]."""
-    mx = jnp.max(m, axis=0, keepdims=True)
-    w = jnp.exp(m - mx)  # [P, B, N, L]; a split that saw no key (m = -inf) weighs 0
-    wt = jnp.transpose(w, (0, 1, 3, 2))[..., None]  # [P, B, L, N, 1]
-    den = jnp.transpose(jnp.sum(w * l, axis=0), (0, 2, 1))[..., None]  # [B, L, N, 1]
-    return (jnp.sum(wt * o, axis=0) / den).astype(dtype)
+    """Merge the key splits' partial softmaxes: o [P, B, L, N, H] (unnormalized), m and l [P, B, L, N].
+
+    The P splits are few and static, so the merge is written elementwise over them: XLA fuses it into one kernel
+    that reads o once. As reductions over P it took three launches per layer (two transposing reductions, then the
+    merge: ~0.18 ms per Qwen3-4B block-32 step, benchmarks/results/2026-11-30_engine_blocks_h200x2.md). Not yet
+    timed in this form."""
+    mx = functools.reduce(jnp.maximum, list(m))  # [B, L, N]
+    w = [jnp.exp(m_p - mx)[..., None] for m_p in m]  # [B, L, N, 1]; a split whose keys were all masked weighs 0
+    den = sum(w_p * l_p[..., None] for w_p, l_p in zip(w, l))
+    return (sum(w_p * o_p for w_p, o_p in zip(w, o)) / den).astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
@@ -226,6 +230,6 @@ def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask,
         interpret=interpret,
         **triton_params(blocks.num_warps, blocks.num_stages, interpret),
     )(layer_arr, q, k_cache, v_cache, cache_mask.astype(jnp.int8), k_self, v_self, self_mask.astype(jnp.int8))
-    if grouped:
+    if not grouped:  # [P, B, N, L] -> [P, B, L, N]
         m, lsum = jnp.swapaxes(m, 2, 3), jnp.swapaxes(lsum, 2, 3)
     return combine(o, m, lsum, q.dtype)
