@@ -96,6 +96,25 @@ def paired_vs_base(rows: Sequence[EvalRow], base: str) -> list[dict]:
     return out
 
 
+def tpf_at_matched_accuracy(rows: Sequence[EvalRow], base: str, slack: float = 0.01) -> list[dict]:
+    """Issue #6's acceptance view. Reference: `base` at its most accurate setting (accuracy A0, TPF T0; the higher
+    TPF on ties). For each diffusion method (the base included): its highest TPF among settings with accuracy >=
+    A0 - slack, that setting, and the ratio to T0 (None where no setting is that accurate)."""
+    ref_rows = [r for r in rows if r.method == base]
+    if not ref_rows:
+        return []
+    ref = max(ref_rows, key=lambda r: (r.accuracy, r.tpf))
+    methods = list(dict.fromkeys(r.method for r in rows if r.setting != "-"))  # AR rows have no setting
+    out = []
+    for m in methods:
+        ok = [r for r in rows if r.method == m and r.accuracy >= ref.accuracy - slack - 1e-9]
+        best = max(ok, key=lambda r: r.tpf) if ok else None
+        out.append({"method": m, "setting": best.setting if best else None, "accuracy": best.accuracy if best else None,
+                    "tpf": best.tpf if best else None, "tpf_ratio": best.tpf / ref.tpf if best else None,
+                    "reference": {"setting": ref.setting, "accuracy": ref.accuracy, "tpf": ref.tpf}})
+    return out
+
+
 def write_report(rows: Sequence[EvalRow], out_dir: str | Path, title: str, notes: Sequence[str] = (),
                  base: str | None = None) -> Path:
     """report.md (table; with `base`, also each method paired against it: paired_vs_base), results.jsonl and
@@ -119,6 +138,15 @@ def write_report(rows: Sequence[EvalRow], out_dir: str | Path, title: str, notes
                   "| method | setting | accuracy difference | TPF ratio |", "|---|---|---|---|"]
         lines += [f"| {p['method']} | {p['setting']} | {100 * p['delta']:+.1f} +- {100 * p['ci95']:.1f} points "
                   f"| {p['tpf_ratio']:.2f}x |" for p in paired]
+    matched = tpf_at_matched_accuracy(rows, base) if base else []
+    if matched:
+        ref = matched[0]["reference"]
+        lines += ["", f"Highest TPF at accuracy >= {base}'s best - 1 point ({100 * ref['accuracy']:.1f}% at "
+                  f"{ref['setting']}, TPF {ref['tpf']:.2f}):", "",
+                  "| method | setting | accuracy | TPF | vs the reference |", "|---|---|---|---|---|"]
+        lines += [f"| {m['method']} | {m['setting']} | {100 * m['accuracy']:.1f}% | {m['tpf']:.2f} | "
+                  f"{m['tpf_ratio']:.2f}x |" if m["setting"] else f"| {m['method']} | none that accurate | | | |"
+                  for m in matched]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     _plot(rows, out / "accuracy_vs_tpf.png", title)
     return out / "report.md"
