@@ -26,3 +26,23 @@ def test_jobs_run_side_by_side_and_come_back_in_one_archive(tmp_path):
     assert "[00:00:00] gpus 0,1" in logs["logs/job0.log"] and "== exit 0" in logs["logs/job0.log"]
     assert "stopped" in logs["logs/job1.log"] and "== exit 75" in logs["logs/job1.log"]  # SIGTERM reached the job
     assert "[00:00:00] gpus 0,1" in res.stdout and '{"summary": 1}' in res.stdout
+
+
+def test_ab_runs_both_trees_alternately(tmp_path):
+    """benchmarks/run_ab.sh: the command runs in the baseline tree and in this one, base/new/base/new, each with its
+    own AB_OUT; a missing baseline is refused."""
+    base, new, out = tmp_path / "base", tmp_path / "new", tmp_path / "out"
+    for tree, name in ((base, "old"), (new, "new")):
+        tree.mkdir()
+        (tree / "version.txt").write_text(name + "\n")
+    cmd = 'cat version.txt > $AB_OUT/v.txt; date +%s%N >> $AB_OUT/v.txt'
+    res = subprocess.run(["bash", str(ROOT / "benchmarks/run_ab.sh"), str(base), str(out), cmd], cwd=new,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    got = {d: (out / d / "v.txt").read_text().split() for d in ("base1", "new1", "base2", "new2")}
+    assert [got[d][0] for d in ("base1", "new1", "base2", "new2")] == ["old", "new", "old", "new"]
+    times = [int(got[d][1]) for d in ("base1", "new1", "base2", "new2")]
+    assert times == sorted(times)  # alternating, in this order
+    res = subprocess.run(["bash", str(ROOT / "benchmarks/run_ab.sh"), str(tmp_path / "nope"), str(out), cmd],
+                         cwd=new, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "no baseline tree" in res.stderr
