@@ -1,6 +1,6 @@
 """What the kernel sweeps (kernels/*/bench.py) write: a JSON-lines record per variant, printed as it lands, and a
 tuned table rewritten atomically after each shape, so a sweep stopped by its time limit keeps the shapes done and
-never leaves a half-written table."""
+never leaves a half-written table. And how the model benchmarks read such tables back (load_tables)."""
 
 from __future__ import annotations
 
@@ -22,3 +22,16 @@ def write_table(path: str, table: list) -> None:
     with open(tmp, "w") as fh:
         json.dump(table, fh, indent=1)
     os.replace(tmp, path)
+
+
+def load_tables(log, gemm: str | None = None, attention: str | None = None) -> None:
+    """Load the tuned tables given (small-M / grouped GEMM tiles; attention blocks) into the kernels before the first
+    trace, and log what each holds."""
+    if gemm:
+        from orl_jax_kernels.small_m_gemm.kernel import load_tuned
+
+        log(what="gemm_table", table=str(load_tuned(gemm)))
+    if attention:
+        from orl_jax_kernels.decode_attention.kernel import load_tuned
+
+        log(what="attention_table", table=str(load_tuned(attention)))

@@ -52,6 +52,7 @@ runtime.configure(os.path.expanduser("~/.cache/orl_jax/xla"))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_io import load_tables  # noqa: E402
 
 from orl_jax import params as P  # noqa: E402
 from orl_jax.config import DG_PRESETS  # noqa: E402
@@ -78,14 +79,7 @@ if args.capacity_factor is not None:
 
     moe.CAPACITY_FACTOR = args.capacity_factor  # read by moe.capacity at trace time
     log(what="capacity_factor", value=args.capacity_factor)
-if args.attention_table:
-    from orl_jax_kernels.decode_attention.kernel import load_tuned as load_attention_table
-
-    log(what="attention_table", table=str(load_attention_table(args.attention_table)))
-if args.gemm_table:
-    from orl_jax_kernels.small_m_gemm.kernel import load_tuned
-
-    log(gemm_table=str(load_tuned(args.gemm_table)))
+load_tables(log, gemm=args.gemm_table, attention=args.attention_table)
 cfg = DG_PRESETS[args.preset].replace(dtype="bfloat16", cached_attention_impl=args.cached_attention)
 specs = diffusion_gemma.param_specs(cfg)
 flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda s: isinstance(s, P.ParamSpec))
@@ -162,7 +156,7 @@ def one_forward(cfg):
 
 def moe_only(impl):
     """ms of the MoE alone over all layers at the canvas: the sliding stack's experts, one layer after the other
-    (read in place for the pallas paths, sliced for the XLA ones), routing fixed, scaled to the model's layer
+    (read in place for "pallas", sliced for the XLA paths), routing fixed, scaled to the model's layer
     count."""
     from orl_jax.model.moe import experts_mlp
     from orl_jax.model.streamed import StackedWeight
@@ -175,7 +169,7 @@ def moe_only(impl):
 
     def run(gu, dn, x, w, e):  # weights as arguments: a closure would embed them in the program as constants
         def layer(i, y):
-            g, d = (StackedWeight(gu, i), StackedWeight(dn, i)) if impl.startswith("pallas") else (gu[i], dn[i])
+            g, d = (StackedWeight(gu, i), StackedWeight(dn, i)) if impl == "pallas" else (gu[i], dn[i])
             return y + experts_mlp(x + y, w, e, g, d, "gelu_tanh", impl)
 
         return jax.lax.fori_loop(0, n, layer, jnp.zeros_like(x))

@@ -18,6 +18,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from bench_io import load_tables  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
 from orl_jax import runtime  # noqa: E402
@@ -86,18 +87,11 @@ def ceilings():
 cfg = preset(args.preset).replace(noise="mask", mask_token_id=preset(args.preset).vocab_size - 1,
                                   cached_attention_impl=args.cached_attention,
                                   cached_matmul_impl=args.cached_matmul, layer_unroll=args.layer_unroll)
-if args.gemm_table:
-    from orl_jax_kernels.small_m_gemm.kernel import load_tuned
-
-    log(what="gemm_table", table=str(load_tuned(args.gemm_table)))
 if args.attention_blocks == "dataclass":
     from orl_jax_kernels.decode_attention import kernel as attention_kernel
 
     attention_kernel.blocks_for = lambda *shape: attention_kernel.Blocks()  # read by model/attention.py at trace time
-if args.attention_table:
-    from orl_jax_kernels.decode_attention.kernel import load_tuned as load_attention_table
-
-    log(what="attention_table", table=str(load_attention_table(args.attention_table)))
+load_tables(log, gemm=args.gemm_table, attention=args.attention_table)
 specs = qwen3.param_specs(cfg)
 MESH = None if args.tensor == 1 else make_mesh(data=1, fsdp=1, tensor=args.tensor,
                                                devices=jax.devices()[:args.tensor])
