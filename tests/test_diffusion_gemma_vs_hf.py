@@ -528,8 +528,9 @@ def test_26b_a4b_instantiates_abstractly():
         vision = AutoModel.from_config(AutoConfig.for_model("gemma4_vision"))
     n_vision = sum(p.numel() for p in vision.parameters()) + 2816 * vision.config.hidden_size  # + embed_vision
     assert abs(n + n_vision - 25.4e9) < 0.05e9, (n, n_vision)
-    assert abstract["full"]["k"].shape == (5, 2816, 2, 512) and "v" not in abstract["full"]
-    assert abstract["sliding"]["v"].shape == (25, 2816, 8, 256)
+    assert abstract["full"]["qk"].shape == (5, 2816, 2, 9, 512) and "qkv" not in abstract["full"]  # K = V
+    assert abstract["sliding"]["qkv"].shape == (25, 2816, 8, 4, 256)
+    assert abstract["sliding"]["gate_up"].shape == (25, 2816, 2, 2112)
 
     cache = jax.eval_shape(lambda: dg.init_cache(cfg, 1, 2048))
     out = jax.eval_shape(lambda p, c, x: dg.decode(p, cfg, x, c), abstract, cache,

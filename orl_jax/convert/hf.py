@@ -60,22 +60,25 @@ QWEN3_MAP: list[tuple[str, str, int]] = [
 FUSED = {
     "layers.qkv": (2, lambda cfg: (cfg.num_heads // cfg.num_kv_heads, 1, 1)),
     "layers.gate_up": (1, lambda cfg: (1, 1)),
+    "sliding.qkv": (2, lambda cfg: (cfg.num_heads // cfg.num_kv_heads, 1, 1)),
+    "full.qk": (2, lambda cfg: (cfg.num_heads // cfg.num_global_kv_heads, 1)),  # K = V: no v_proj
+    "sliding.gate_up": (1, lambda cfg: (1, 1)),
+    "full.gate_up": (1, lambda cfg: (1, 1)),
 }
 
 # DiffusionGemma: one row per tensor of a decoder layer (HF name under model.decoder.layers.{i}.). The encoder
 # shares all of them (transformers ties them) but layer_scalar, a buffer HF does not tie: it has its own row below.
-_DG_LAYER: list[tuple[str, str, int | str]] = [
+# q / k (/ v) are fused per layer type: full layers have no v_proj (K = V).
+_DG_QKV = {"sliding": (("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), "qkv", 1),
+           "full": (("self_attn.q_proj.weight", "self_attn.k_proj.weight"), "qk", 1)}
+_DG_LAYER: list[tuple[str | tuple[str, ...], str, int | str]] = [
     ("input_layernorm.weight", "attn_norm", 0),
-    ("self_attn.q_proj.weight", "q", 1),
-    ("self_attn.k_proj.weight", "k", 1),
-    ("self_attn.v_proj.weight", "v", 1),  # sliding layers only: full layers use K as V
     ("self_attn.o_proj.weight", "o", 2),
     ("self_attn.q_norm.weight", "q_norm", 0),
     ("self_attn.k_norm.weight", "k_norm", 0),
     ("post_attention_layernorm.weight", "post_attn_norm", 0),
     ("pre_feedforward_layernorm.weight", "mlp_norm", 0),
-    ("mlp.gate_proj.weight", "gate", 1),
-    ("mlp.up_proj.weight", "up", 1),
+    (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "gate_up", 1),
     ("mlp.down_proj.weight", "down", 1),
     ("post_feedforward_layernorm_1.weight", "post_mlp_norm", 0),
     ("router.scale", "router_scale", 0),
@@ -88,7 +91,14 @@ _DG_LAYER: list[tuple[str, str, int | str]] = [
     ("post_feedforward_layernorm.weight", "post_ffw_norm", 0),
     ("layer_scalar", "layer_scalar", 0),
 ]
-DG_MAP: list[tuple[str, str, int | str]] = [
+
+
+def _dg_layer_names(names: str | tuple[str, ...]) -> str | tuple[str, ...]:
+    full = lambda n: f"model.decoder.layers.{{i}}.{n}"  # noqa: E731
+    return full(names) if isinstance(names, str) else tuple(map(full, names))
+
+
+DG_MAP: list[tuple[str | tuple[str, ...], str, int | str]] = [
     ("model.decoder.embed_tokens.weight", "embed", 0),
     ("model.decoder.norm.weight", "final_norm", 0),
     ("lm_head.weight", "lm_head", 0),
@@ -96,8 +106,8 @@ DG_MAP: list[tuple[str, str, int | str]] = [
     ("model.decoder.self_conditioning.gate_proj.weight", "self_cond.gate", 1),
     ("model.decoder.self_conditioning.up_proj.weight", "self_cond.up", 1),
     ("model.decoder.self_conditioning.down_proj.weight", "self_cond.down", 1),
-] + [(f"model.decoder.layers.{{i}}.{name}", f"{stack}.{ours}", layout)
-     for stack in ("sliding", "full") for name, ours, layout in _DG_LAYER] + [
+] + [(_dg_layer_names(names), f"{stack}.{ours}", layout)
+     for stack in ("sliding", "full") for names, ours, layout in [_DG_QKV[stack], *_DG_LAYER]] + [
     ("model.encoder.language_model.layers.{i}.layer_scalar", f"{stack}.encoder_layer_scalar", 0)
     for stack in ("sliding", "full")]
 # The vision tower and its projection into the text model: not supported, skipped by name when loading.

@@ -57,6 +57,7 @@ from orl_jax.model.cache import HybridKVCache, KVCache
 from orl_jax.model.layers import (
     apply_rope,
     einsum,
+    fused_gated_mlp,
     gated_mlp,
     rms_norm_fp32,
     rope_angles_inv_freq,
@@ -74,20 +75,23 @@ EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")  # [layers, E, ...] per lay
 
 
 def _layer_specs(cfg: DiffusionGemmaConfig, n: int, kv: int, hd: int, own_v: bool) -> dict:
+    """One layer type's stacked weights. Each layer's query, key (and value) projections are one matrix [D, K, G + 2
+    (+ 1 w/o v), H]: the G query heads of each kv head, then its key (and value); gate and up are one [D, 2, F]. One
+    GEMM per fused matrix: at canvas 256 three separate q / k / v GEMMs fill few of the GPU's SMs, and XLA's dot
+    merger, which joined them, copied the weights into a concatenation in every forward (runtime.py turns it off)."""
     D, N, F, E, Fe, dt = (cfg.hidden_size, cfg.num_heads, cfg.intermediate_size, cfg.num_experts,
                           cfg.moe_intermediate_size, cfg.jnp_dtype)
     norm = lambda size, axis: ParamSpec((n, size), dt, ("layers", axis), ones)
-    s = {
+    return {
         "attn_norm": norm(D, "embed"),
-        "q": ParamSpec((n, D, N, hd), dt, ("layers", "embed", "heads", "head_dim")),
-        "k": ParamSpec((n, D, kv, hd), dt, ("layers", "embed", "kv_heads", "head_dim")),
+        "qkv" if own_v else "qk": ParamSpec((n, D, kv, N // kv + (2 if own_v else 1), hd), dt,
+                                            ("layers", "embed", "kv_heads", "qkv", "head_dim")),
         "o": ParamSpec((n, N, hd, D), dt, ("layers", "heads", "head_dim", "embed")),
         "q_norm": norm(hd, "head_dim"),
         "k_norm": norm(hd, "head_dim"),
         "post_attn_norm": norm(D, "embed"),
         "mlp_norm": norm(D, "embed"),
-        "gate": ParamSpec((n, D, F), dt, ("layers", "embed", "mlp")),
-        "up": ParamSpec((n, D, F), dt, ("layers", "embed", "mlp")),
+        "gate_up": ParamSpec((n, D, 2, F), dt, ("layers", "embed", "gate_up", "mlp")),
         "down": ParamSpec((n, F, D), dt, ("layers", "mlp", "embed")),
         "post_mlp_norm": norm(D, "embed"),
         "router_scale": norm(D, "embed"),
@@ -101,9 +105,6 @@ def _layer_specs(cfg: DiffusionGemmaConfig, n: int, kv: int, hd: int, own_v: boo
         "layer_scalar": ParamSpec((n, 1), dt, ("layers", None), ones),  # decoder's
         "encoder_layer_scalar": ParamSpec((n, 1), dt, ("layers", None), ones),  # encoder's (a separate HF buffer)
     }
-    if own_v:
-        s["v"] = ParamSpec((n, D, kv, hd), dt, ("layers", "embed", "kv_heads", "head_dim"))
-    return s
 
 
 def param_specs(cfg: DiffusionGemmaConfig) -> dict:
@@ -192,19 +193,20 @@ def soft_embed(params: dict, cfg: DiffusionGemmaConfig, probs: jax.Array) -> jax
 
 def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: str):
     eps = cfg.rms_norm_eps
+    b, l, d = x.shape
     h = rms_norm_fp32(x, w["attn_norm"], eps)
-    q = rms_norm_fp32(einsum("bld,dnh->blnh", h, w["q"]), w["q_norm"], eps)  # [B, L, N, H]
-    k_lin = einsum("bld,dkh->blkh", h, w["k"])  # [B, L, K, H]
-    v = rms_norm_fp32(einsum("bld,dkh->blkh", h, w["v"]) if "v" in w else k_lin, None, eps)  # K = V w/o v
-    k = rms_norm_fp32(k_lin, w["k_norm"], eps)
+    proj = einsum("bld,dkth->blkth", h, w["qkv"] if "qkv" in w else w["qk"])  # [B, L, K, G + 2 (or + 1), H]
+    g = cfg.num_heads // proj.shape[2]
+    q = rms_norm_fp32(proj[:, :, :, :g].reshape(b, l, cfg.num_heads, -1), w["q_norm"], eps)  # [B, L, N, H]
+    k = rms_norm_fp32(proj[:, :, :, g], w["k_norm"], eps)  # [B, L, K, H]
+    v = rms_norm_fp32(proj[:, :, :, g + 1] if "qkv" in w else proj[:, :, :, g], None, eps)  # K = V without v
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
     impl = "orl_jax" if cache_part is None else qwen3.cached_attention_impl(cfg)
     attn = einsum("blnh,nhd->bld", attention(q, parts, impl, scale=1.0), w["o"])
     x = x + rms_norm_fp32(attn, w["post_attn_norm"], eps)
 
-    b, l, d = x.shape
-    mlp = gated_mlp(rms_norm_fp32(x, w["mlp_norm"], eps), w["gate"], w["up"], w["down"], ACT)
+    mlp = fused_gated_mlp(rms_norm_fp32(x, w["mlp_norm"], eps), w["gate_up"], w["down"], ACT)
     flat = x.reshape(b * l, d)  # [T, D]
     weights, experts = route(flat, w["router_scale"], w["router"], w["expert_scale"], cfg.top_k_experts, eps)
     moe = experts_mlp(rms_norm_fp32(flat, w["moe_norm"], eps), weights, experts, w["experts_gate_up"],
