@@ -9,12 +9,14 @@
 # Results: OUTDIR/{base,new}{1,2}/ with COMMAND's files and its log.txt.
 set -uo pipefail
 base=$(realpath "$1"); out=$(realpath -m "$2"); cmd=$3; here=$PWD
+env=$(realpath "$(dirname "$0")/source_tree_env.sh")
 [ -d "$base" ] || { echo "run_ab.sh: no baseline tree at $1" >&2; exit 2; }
 for round in 1 2; do
   for side in base new; do
     dir=$here; [ "$side" = base ] && dir=$base
     mkdir -p "$out/$side$round"
-    (cd "$dir" && AB_OUT="$out/$side$round" bash -c "$cmd") > "$out/$side$round/log.txt" 2>&1
+    # each side imports its own tree first: orl_jax and orl_jax_kernels (the shim) ahead of anything inherited
+    (cd "$dir" && source "$env" && AB_OUT="$out/$side$round" bash -c "$cmd") > "$out/$side$round/log.txt" 2>&1
     echo "== $side$round: exit $? ($(cd "$dir" && git rev-parse --short HEAD 2>/dev/null || echo "$dir"))"
   done
 done

@@ -35,7 +35,7 @@ def test_ab_runs_both_trees_alternately(tmp_path):
     for tree, name in ((base, "old"), (new, "new")):
         tree.mkdir()
         (tree / "version.txt").write_text(name + "\n")
-    cmd = 'cat version.txt > $AB_OUT/v.txt; date +%s%N >> $AB_OUT/v.txt'
+    cmd = 'cat version.txt > $AB_OUT/v.txt; date +%s%N >> $AB_OUT/v.txt; echo $PYTHONPATH > $AB_OUT/path.txt'
     res = subprocess.run(["bash", str(ROOT / "benchmarks/run_ab.sh"), str(base), str(out), cmd], cwd=new,
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
@@ -43,6 +43,9 @@ def test_ab_runs_both_trees_alternately(tmp_path):
     assert [got[d][0] for d in ("base1", "new1", "base2", "new2")] == ["old", "new", "old", "new"]
     times = [int(got[d][1]) for d in ("base1", "new1", "base2", "new2")]
     assert times == sorted(times)  # alternating, in this order
+    for d, tree in (("base1", base), ("new2", new)):  # each side imports its own tree's code first
+        first, shim = (out / d / "path.txt").read_text().strip().split(":")[:2]
+        assert first == str(tree.resolve()) and (Path(shim) / "orl_jax_kernels").resolve() == (tree / "kernels").resolve()
     res = subprocess.run(["bash", str(ROOT / "benchmarks/run_ab.sh"), str(tmp_path / "nope"), str(out), cmd],
                          cwd=new, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "no baseline tree" in res.stderr
