@@ -45,7 +45,8 @@ def test_ab_runs_both_trees_alternately(tmp_path):
     assert times == sorted(times)  # alternating, in this order
     for d, tree in (("base1", base), ("new2", new)):  # each side imports its own tree's code first
         first, shim = (out / d / "path.txt").read_text().strip().split(":")[:2]
-        assert first == str(tree.resolve()) and (Path(shim) / "orl_jax_kernels").resolve() == (tree / "kernels").resolve()
+        assert first == str(tree.resolve())
+        assert (Path(shim) / "orl_jax_kernels").resolve() == (tree / "kernels").resolve()
     res = subprocess.run(["bash", str(ROOT / "benchmarks/run_ab.sh"), str(tmp_path / "nope"), str(out), cmd],
                          cwd=new, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "no baseline tree" in res.stderr

@@ -178,6 +178,12 @@ def test_large_head_dims_get_blocks_that_fit_shared_memory(monkeypatch):
     full = kernel.blocks_for(256, 768, 512, 8)
     assert not full.group_heads and full.bs <= 32 and full.cache_in_place
     assert kernel.smem_bytes(kernel.LONG_PASS, 512, 8) > kernel.SMEM_LIMIT >= kernel.smem_bytes(full, 512, 8)
+    # ... and lose to XLA's einsums there (measured): the library keeps the kernel for the sliding layers only,
+    # unless a tuned table lists the shape
+    assert not kernel.preferred(256, 768, 512, 8) and kernel.preferred(256, 768, 256, 2)
+    assert kernel.preferred(32, 768, 512, 8)  # a short pass
+    monkeypatch.setitem(kernel.TUNED, (256, 768, 512, 8), full)
+    assert kernel.preferred(256, 768, 512, 8)
     # the configuration the H200 refused (278,528 bytes asked) is over the limit
     assert kernel.smem_bytes(Blocks(bl=128, bs=128, group_heads=True), 128, 4) > kernel.SMEM_LIMIT
 

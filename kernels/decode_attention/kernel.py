@@ -103,6 +103,15 @@ def blocks_for(l: int, s: int, h: int = 128, g: int = 1) -> Blocks:
     return Blocks()
 
 
+def preferred(l: int, s: int, h: int, g: int) -> bool:
+    """Whether the library takes the kernel over XLA's einsums at this shape (given blocks that fit): always for a
+    shape in the tuned table; otherwise not for long passes (l > 64) of heads wider than 256, where only ungrouped
+    blocks with 32-key chunks fit shared memory. At DiffusionGemma's full-attention layers (256 queries over 768
+    slots, head dim 512, 8 heads per kv head) those took 111-123 us per layer against 76-83 us for the einsums
+    (benchmarks/results/2026-11-30_dg_full_attention_sweep_h200x2.jsonl)."""
+    return (l, s, h, g) in TUNED or not (l > 64 and h > 256)
+
+
 def tile(n: int, want: int) -> int:
     """The largest power of two <= want dividing n (0 if below 16: tensor-core dots need 16)."""
     t = want

@@ -27,9 +27,10 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
     The parts (cache, self) share one softmax: their scores are concatenated, never their K/V, so a long cache is
     read once and not copied. Scores and softmax run in float32 (as HF's eager attention does). scale: of the
     scores, head_dim ** -0.5 by default (Gemma 4 uses 1.0: its q/k RMSNorms set the scale).
-    impl "pallas" (cache + self parts, shapes the kernel supports): kernels/decode_attention's fused kernel. The
-    cache part's k and v may be StackedWeight (layer i of the cache stacks): the kernel then reads them in place
-    when its blocks say cache_in_place, every other path takes the layer loop's slice.
+    impl "pallas" (cache + self parts, shapes the kernel supports and is measured faster at: `preferred`):
+    kernels/decode_attention's fused kernel. The cache part's k and v may be StackedWeight (layer i of the cache
+    stacks): the kernel then reads them in place when its blocks say cache_in_place, every other path takes the
+    layer loop's slice.
     impl "xla" / "cudnn" (one part only): jax.nn.dot_product_attention with that implementation, the mask passed
     whole. A query row with no visible key (padding) may then differ from ours (the mean of all values); no loss
     reads such rows, but the value must stay finite, since masked keys still multiply it by 0 in later layers
@@ -41,12 +42,12 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
                                             implementation=impl)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if impl == "pallas" and len(parts) == 2:
-        from orl_jax_kernels.decode_attention.kernel import blocks_for, cached_attention, supported
+        from orl_jax_kernels.decode_attention.kernel import blocks_for, cached_attention, preferred, supported
 
         (kc, vc, cm), (ks, vs, sm) = parts
         (l, h), s, g = q.shape[1::2], kc.shape[1], q.shape[2] // kc.shape[2]
         blocks = blocks_for(l, s, h, g)
-        if supported(l, s, h, blocks, g):
+        if supported(l, s, h, blocks, g) and preferred(l, s, h, g):
             in_place = blocks.cache_in_place and isinstance(kc, StackedWeight)
             kc, vc, layer = (kc.stack, vc.stack, kc.index) if in_place else (_slice(kc), _slice(vc), None)
             return cached_attention(q, kc, vc, cm, ks, vs, sm, scale=scale, blocks=blocks, layer=layer,

@@ -56,16 +56,21 @@ class StackedWeight:
     def dtype(self):
         return self.stack.dtype
 
-    def ragged_dot(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    def ragged_dot(self, x: jax.Array, group_sizes: jax.Array, act=None) -> jax.Array:
         """moe.grouped_matmul's product: rows sorted by group times layer `index` of an expert stack [L, E, K, N],
         through kernels/grouped_gemm reading the stack in place; shapes or dtypes it does not take fall back to
-        XLA's ragged_dot on the slice (a copy, as XLA makes for its own ops)."""
+        XLA's ragged_dot on the slice (a copy, as XLA makes for its own ops). act: the columns are gate | up and
+        the result act(x @ gate) * (x @ up) [M, N / 2] (in the kernel's epilogue, float32)."""
         from orl_jax_kernels.grouped_gemm.kernel import grouped_matmul, supported
 
-        if self.stack.ndim == 4 and self.stack.dtype == x.dtype and supported(*self.stack.shape[2:]):
-            return grouped_matmul(x, self.stack, group_sizes, self.index, interpret=jax.default_backend() == "cpu")
+        k, n = self.stack.shape[2:] if self.stack.ndim == 4 else (0, 0)
+        n_out = n if act is None else n // 2
+        if self.stack.ndim == 4 and self.stack.dtype == x.dtype and supported(k, n_out) and (act is None or n % 2 == 0):
+            return grouped_matmul(x, self.stack, group_sizes, self.index, interpret=jax.default_backend() == "cpu",
+                                  act=act)
         w = self.sliced().astype(x.dtype)
-        return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+        y = jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+        return y if act is None else _gated(y, act)
 
     def einsum(self, spec: str, x: jax.Array) -> jax.Array:
         """x @ stack[index] by the einsum spec."""
@@ -81,6 +86,12 @@ class StackedWeight:
         return jnp.einsum(spec, x, self.sliced().astype(x.dtype))
 
 
+def _gated(y: jax.Array, act) -> jax.Array:
+    """act(gate) * up of a gate | up product (in its dtype, as the models' unfused MLPs compute it)."""
+    g, u = jnp.split(y, 2, axis=-1)
+    return act(g) * u
+
+
 def as_stacked(w) -> StackedWeight:
     """w itself if it is a StackedWeight, else a one-layer stack of it (a free reshape)."""
     return w if isinstance(w, StackedWeight) else StackedWeight(w[None], jnp.int32(0))
@@ -93,7 +104,8 @@ def pack_vectors(layers: dict) -> tuple[dict, jax.Array | None, tuple[tuple[str,
 
     Why: a layer loop hands each stacked operand to its layer as a per-iteration slice, and XLA on GPU copied
     every small vector slice in a separate launch (~1.7 us each, 7 per DiffusionGemma layer: see
-    benchmarks/results/2026-11-30_dg_in_place_h200x2.md); one packed slice is one launch. Not yet timed."""
+    benchmarks/results/2026-11-30_dg_in_place_h200x2.md); one packed slice is one launch: 210 -> 35
+    `memcpy32_post` per 26B forward (benchmarks/results/2026-11-30_dg_fused_qkv_h200x2.md)."""
     vectors = [n for n, a in layers.items() if a.ndim == 2]
     if len(vectors) < 2:
         return layers, None, ()
