@@ -122,3 +122,9 @@ def test_compiled_on_gpu_matches_ragged_dot():
     want = grouped_matmul_reference(x, w[1], sizes).astype(jnp.float32)
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-2
     assert not np.asarray(got[-7:]).any()
+    act = ACTIVATIONS["gelu_tanh"]  # the gated epilogue: [M, N / 2]
+    got = grouped_matmul(x, w, sizes, jnp.int32(1), act=act).astype(jnp.float32)
+    want = grouped_matmul_reference(x, w[1], sizes, act).astype(jnp.float32)
+    assert got.shape == (x.shape[0], 1408)
+    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-2
+    assert not np.asarray(got[-7:]).any()
