@@ -42,18 +42,11 @@ def route(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: 
     return w * jnp.take(expert_scale, e).astype(jnp.float32), e.astype(jnp.int32)
 
 
-def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, act: str | None = None) -> jax.Array:
-    """x [M, K] whose rows come in contiguous groups (sizes [E]) times w [E, K, N]: row r of group e gets x_r @ w_e.
-    act: w's columns are gate | up, and the result is ACTIVATIONS[act](x @ gate) * (x @ up) [M, N / 2] (a weight
-    type may fuse it into its kernel: the grouped kernel does)."""
-    fn = None if act is None else ACTIVATIONS[act]
+def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
+    """x [M, K] whose rows come in contiguous groups (sizes [E]) times w [E, K, N]: row r of group e gets x_r @ w_e."""
     if hasattr(w, "ragged_dot"):
-        return w.ragged_dot(x, group_sizes, fn)
-    y = jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
-    if fn is None:
-        return y
-    g, u = jnp.split(y, 2, axis=-1)
-    return fn(g) * u
+        return w.ragged_dot(x, group_sizes)
+    return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 # Up to this many tokens the experts run bucketed: each expert gathers its routed tokens into `capacity` slots and
@@ -164,7 +157,8 @@ def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str) -> jax.Arr
     t, k = experts.shape
     order, pos, sizes = sort_by_expert(experts, gate_up.shape[0])
     xs = jnp.take(x, order // k, axis=0)  # [M, D]
-    h = grouped_matmul(xs, gate_up, sizes, act)  # [M, F]: act(gate) * up
-    y = grouped_matmul(h, down, sizes)  # [M, D] in sorted order
+    gu = grouped_matmul(xs, gate_up, sizes)  # [M, 2F]
+    g, u = jnp.split(gu, 2, axis=-1)
+    y = grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes)  # [M, D] in sorted order
     y = jnp.take(y, pos, axis=0).astype(jnp.float32) * weights.reshape(-1, 1)  # [M, D] in (token, choice) order
     return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)  # [T, D]

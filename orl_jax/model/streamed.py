@@ -56,21 +56,16 @@ class StackedWeight:
     def dtype(self):
         return self.stack.dtype
 
-    def ragged_dot(self, x: jax.Array, group_sizes: jax.Array, act=None) -> jax.Array:
+    def ragged_dot(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """moe.grouped_matmul's product: rows sorted by group times layer `index` of an expert stack [L, E, K, N],
         through kernels/grouped_gemm reading the stack in place; shapes or dtypes it does not take fall back to
-        XLA's ragged_dot on the slice (a copy, as XLA makes for its own ops). act: the columns are gate | up and
-        the result act(x @ gate) * (x @ up) [M, N / 2] (in the kernel's epilogue, float32)."""
+        XLA's ragged_dot on the slice (a copy, as XLA makes for its own ops)."""
         from orl_jax_kernels.grouped_gemm.kernel import grouped_matmul, supported
 
-        k, n = self.stack.shape[2:] if self.stack.ndim == 4 else (0, 0)
-        n_out = n if act is None else n // 2
-        if self.stack.ndim == 4 and self.stack.dtype == x.dtype and supported(k, n_out) and (act is None or n % 2 == 0):
-            return grouped_matmul(x, self.stack, group_sizes, self.index, interpret=jax.default_backend() == "cpu",
-                                  act=act)
+        if self.stack.ndim == 4 and self.stack.dtype == x.dtype and supported(*self.stack.shape[2:]):
+            return grouped_matmul(x, self.stack, group_sizes, self.index, interpret=jax.default_backend() == "cpu")
         w = self.sliced().astype(x.dtype)
-        y = jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
-        return y if act is None else _gated(y, act)
+        return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 
     def einsum(self, spec: str, x: jax.Array) -> jax.Array:
         """x @ stack[index] by the einsum spec."""
@@ -84,12 +79,6 @@ class StackedWeight:
                                        interpret=jax.default_backend() == "cpu")
             return y.reshape(out_shape)
         return jnp.einsum(spec, x, self.sliced().astype(x.dtype))
-
-
-def _gated(y: jax.Array, act) -> jax.Array:
-    """act(gate) * up of a gate | up product (in its dtype, as the models' unfused MLPs compute it)."""
-    g, u = jnp.split(y, 2, axis=-1)
-    return act(g) * u
 
 
 def as_stacked(w) -> StackedWeight:
