@@ -69,7 +69,11 @@ class Recipe:
     orl_states: int = 8  # replayed states per verified response
     orl_max_prompt: int = 192
     orl_steps: int = 8  # max denoising steps per block during rollouts (uniform family)
-    orl_threshold: float = 0.9  # mask family: the rollouts' fill threshold (tokens sampled at temperature 1)
+    orl_threshold: float = 0.9  # mask family: the rollouts' fill threshold
+    # mask family: the rollouts' sampling temperature. At 1 ORL's anchor (reverse KL to the behaviour distribution,
+    # one update per rollout) is exactly zero; below 1 it pulls confident positions towards the sharper tempered
+    # distribution (train/orl.py). Not yet run on the GPU
+    orl_temperature: float = 1.0
     # 0: every round draws fresh train prompts; N > 0: the rounds cycle through one fixed set of N train prompts
     # (epochs over a prompt set, so a model can be trained on its own answers to the same prompts again)
     orl_prompt_pool: int = 0
@@ -136,6 +140,8 @@ NUMERIC_FLAGS = {
     "orl_prompt_pool": (int, "stage 2: cycle the rounds through a fixed set of this many train prompts (0: fresh "
                              "prompts every round)", ">= 0"),
     "orl_threshold": (float, "stage 2, mask family: the rollouts' fill threshold", "in (0, 1]"),
+    "orl_temperature": (float, "stage 2, mask family: the rollouts' sampling temperature (below 1 the anchor "
+                               "sharpens confident positions)", "in (0, 1]"),
     "lr2": (float, "stage-2 peak learning rate (ORL and RCD)", "in (0, 1)"),
     "l_aec": (float, "ORL's AEC loss weight (AEC values are ~1e-3)", ">= 0"),
     "pred_gate": (float, "ORL: L_pred trains positions whose behaviour normalized entropy is above this", ">= 0"),

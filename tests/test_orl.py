@@ -1,5 +1,7 @@
 """The ORL round: rollouts under the current params, one update per fresh batch, and it learns."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -151,6 +153,15 @@ def test_mask_family_round_is_finite_and_learns(residual):
     # sampled at temperature 1 with one update per rollout, the behaviour distribution is the policy itself: the
     # capped reverse KL is exactly 0 where the update is taken (it acts only through a temperature != 1)
     assert float(parts["l_anchor"]) == 0.0
+    # rollouts sampled below temperature 1 (the recipe's --orl-temperature): the anchor pulls the policy towards the
+    # sharper tempered distribution on confident positions (here every position counts as confident: the random
+    # model is nowhere below the default gate)
+    every = dataclasses.replace(ocfg.loss, pred_gate=1.0)
+    for temperature, anchored in ((1.0, False), (0.5, True)):
+        s = MaskSampler(mask_token_id=cfg.mask_token_id, threshold=0.3, temperature=temperature)
+        la = float(make_orl_loss(cfg, s, len(PROMPTS) * ocfg.group_size, every, residual)(p0, arrays, None)[1][
+            "l_anchor"])
+        assert (la > 1e-4) == anchored, (temperature, la)
     assert np.isfinite(float(m["grad_norm"]))
     # g_phi is trained in ORL's form, and unused in RCD's
     assert (float(m["grad_norm/adapter"]) > 0) == isinstance(residual, ORLResidual)

@@ -86,9 +86,11 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
     G, P = r.orl_group, r.orl_prompts
     ocfg = ORLConfig(group_size=G, max_new_tokens=r.eval_max_new, max_states=r.orl_states,
                      max_prompt=r.orl_max_prompt, loss=loss_cfg, residual=residual or ORLResidual())
-    # sampled proposals: the policy explores. Mask family: sampled at temperature 1, filled above r.orl_threshold
+    # sampled proposals: the policy explores. Mask family: sampled at r.orl_temperature (default 1), filled above
+    # r.orl_threshold
     sampler = (UniformSampler(max_denoising_steps=r.orl_steps) if cfg.noise == "uniform" else
-               MaskSampler(mask_token_id=cfg.mask_token_id, threshold=r.orl_threshold, temperature=1.0))
+               MaskSampler(mask_token_id=cfg.mask_token_id, threshold=r.orl_threshold,
+                           temperature=r.orl_temperature))
     optim = stage2_optim(r)
     step = make_train_step(make_orl_loss(cfg, sampler, G * P, loss_cfg, ocfg.residual, remat=r.remat),
                            make_optimizer(optim),
