@@ -35,10 +35,11 @@ the two types differ in parameter and cache shapes, so one stack per type is the
 loader's); the loop over sliding layers reads each layer's matrices in place (see `backbone`). The KV cache is a
 HybridKVCache of the same two stacks.
 
-Differences from HF (layout, memory and scheduling only): projections are einsum operands [D, N, H] / [N, H, D] /
-[D, F]; experts are [E, D, 2F] (gate | up, HF's packing, transposed) and [E, F, D]; the sliding layers' cache holds
-every slot and the window is a mask (HF keeps a W - 1 ring: same values, more memory here); left-padded rows
-get positions from 0 (HF's generate shifts padded rows). Not supported: image inputs and the vision tower (prompts
+Differences from HF (layout, memory and scheduling only): projections are einsum operands, q / k (/ v) fused per
+layer [D, K, G + 2 or G + 1, H], o [N, H, D], the dense gate / up fused [D, 2, F], down [F, D]; experts are
+[E, D, 2F] (gate | up, HF's packing, transposed) and [E, F, D]; the sliding layers' cache holds every slot and
+the window is a mask (HF keeps a W - 1 ring: same values, more memory here); left-padded rows get positions from 0
+(HF's generate shifts padded rows). Not supported: image inputs and the vision tower (prompts
 holding image_token_id are refused; the loader skips the vision weights by name), use_bidirectional_attention="all".
 """
 
@@ -75,10 +76,12 @@ EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")  # [layers, E, ...] per lay
 
 
 def _layer_specs(cfg: DiffusionGemmaConfig, n: int, kv: int, hd: int, own_v: bool) -> dict:
-    """One layer type's stacked weights. Each layer's query, key (and value) projections are one matrix [D, K, G + 2
-    (+ 1 w/o v), H]: the G query heads of each kv head, then its key (and value); gate and up are one [D, 2, F]. One
-    GEMM per fused matrix: at canvas 256 three separate q / k / v GEMMs fill few of the GPU's SMs, and XLA's dot
-    merger, which joined them, copied the weights into a concatenation in every forward (runtime.py turns it off)."""
+    """One layer type's stacked weights. Each layer's query, key and value projections are one matrix [D, K, G + 2,
+    H] (full layers, where K = V: [D, K, G + 1, H]): the G query heads of each kv head, then its key (and value);
+    the dense MLP's gate and up are one [D, 2, F]. One GEMM per fused matrix: at canvas 256 three separate q / k /
+    v GEMMs fill few of the GPU's SMs, and XLA's dot merger, which joined them, copied the weights into a
+    concatenation in every forward (runtime.py turns it off; fused: -0.37 ms of GEMMs per 26B forward,
+    benchmarks/results/2026-11-30_dg_fused_qkv_h200x2.md)."""
     D, N, F, E, Fe, dt = (cfg.hidden_size, cfg.num_heads, cfg.intermediate_size, cfg.num_experts,
                           cfg.moe_intermediate_size, cfg.jnp_dtype)
     norm = lambda size, axis: ParamSpec((n, size), dt, ("layers", axis), ones)
