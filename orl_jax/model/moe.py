@@ -133,20 +133,29 @@ COUNTING_SORT_MAX = 1 << 20
 
 def sort_by_expert(experts: jax.Array, num_experts: int):
     """The T * k (token, choice) assignments in expert order, stable: (order [M]: the assignment in each sorted row,
-    pos [M]: the sorted row of each assignment, sizes [E]). Up to COUNTING_SORT_MAX one-hot entries a counting sort
-    (one-hot cumsum, O(M E) elementwise). At DiffusionGemma's canvas (M = 2048, E = 128) it takes ~14 us per layer
-    on an H200 in four small fusions, as much as XLA's sort of the keys did (15 us), but it yields `pos` (the
-    gather combine's index) without an inverse permutation. Larger: a stable argsort and its inverse."""
+    pos [M]: the sorted row of each assignment, sizes [E]). Up to COUNTING_SORT_MAX one-hot entries a counting sort;
+    larger: a stable argsort and its inverse.
+
+    The counting sort counts per token, not per assignment: an assignment's place within its expert is the number
+    of earlier tokens that chose that expert (a cumsum over the T tokens of their [T, E] choice counts) plus the
+    earlier choices of the same expert within its own token (none from a top-k router; counted for exactness). At
+    DiffusionGemma's canvas the cumsum runs over 256 rows instead of 2048. The per-assignment version it replaced
+    took ~16 us per layer on an H200 in six small fusions, 0.45 ms per 26B forward
+    (benchmarks/results/2026-11-30_dg_fused_qkv_h200x2.md); this one is not yet timed. Either yields `pos` (the
+    gather combine's index) without an inverse permutation."""
     flat = experts.reshape(-1)  # [M]
     m = flat.shape[0]
     if m * num_experts > COUNTING_SORT_MAX:
         order = jnp.argsort(flat, stable=True).astype(jnp.int32)
         pos = jnp.zeros_like(order).at[order].set(jnp.arange(m, dtype=jnp.int32), unique_indices=True)
         return order, pos, jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    one_hot = (flat[:, None] == jnp.arange(num_experts, dtype=flat.dtype)[None]).astype(jnp.int32)  # [M, E]
-    sizes = jnp.sum(one_hot, axis=0)  # [E]
-    before = jnp.sum((jnp.cumsum(one_hot, axis=0) - one_hot) * one_hot, axis=1)  # [M]: earlier rows, same expert
-    pos = (jnp.cumsum(sizes) - sizes)[flat] + before
+    hits = experts[:, :, None] == jnp.arange(num_experts, dtype=experts.dtype)[None, None]  # [T, k, E]
+    per_token = jnp.sum(hits, axis=1, dtype=jnp.int32)  # [T, E]: how often each token chose each expert
+    earlier = jnp.cumsum(per_token, axis=0) - per_token  # [T, E]: choices of the expert by earlier tokens
+    sizes = earlier[-1] + per_token[-1]  # [E]
+    same = jnp.sum(jnp.tril(experts[:, :, None] == experts[:, None, :], -1), axis=2, dtype=jnp.int32)  # [T, k]
+    before = jnp.take_along_axis(earlier, experts, axis=1) + same  # [T, k]: earlier assignments, same expert
+    pos = (jnp.cumsum(sizes) - sizes)[flat] + before.reshape(-1)
     order = jnp.zeros_like(pos).at[pos].set(jnp.arange(m, dtype=pos.dtype), unique_indices=True)
     return order, pos, sizes
 
