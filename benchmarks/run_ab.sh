@@ -6,12 +6,13 @@
 # Usage: bash benchmarks/run_ab.sh BASE_TREE OUTDIR 'COMMAND'   (COMMAND writes its results under $AB_OUT)
 #   e.g. bash benchmarks/run_ab.sh .carry/base $BENCH/ab \
 #          'python3 benchmarks/diffusion_gemma_generate.py --moe-impl pallas --out $AB_OUT/dg.jsonl'
-# Results: OUTDIR/{base,new}{1,2}/ with COMMAND's files and its log.txt.
+# Results: OUTDIR/{base,new}{1,2}/ with COMMAND's files and its log.txt. ROUNDS=1 runs base, new once each (a
+# short device budget); the default is 2.
 set -uo pipefail
 base=$(realpath "$1"); out=$(realpath -m "$2"); cmd=$3; here=$PWD
 env=$(realpath "$(dirname "$0")/source_tree_env.sh")
 [ -d "$base" ] || { echo "run_ab.sh: no baseline tree at $1" >&2; exit 2; }
-for round in 1 2; do
+for round in $(seq 1 "${ROUNDS:-2}"); do
   for side in base new; do
     dir=$here; [ "$side" = base ] && dir=$base
     mkdir -p "$out/$side$round"

@@ -1,6 +1,7 @@
 """benchmarks/run_gpu_jobs.sh (how device calls run jobs side by side): each job gets its GPUs and its own log, a job
 past SECONDS is stopped with SIGTERM, and everything comes back in one results.tgz (the device returns <= 8 files)."""
 
+import os
 import subprocess
 import tarfile
 from pathlib import Path
@@ -47,6 +48,10 @@ def test_ab_runs_both_trees_alternately(tmp_path):
         first, shim = (out / d / "path.txt").read_text().strip().split(":")[:2]
         assert first == str(tree.resolve())
         assert (Path(shim) / "orl_jax_kernels").resolve() == (tree / "kernels").resolve()
+    one = tmp_path / "one"
+    res = subprocess.run(["bash", str(ROOT / "benchmarks/run_ab.sh"), str(base), str(one), cmd], cwd=new,
+                         capture_output=True, text=True, timeout=60, env=os.environ | {"ROUNDS": "1"})
+    assert res.returncode == 0 and sorted(p.name for p in one.iterdir()) == ["base1", "new1"]
     res = subprocess.run(["bash", str(ROOT / "benchmarks/run_ab.sh"), str(tmp_path / "nope"), str(out), cmd],
                          cwd=new, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "no baseline tree" in res.stderr
