@@ -9,6 +9,8 @@
   ... --resume --stage2-methods orl --no-eval          # one stage-2 method per process / GPU (same --out);
                                                        # a final --resume run evaluates every method
   ... --noise mask                                     # the mask-token QwenDLM (stage 2 included)
+  ... --skip-stage2 --export-package DIR               # stages 0-1, then the base as a small bf16 HF directory
+  ... --base-package DIR                               # stage 2 (and eval) from such a base: no stages 0-1
 A stage stopped by SIGTERM (or by --time-limit) saves its checkpoint and the run exits with status 75 before any
 later stage or evaluation; `--resume` continues it.
 
@@ -168,6 +170,12 @@ def parse_args(argv=None):
     ap.add_argument("--noise", choices=["uniform", "mask"], default="uniform",
                     help="QwenDLM variant: uniform-state canvas (default) or mask tokens")
     ap.add_argument("--skip-stage2", action="store_true", help="stop after the conversion (no ORL)")
+    ap.add_argument("--export-package", metavar="DIR",
+                    help="after stage 1, write the converted base and its tokenizer to the new directory DIR "
+                         "(bfloat16 safetensors in shards of <= 15 MiB: orl_jax/train/base_package.py)")
+    ap.add_argument("--base-package", metavar="DIR",
+                    help="start from a base package (--export-package) instead of stages 0-1; later --resume runs "
+                         "of the same --out reuse it")
     ap.add_argument("--stage2-methods", default="orl,noaec,rcd",
                     help="comma-separated stage-2 methods to train: orl, noaec (ORL without AEC), rcd, orl_rcd (ORL "
                          "rounds on the RCD model in RCD's residual form; trains rcd first if needed). Separate "
@@ -199,6 +207,17 @@ def parse_args(argv=None):
     if args.time_limit is not None and args.distributed:  # each host's clock would stop it at another step
         ap.error("--time-limit is per process: with --distributed, stop the job with the scheduler's preemption "
                  "(orbax's preemption sync point) instead")
+    if args.base_package is not None:
+        if args.hf_model is not None:
+            ap.error("--base-package replaces stages 0-1, --hf-model stage 0: pass one")
+        from orl_jax.train.base_package import check_package
+
+        try:
+            check_package(args.base_package)
+        except ValueError as e:
+            ap.error(str(e))
+    if args.export_package is not None and Path(args.export_package).exists():
+        ap.error(f"--export-package {args.export_package!r} exists: the package goes to a new directory")
     args.deadline = None if args.time_limit is None else time.monotonic() + 60 * args.time_limit
     return args
 
@@ -238,9 +257,23 @@ def main(argv=None) -> None:
     tmp.write_text(json.dumps(vars(args) | dataclasses.asdict(r), indent=2, default=str))  # resolved values win
     os.replace(tmp, out / "recipe.json")
     t0 = time.perf_counter()
+    from orl_jax.train.base_package import export_package, imported_from
+
     try:
-        tok, ar_cfg, ar_params = stages.base_model(r, args, out, log)
-        dlm_cfg, dlm_params = stages.convert(r, args, out, tok, ar_cfg, ar_params, log)
+        if args.base_package is not None or imported_from(out):
+            try:
+                tok, dlm_cfg, dlm_params = stages.imported_base(r, args, out, log)
+            except ValueError:  # a package of another model: nothing of this run is left behind
+                if created:
+                    shutil.rmtree(out)
+                raise
+            ar_cfg = ar_params = None
+        else:
+            tok, ar_cfg, ar_params = stages.base_model(r, args, out, log)
+            dlm_cfg, dlm_params = stages.convert(r, args, out, tok, ar_cfg, ar_params, log)
+        if args.export_package is not None:
+            export_package(args.export_package, dlm_cfg, dlm_params, out / "tokenizer")
+            log(f"base package: {args.export_package}")
         methods = {"QwenDLM": (dlm_params, NoResidual())}  # its adapter is untrained: it decodes without one
         if not args.skip_stage2:
             from orl_jax.train.stage2 import stage2

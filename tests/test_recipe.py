@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -86,6 +87,43 @@ def test_mask_family_runs_every_stage_2_method(tmp_path):
     assert all(np.array_equal(a, b) for a, b in zip(leaves("stage2_rcd"), leaves("stage2_orl_rcd")))
     assert not all(np.array_equal(a, b) for a, b in zip(leaves("stage1"), leaves("stage2_orl_rcd")))
     assert "RCDResidual" in (out / "report.md").read_text()
+
+
+def test_base_package_exports_the_conversion_and_starts_stage_2_elsewhere(tmp_path):
+    """--export-package writes stage 1's QwenDLM (bfloat16 shards <= 15 MiB, the tokenizer); --base-package starts a
+    new run from it (no stages 0-1, no AR row), which later --resume runs keep; wrong packages fail before any work."""
+    from orl_jax.checkpoint import load_params
+
+    first, pkg = tmp_path / "first", tmp_path / "pkg"
+    base = ["--preset", "smoke", "--noise", "mask"]
+    train_qwendlm.main(base + ["--out", str(first), "--skip-stage2", "--no-eval", "--export-package", str(pkg)])
+    shards = list(pkg.glob("*.safetensors"))
+    assert shards and all(f.stat().st_size <= 15 * 2**20 for f in shards) and (pkg / "tokenizer.json").exists()
+    with pytest.raises(SystemExit):  # the package goes to a new directory only
+        train_qwendlm.main(base + ["--out", str(tmp_path / "again"), "--export-package", str(pkg)])
+
+    second = tmp_path / "second"
+    train_qwendlm.main(base + ["--out", str(second), "--base-package", str(pkg), "--stage2-methods", "orl",
+                               "--no-eval"])
+    assert not (second / "stage0").exists() and (second / "stage2_orl/params").exists()
+    want = load_params(first / "stage1/params")[1]
+    got = load_params(second / "stage1/params")[1]
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):  # the weights, rounded to bfloat16 once
+        assert b.dtype == np.float32
+        np.testing.assert_array_equal(np.asarray(a).astype(ml_dtypes.bfloat16).astype(np.float32), np.asarray(b))
+    train_qwendlm.main(base + ["--out", str(second), "--resume", "--stage2-methods", "orl"])  # no flag needed
+    rows = [json.loads(line) for line in (second / "results.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in rows][:2] == ["QwenDLM weights, AR decoding", "QwenDLM"]
+    assert "from the base package" in (second / "report.md").read_text()
+
+    for bad in (["--base-package", str(tmp_path / "nope")], ["--base-package", str(first)],
+                ["--base-package", str(pkg), "--hf-model", str(pkg)]):
+        with pytest.raises(SystemExit):
+            train_qwendlm.main(base + ["--out", str(tmp_path / "bad")] + bad)
+        assert not (tmp_path / "bad").exists()
+    with pytest.raises(ValueError, match="noise"):  # another model than this run asks for (uniform noise)
+        train_qwendlm.main(["--preset", "smoke", "--out", str(tmp_path / "other"), "--base-package", str(pkg)])
+    assert not (tmp_path / "other").exists()  # nothing of the refused run is left behind
 
 
 def test_stopped_stage_exits_before_later_stages_then_resume_finishes(tmp_path, monkeypatch):

@@ -205,12 +205,35 @@ def ar_optim(r) -> OptimConfig:
     return OptimConfig(lr=r.lr0, warmup_steps=max(r.stage0_steps // 20, 1), total_steps=r.stage0_steps)
 
 
-def convert(r, args, out: Path, tok, ar_cfg: ModelConfig, ar_params, log):
-    """Stage 1: the AR model + a zero-initialized adapter g_phi, trained with the block-diffusion objective."""
+def dlm_config(r, args, ar_cfg: ModelConfig) -> ModelConfig:
+    """The QwenDLM that stage 1 makes of the AR model `ar_cfg`: its adapter, block, noise and logit shift."""
     if args.noise == "mask" and ar_cfg.mask_token_id is None:
         raise ValueError("--noise mask needs a tokenizer with a mask token")
-    cfg = ar_cfg.replace(adapter_hidden=ar_cfg.hidden_size, block_length=r.block_length, noise=args.noise,
-                         logit_shift=r.logit_shift)
+    return ar_cfg.replace(adapter_hidden=ar_cfg.hidden_size, block_length=r.block_length, noise=args.noise,
+                          logit_shift=r.logit_shift)
+
+
+def imported_base(r, args, out: Path, log):
+    """(tokenizer, QwenDLM config, params) of a base package (train/base_package.py): from --base-package on the
+    first run, then from the run's own stage-1 export. Stages 0-1 are not run."""
+    from orl_jax.train import base_package
+
+    before = base_package.imported_from(out)
+    if before and args.base_package and Path(args.base_package).resolve() != Path(before):
+        raise ValueError(f"{out} was started from the base package {before}, not {args.base_package}")
+    source, fresh = before or args.base_package, before is None
+    tok = load_tokenizer(base_package.check_package(source) if fresh else out / "tokenizer")
+    cfg = dlm_config(r, args, ar_config(r, tok))
+    if fresh:
+        params = base_package.import_package(source, out, cfg)
+        log(f"stages 0-1: imported the base package {source} ({P.count(qwen3.param_specs(cfg)) / 1e6:.2f} M params)")
+        return tok, cfg, params
+    return tok, cfg, load_export("stage1", out, cfg, log)
+
+
+def convert(r, args, out: Path, tok, ar_cfg: ModelConfig, ar_params, log):
+    """Stage 1: the AR model + a zero-initialized adapter g_phi, trained with the block-diffusion objective."""
+    cfg = dlm_config(r, args, ar_cfg)
 
     def params():  # the AR model + a fresh adapter (only when stage 1 is not exported yet)
         adapter = P.init(qwen3.param_specs(cfg)["adapter"], jax.random.key(args.seed + 1))
@@ -257,9 +280,11 @@ def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: d
     import time
 
     examples = heldout_examples(r, tok, args.seed + 7)
-    rows = [evaluate(ar_params, ar_cfg, tok, examples, method="AR (greedy)", setting="-", ar=True,
-                     max_new_tokens=r.eval_max_new)]
-    log(f"eval AR: {_brief(rows[-1])}")
+    rows = []
+    if ar_params is not None:  # None: stage 2 from an imported base package, no stage-0 model here
+        rows.append(evaluate(ar_params, ar_cfg, tok, examples, method="AR (greedy)", setting="-", ar=True,
+                             max_new_tokens=r.eval_max_new))
+        log(f"eval AR: {_brief(rows[-1])}")
     if dlm_cfg.prefix_attention == "causal" and (dlm_cfg.logit_shift or r.ar_weight > 0):
         # the converted weights decoded token by token (their clean rows are trained as the causal model): what
         # the conversion kept of the AR model, after stage 1's extra training
@@ -281,7 +306,9 @@ def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: d
             rows.append(evaluate(params, dlm_cfg, tok, examples, method=method, setting=setting,
                                  max_new_tokens=r.eval_max_new, **kw))
             log(f"eval {method} {setting}: {_brief(rows[-1])}")
-    notes = [f"Preset `{args.preset}`{' from ' + args.hf_model if args.hf_model else ''}; "
+    imported = _imported(out)
+    source = f" from {args.hf_model}" if args.hf_model else f" from the base package {imported}" if imported else ""
+    notes = [f"Preset `{args.preset}`{source}; "
              f"{len(examples)} held-out examples of {', '.join(r.tasks)} (those whose reference answer fits "
              f"{r.eval_max_new} new tokens and {conv_len(r)} tokens with its prompt); max {r.eval_max_new} new "
              f"tokens; compute in {r.compute_dtype}, float32 master weights.",
@@ -301,3 +328,9 @@ def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: d
                          f"{updates} updates (a round whose responses all fail verification gives no gradient).")
     path = write_report(rows, out, "AR -> QwenDLM conversion (held-out)", notes, base="QwenDLM")
     log(f"report: {path}")
+
+
+def _imported(out: Path) -> str | None:
+    from orl_jax.train.base_package import imported_from
+
+    return imported_from(out)
