@@ -222,6 +222,8 @@ def imported_base(r, args, out: Path, log):
     if before and args.base_package and Path(args.base_package).resolve() != Path(before):
         raise ValueError(f"{out} was started from the base package {before}, not {args.base_package}")
     source, fresh = before or args.base_package, before is None
+    if fresh and (out / "stage1").exists():
+        raise ValueError(f"{out} has its own stage 1: a base package starts a new --out")
     tok = load_tokenizer(base_package.check_package(source) if fresh else out / "tokenizer")
     cfg = dlm_config(r, args, ar_config(r, tok))
     if fresh:
