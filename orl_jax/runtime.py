@@ -6,10 +6,11 @@ themselves, first thing, or sets the same things by hand):
 - `--xla_gpu_enable_triton_gemm=false`: XLA's autotuned Triton GEMMs reach ~26% of HBM bandwidth on the small-M
   (batch-1 decoding) GEMMs of a 4B model on an H200; cuBLAS reaches ~57% (../shared/REFERENCE.md: a Qwen3-4B
   block-32 step costs 7.8 ms vs 4.5 ms). Only the GPU backend reads it.
-- `--xla_gpu_dot_merger_threshold_mb=0`: XLA otherwise merges GEMMs that share an input (DiffusionGemma's separate
-  q / k / v projections, gate / up) into one GEMM over a concatenated weight, a copy of the weights in every
-  layer of every forward (~25 us per 26B layer for q/k/v: benchmarks/results/2026-11-30_dg_in_place_h200x2.md);
-  unmerged, each GEMM reads its weight where it lies.
+- `--xla_gpu_dot_merger_threshold_mb=0`: XLA otherwise merges GEMMs that share an input into one GEMM over a
+  concatenated weight, a copy of the weights in every layer of every forward (~25 us per 26B layer when
+  DiffusionGemma's q / k / v were separate: benchmarks/results/2026-11-30_dg_in_place_h200x2.md). Both models now
+  store such projections fused (qkv, gate_up), so the flag guards against merges of any other GEMMs sharing an
+  input; unmerged, each GEMM reads its weight where it lies.
 - a persistent compilation cache, so a second process reuses compiled programs (generate() on a 4B model takes
   minutes to compile cold); GPU / TPU installs only (see configure).
 

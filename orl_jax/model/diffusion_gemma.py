@@ -198,11 +198,12 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     eps = cfg.rms_norm_eps
     b, l, d = x.shape
     h = rms_norm_fp32(x, w["attn_norm"], eps)
-    proj = einsum("bld,dkth->blkth", h, w["qkv"] if "qkv" in w else w["qk"])  # [B, L, K, G + 2 (or + 1), H]
+    own_v = "qkv" in w  # full layers: "qk", K = V
+    proj = einsum("bld,dkth->blkth", h, w["qkv" if own_v else "qk"])  # [B, L, K, G + 2 (or + 1), H]
     g = cfg.num_heads // proj.shape[2]
     q = rms_norm_fp32(proj[:, :, :, :g].reshape(b, l, cfg.num_heads, -1), w["q_norm"], eps)  # [B, L, N, H]
     k = rms_norm_fp32(proj[:, :, :, g], w["k_norm"], eps)  # [B, L, K, H]
-    v = rms_norm_fp32(proj[:, :, :, g + 1] if "qkv" in w else proj[:, :, :, g], None, eps)  # K = V without v
+    v = rms_norm_fp32(proj[:, :, :, g + 1 if own_v else g], None, eps)
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
     impl = "orl_jax" if cache_part is None else qwen3.cached_attention_impl(cfg)

@@ -22,9 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from orl_jax import checkpoint
-from orl_jax import params as P
 from orl_jax.config import ModelConfig
-from orl_jax.model import qwen3
 
 SHARD_BYTES = 15 * 2**20  # a device call returns files of at most 16 MiB
 MARKER = "base_package.json"  # in a run's --out: its stage 1 came from a package (later --resume runs read it)
@@ -49,19 +47,17 @@ def check_package(path: str | os.PathLike) -> Path:
     return path
 
 
-def import_package(path: str | os.PathLike, out: Path, cfg: ModelConfig) -> dict:
-    """Load the package's weights as float32 `cfg` params (ValueError if it holds another model), and make them the
-    run's stage-1 export under `out` with its tokenizer, so later --resume runs reuse them."""
+def read_package(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
+    """(the package's config, its weights as float32 params)."""
     from orl_jax.convert.hf import load_hf
 
-    path = check_package(path)
-    saved, params = load_hf(path, dtype="float32")
-    for field in ("noise", "block_length", "logit_shift", "adapter_hidden", "vocab_size", "hidden_size",
-                  "num_layers"):
-        if getattr(saved, field) != getattr(cfg, field):
-            raise ValueError(f"--base-package {str(path)!r} holds a model with {field}={getattr(saved, field)!r}; "
-                             f"this run asks for {getattr(cfg, field)!r} (pass the preset and flags that made it)")
-    P.check_tree(params, qwen3.param_specs(cfg), where=str(path))
+    return load_hf(check_package(path), dtype="float32")
+
+
+def install(path: str | os.PathLike, out: Path, cfg: ModelConfig, params: dict) -> None:
+    """Make a package's params the run's stage-1 export under `out`, with its tokenizer and the marker, so later
+    --resume runs reuse them."""
+    path = Path(path)
     checkpoint.save_params(out / "stage1" / "params", cfg, params)
     tok_dir = out / "tokenizer"
     tok_dir.mkdir(parents=True, exist_ok=True)
@@ -69,7 +65,6 @@ def import_package(path: str | os.PathLike, out: Path, cfg: ModelConfig) -> dict
         if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
             shutil.copy(f, tok_dir / f.name)
     (out / MARKER).write_text(json.dumps({"source": str(path.resolve())}))
-    return params
 
 
 def imported_from(out: Path) -> str | None:

@@ -26,6 +26,7 @@ from orl_jax.decode.residual import ORLResidual
 from orl_jax.decode.samplers import MaskSampler, UniformSampler
 from orl_jax.model import qwen3
 from orl_jax.sharding import make_mesh
+from orl_jax.train import base_package
 from orl_jax.train.ckpt import CheckpointManager
 from orl_jax.train.evaluate import evaluate, write_report
 from orl_jax.train.loop import resume, train
@@ -216,8 +217,6 @@ def dlm_config(r, args, ar_cfg: ModelConfig) -> ModelConfig:
 def imported_base(r, args, out: Path, log):
     """(tokenizer, QwenDLM config, params) of a base package (train/base_package.py): from --base-package on the
     first run, then from the run's own stage-1 export. Stages 0-1 are not run."""
-    from orl_jax.train import base_package
-
     before = base_package.imported_from(out)
     if before and args.base_package and Path(args.base_package).resolve() != Path(before):
         raise ValueError(f"{out} was started from the base package {before}, not {args.base_package}")
@@ -227,7 +226,10 @@ def imported_base(r, args, out: Path, log):
     tok = load_tokenizer(base_package.check_package(source) if fresh else out / "tokenizer")
     cfg = dlm_config(r, args, ar_config(r, tok))
     if fresh:
-        params = base_package.import_package(source, out, cfg)
+        saved, params = base_package.read_package(source)
+        check_same_model(saved, cfg, Path(source))
+        P.check_tree(params, qwen3.param_specs(cfg), where=str(source))
+        base_package.install(source, out, cfg, params)
         log(f"stages 0-1: imported the base package {source} ({P.count(qwen3.param_specs(cfg)) / 1e6:.2f} M params)")
         return tok, cfg, params
     return tok, cfg, load_export("stage1", out, cfg, log)
@@ -308,7 +310,7 @@ def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: d
             rows.append(evaluate(params, dlm_cfg, tok, examples, method=method, setting=setting,
                                  max_new_tokens=r.eval_max_new, **kw))
             log(f"eval {method} {setting}: {_brief(rows[-1])}")
-    imported = _imported(out)
+    imported = base_package.imported_from(out)
     source = f" from {args.hf_model}" if args.hf_model else f" from the base package {imported}" if imported else ""
     notes = [f"Preset `{args.preset}`{source}; "
              f"{len(examples)} held-out examples of {', '.join(r.tasks)} (those whose reference answer fits "
@@ -330,9 +332,3 @@ def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: d
                          f"{updates} updates (a round whose responses all fail verification gives no gradient).")
     path = write_report(rows, out, "AR -> QwenDLM conversion (held-out)", notes, base="QwenDLM")
     log(f"report: {path}")
-
-
-def _imported(out: Path) -> str | None:
-    from orl_jax.train.base_package import imported_from
-
-    return imported_from(out)
