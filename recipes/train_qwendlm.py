@@ -14,7 +14,8 @@
 A stage stopped by SIGTERM (or by --time-limit) saves its checkpoint and the run exits with status 75 before any
 later stage or evaluation; `--resume` continues it.
 
-Stages (each checkpointed with orbax under OUT/stage*/; a finished stage is reused, never recomputed):
+Stages (each checkpointed with orbax under OUT/stage*/; a finished stage is reused, never recomputed; a larger
+--orl-rounds continues a finished stage 2):
   tokenizer  byte-level BPE trained on the train split of the task suite (embedded default only)
   stage 0    AR pretraining of a small Qwen3-architecture model on the task corpus (the stand-in for Qwen3)
   stage 1    conversion AR -> QwenDLM with the block-diffusion objective (train/objectives.py)
@@ -136,7 +137,7 @@ NUMERIC_FLAGS = {
     "stage0_steps": (int, "stage-0 (AR pretraining) steps", "> 0"),
     "stage1_steps": (int, "stage-1 (conversion) steps", "> 0"),
     "orl_rounds": (int, "stage-2 rounds (ORL) and updates (RCD); lowering it below a run's saved round count ends "
-                        "that stage there", "> 0"),
+                        "that stage there, raising it continues a finished stage from its last checkpoint", "> 0"),
     "orl_prompts": (int, "stage 2: prompts per ORL round", "> 0"),
     "orl_group": (int, "stage 2: sampled responses per prompt", "> 0"),
     "orl_prompt_pool": (int, "stage 2: cycle the rounds through a fixed set of this many train prompts (0: fresh "

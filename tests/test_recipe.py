@@ -58,6 +58,14 @@ def test_stage2_methods_split_over_processes_then_one_evaluation(tmp_path):
     assert not (out / "report.md").exists()
     train_qwendlm.main(["--preset", "smoke", "--out", str(out), "--resume", "--stage2-methods", "orl", "--no-eval"])
     assert (out / "stage2_orl/params/config.json").exists()
+    # a larger --orl-rounds continues the finished ORL and RCD stages from their checkpoints, and replaces exports
+    before = {n: (out / n / "params/config.json").stat().st_mtime_ns for n in ("stage2_orl", "stage2_rcd")}
+    train_qwendlm.main(["--preset", "smoke", "--out", str(out), "--resume", "--stage2-methods", "orl,rcd",
+                        "--orl-rounds", "3", "--no-eval"])
+    for name in ("stage2_orl", "stage2_rcd"):
+        steps = [json.loads(line)["step"] for line in (out / name / "logs/metrics.jsonl").read_text().splitlines()]
+        assert steps[0] == 1 and steps[-1] == 3 and steps == sorted(set(steps)), (name, steps)
+        assert (out / name / "params/config.json").stat().st_mtime_ns > before[name]
     train_qwendlm.main(["--preset", "smoke", "--out", str(out), "--resume"])  # reuses all three, evaluates
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [r["method"] for r in rows] == ["AR (greedy)", "QwenDLM weights, AR decoding", "QwenDLM", "QwenDLM+ORL",

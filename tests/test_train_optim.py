@@ -42,6 +42,8 @@ def test_stage2_rate_is_constant_after_its_warmup():
     np.testing.assert_allclose([s(0), s(5)], [0.0, 5e-6], rtol=1e-5)
     np.testing.assert_allclose([s(10), s(55), s(99), s(400)], [1e-5] * 4, rtol=1e-5)
     assert optim.groups["adapter"].lr_scale == 3.0  # --adapter-lr-scale
+    # the warmup is capped, so a run continued from 150 to 2000 rounds stays at the full rate
+    assert stage2_optim(SimpleNamespace(lr2=1e-5, orl_rounds=2000, adapter_lr_scale=1.0)).warmup_steps == 20
 
 
 def test_decay_mask_skips_norms_and_vectors():

@@ -61,6 +61,14 @@ def _abstract(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
 
+def latest_saved_step(directory: str | os.PathLike) -> int | None:
+    """The newest step checkpointed under `directory` (None when there is none), restoring nothing."""
+    if not Path(directory).is_dir():
+        return None
+    with CheckpointManager(directory, handle_sigterm=False) as ck:
+        return ck.latest_step()
+
+
 class CheckpointManager:
     """Keep-N async checkpoints of (TrainState, data-iterator state) under `directory`, preemption aware."""
 

@@ -3,7 +3,9 @@ no-AEC ablation, each a sequence of rounds (rollout -> verify -> replay -> one u
 
 Prompts of round k are drawn from the train split with seed k (or, with r.orl_prompt_pool = N, are prompts
 kP .. kP + P - 1 mod N of one fixed set), rollout keys are fold_in(key, k), and the round counter is checkpointed
-with the state, so `--resume` replays exactly the rounds that were not done yet.
+with the state, so `--resume` replays exactly the rounds that were not done yet. A larger --orl-rounds on a
+finished stage continues it from its last checkpoint (the rate is constant after the warmup, so a run grown over
+several calls trains as one long run would).
 The RCD baseline trains the same converted model off-policy: the block-diffusion objective on randomly noised
 training states, with the residual computed by the frozen converted model (DiffusionObjective(reference_params))
 and plain cross-entropy, for as many updates as ORL takes rounds. The frozen reference is a sharded argument of
@@ -42,6 +44,8 @@ from orl_jax.train.stages import (
 )
 from orl_jax.train.step import make_train_step
 
+WARMUP_MAX = 20  # stage 2's longest warmup, in updates (every run so far had <= 200 rounds: <= 20)
+
 
 def stage2_optim(r) -> OptimConfig:
     """ORL's and RCD's optimizer: r.lr2, no weight decay, the adapter group (r.adapter_lr_scale times the rate, its
@@ -51,8 +55,10 @@ def stage2_optim(r) -> OptimConfig:
     gradient moves every weight by ~lr; at lr 1e-4 without warmup the H200 run's policy lost its verified share
     within 60 rounds (benchmarks/results/2026-11-29_train_qwendlm_h200x4). The constant rate: with a cosine to
     a tenth, the 1e-5 run spent half of its 100 rounds below 5e-6, and ORL moved TPF by 5%
-    (benchmarks/results/2026-11-29_train_qwendlm_h200x2)."""
-    return OptimConfig(lr=r.lr2, warmup_steps=max(r.orl_rounds // 10, 1), total_steps=max(r.orl_rounds, 1),
+    (benchmarks/results/2026-11-29_train_qwendlm_h200x2). The warmup is capped at WARMUP_MAX rounds, so a run
+    continued to more rounds (load_export) never falls back into a longer warmup."""
+    warmup = min(max(r.orl_rounds // 10, 1), WARMUP_MAX)
+    return OptimConfig(lr=r.lr2, warmup_steps=warmup, total_steps=max(r.orl_rounds, 1),
                        min_lr_ratio=1.0, weight_decay=0.0,
                        groups={"adapter": dataclasses.replace(ADAPTER_GROUP["adapter"], lr_scale=r.adapter_lr_scale)})
 
@@ -79,8 +85,8 @@ def round_examples(r, tok, max_prompt: int):
 
 def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossConfig, log, residual=None):
     """Train `params` with ORL for r.orl_rounds rounds (rollouts and replay in the `residual` form); export to
-    OUT/name/params (reused when present)."""
-    done = load_export(name, out, cfg, log)
+    OUT/name/params (reused when present, continued when its checkpoints stop before r.orl_rounds)."""
+    done = load_export(name, out, cfg, log, continue_to=r.orl_rounds)
     if done is not None:
         return done
     G, P = r.orl_group, r.orl_prompts
@@ -126,7 +132,7 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
             if stop and rnd + 1 < r.orl_rounds:
                 raise StageStopped(name, rnd + 1, r.orl_rounds)
     params = jax.device_get(state.params)
-    checkpoint.save_params(out / name / "params", cfg, params)
+    checkpoint.save_params(out / name / "params", cfg, params, overwrite=True)  # a continued stage replaces it
     return params
 
 
@@ -137,7 +143,7 @@ def run_rcd(r, args, out: Path, tok, cfg, params, log):
     log(f"stage 2 baseline: RCD (off-policy residuals from the frozen converted model), {r.orl_rounds} updates")
     return _run_stage("stage2_rcd", out, cfg, lambda: params, loss_fn, optim,
                       lambda: conversion_data(r, tok, args.seed + 3), r.orl_rounds, log, frozen=params,
-                      deadline=args.deadline)
+                      deadline=args.deadline, continue_finished=True)
 
 
 def stage2(r, args, out: Path, tok, cfg, params, log, methods=("orl", "noaec", "rcd")) -> dict:

@@ -27,7 +27,7 @@ from orl_jax.decode.samplers import MaskSampler, UniformSampler
 from orl_jax.model import qwen3
 from orl_jax.sharding import make_mesh
 from orl_jax.train import base_package
-from orl_jax.train.ckpt import CheckpointManager
+from orl_jax.train.ckpt import CheckpointManager, latest_saved_step
 from orl_jax.train.evaluate import evaluate, write_report
 from orl_jax.train.loop import resume, train
 from orl_jax.train.metrics import MetricsWriter
@@ -102,10 +102,16 @@ def check_same_model(saved: ModelConfig, cfg: ModelConfig, where: Path) -> None:
                              f"{getattr(cfg, field)!r}: pass the flags of the run that made it (or another --out)")
 
 
-def load_export(name: str, out: Path, cfg, log):
-    """The params a finished stage exported to OUT/name/params, or None."""
+def load_export(name: str, out: Path, cfg, log, continue_to: int | None = None):
+    """The params a finished stage exported to OUT/name/params, or None. With `continue_to` (stage 2, whose rate
+    is constant after its warmup) None also when the stage's checkpoints stop before that step: a larger
+    --orl-rounds continues a finished stage from its last checkpoint instead of reusing its export."""
     export = out / name / "params"
     if not export.exists():
+        return None
+    saved = latest_saved_step(out / name / "ckpt") if continue_to is not None else None
+    if saved is not None and saved < continue_to:
+        log(f"{name}: continuing from step {saved} to {continue_to}")
         return None
     saved, params = checkpoint.load_params(export, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
     check_same_model(saved, cfg, export)
@@ -114,12 +120,13 @@ def load_export(name: str, out: Path, cfg, log):
 
 
 def _run_stage(name, out: Path, cfg, init_params, loss_fn, optim: OptimConfig, make_data, steps: int, log,
-               frozen=None, deadline: float | None = None):
+               frozen=None, deadline: float | None = None, continue_finished: bool = False):
     """Train `init_params()` with `loss_fn` for `steps` updates (resuming OUT/name/ckpt if present); export the result.
     init_params and make_data are callables, run only when the stage is not exported yet (building a stage's dataset
     tokenizes its whole train split). frozen: params of a frozen model of the same config, passed to
-    loss_fn(params, batch, key, frozen). deadline: time.monotonic() at which the stage stops as on SIGTERM."""
-    done = load_export(name, out, cfg, log)
+    loss_fn(params, batch, key, frozen). deadline: time.monotonic() at which the stage stops as on SIGTERM.
+    continue_finished: a finished stage whose checkpoints stop before `steps` trains on (load_export)."""
+    done = load_export(name, out, cfg, log, continue_to=steps if continue_finished else None)
     if done is not None:
         return done
     model_file = out / name / "model_config.json"  # what the checkpoints under OUT/name/ckpt train
@@ -154,7 +161,7 @@ def _run_stage(name, out: Path, cfg, init_params, loss_fn, optim: OptimConfig, m
     if int(state.step) < steps:
         raise StageStopped(name, int(state.step), steps)
     params = jax.device_get(state.params)
-    checkpoint.save_params(export, cfg, params)
+    checkpoint.save_params(export, cfg, params, overwrite=True)  # a continued stage replaces its export
     last = (out / name / "logs" / "metrics.jsonl").read_text().splitlines()[-1:] or ["-"]
     log(f"{name}: done at step {int(state.step)}; last metrics {last[0]}")
     return params
