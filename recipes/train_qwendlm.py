@@ -86,6 +86,10 @@ class Recipe:
     # 0.02 is ~0.965 confidence at vocab 2494: positions between that and a strict decoding threshold (0.999), the
     # ones that keep a block open there, get no L_pred gradient (only the anchor, zero at temperature 1)
     pred_gate: float = 0.02
+    # weight of ORL's capped reverse-KL anchor on the confident positions (ORLLossConfig.l_anchor). Rolled out below
+    # temperature 1 the anchor pulls those positions towards the sharper tempered policy: the term that acts on
+    # the positions a strict threshold waits for (~0.004 per round at temperature 0.7, session 11)
+    l_anchor: float = 1.0
     # stage 2: the adapter g_phi's learning rate as a multiple of lr2. Lower than the backbone's by our reading of
     # METHOD.md; the mask family's adapter starts untrained (zero output) and may want more
     adapter_lr_scale: float = 0.5
@@ -148,6 +152,8 @@ NUMERIC_FLAGS = {
     "lr2": (float, "stage-2 peak learning rate (ORL and RCD)", "in (0, 1)"),
     "l_aec": (float, "ORL's AEC loss weight (AEC values are ~1e-3)", ">= 0"),
     "pred_gate": (float, "ORL: L_pred trains positions whose behaviour normalized entropy is above this", ">= 0"),
+    "l_anchor": (float, "ORL's anchor weight (capped reverse KL to the rollout's tempered policy on confident "
+                 "positions)", ">= 0"),
     "adapter_lr_scale": (float, "stage 2: the adapter's learning rate as a multiple of --lr2", ">= 0"),
     "ar_weight": (float, "stage 1: weight of the next-token loss on the clean rows (DiffusionObjective.ar_weight)",
                   ">= 0"),

@@ -165,7 +165,7 @@ def test_stopped_stage_exits_before_later_stages_then_resume_finishes(tmp_path, 
                 ["--l-aec", "nan"], ["--time-limit", "0"], ["--ar-weight", "-1"], ["--adapter-lr-scale", "nan"],
                 ["--orl-prompts", "0"], ["--time-limit", "5", "--distributed"], ["--orl-prompt-pool", "-1"],
                 ["--orl-threshold", "0"], ["--orl-threshold", "1.5"], ["--orl-temperature", "0"],
-                ["--orl-group", "0"], ["--pred-gate", "-0.1"]):
+                ["--orl-group", "0"], ["--pred-gate", "-0.1"], ["--l-anchor", "-1"], ["--l-anchor", "nan"]):
         with pytest.raises(SystemExit):
             train_qwendlm.main(args + bad)
     # a time limit stops the running stage the same way (checkpoint, exit 75), for a job scheduler's wall clock

@@ -152,7 +152,7 @@ def stage2(r, args, out: Path, tok, cfg, params, log, methods=("orl", "noaec", "
     form (our variant: it trains the policy that already reads its residual, where ORL's adapter starts at zero).
     The residual is the one a mask-family model was trained with, hence decodes with: ORL's adapter on the
     previous step's soft token, RCD's interpolated embedding."""
-    base = ORLLossConfig(l_aec=r.l_aec, pred_gate=r.pred_gate)
+    base = ORLLossConfig(l_aec=r.l_aec, pred_gate=r.pred_gate, l_anchor=r.l_anchor)
     log(f"stage 2 ({', '.join(methods)}): ORL, {r.orl_rounds} rounds of {r.orl_prompts} prompts x "
         f"{r.orl_group} responses")
     rcd = functools.cache(lambda: run_rcd(r, args, out, tok, cfg, params, log))  # orl_rcd starts from it
