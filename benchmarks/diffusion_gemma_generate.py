@@ -35,8 +35,9 @@ ap.add_argument("--profile", action="store_true",
                      " the compiled decoder's HLO goes beside --out (OUT.IMPL.hlo.txt.gz)")
 ap.add_argument("--gemm-table", help="tuned expert GEMM tiles for moe_impl pallas (kernels/small_m_gemm/bench.py "
                                     "or kernels/grouped_gemm/bench.py --table)")
-ap.add_argument("--cached-attention", choices=["auto", "orl_jax", "pallas"], default="auto",
-                help="DiffusionGemmaConfig.cached_attention_impl: the einsums, kernels/decode_attention, or auto")
+ap.add_argument("--cached-attention", choices=["auto", "orl_jax", "pallas", "xla", "cudnn"], default="auto",
+                help="DiffusionGemmaConfig.cached_attention_impl: the einsums, kernels/decode_attention, "
+                     "jax.nn.dot_product_attention (xla / cudnn; heads > 256 take the einsums), or auto")
 ap.add_argument("--attention-table", help="tuned attention blocks for --cached-attention pallas "
                                          "(kernels/decode_attention/bench.py --table)")
 ap.add_argument("--capacity-factor", type=int,

@@ -32,9 +32,10 @@ ap.add_argument("--out", default="engine_bench.jsonl")
 ap.add_argument("--prompt", type=int, default=512)
 ap.add_argument("--preset", default="qwen3-4b", help="model shape (tiny-qwen3 for a CPU smoke run)")
 ap.add_argument("--tensor", type=int, default=1, help="tensor-parallel over the first N devices (mesh tensor=N)")
-ap.add_argument("--cached-attention", choices=["auto", "orl_jax", "pallas"], default="auto",
+ap.add_argument("--cached-attention", choices=["auto", "orl_jax", "pallas", "xla", "cudnn"], default="auto",
                 help="attention of the cached passes: the library default (auto: the kernel on a GPU), the einsum "
-                     "reference, or the fused kernel (kernels/decode_attention)")
+                     "reference, the fused kernel (kernels/decode_attention), or jax.nn.dot_product_attention "
+                     "(xla / cudnn) over [cache | own keys]")
 ap.add_argument("--cached-matmul", choices=["xla", "pallas"], default="xla",
                 help="projections of cached passes <= 64 rows: XLA (cuBLAS) or kernels/small_m_gemm")
 ap.add_argument("--layer-unroll", type=int, default=1, help="ModelConfig.layer_unroll (layers per scan iteration)")

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 
 from orl_jax.checks import int_at_least
 
+CACHED_ATTENTION_IMPLS = ("auto", "orl_jax", "pallas", "xla", "cudnn")  # of cached passes (model/attention.py)
+
 NoiseMode = Literal["uniform", "mask"]
 PrefixAttention = Literal["causal", "block_causal"]
 
@@ -48,8 +50,9 @@ class ModelConfig:
     # kernels/decode_attention; interpret mode on CPU; shapes it does not support fall back to orl_jax's) or "auto":
     # pallas on a GPU, orl_jax elsewhere and in generate() over a multi-device mesh (see kernel_choice). On one H200
     # the kernel makes a Qwen3-4B denoising step 4.24 ms instead of 4.47 (block 32) and 6.98 instead of 7.78
-    # (canvas 256): benchmarks/results/2026-11-30_engine_step_h200x2.md.
-    cached_attention_impl: Literal["auto", "orl_jax", "pallas"] = "auto"
+    # (canvas 256): benchmarks/results/2026-11-30_engine_step_h200x2.md. "xla" / "cudnn": jax.nn.dot_product_attention
+    # over the cache and the pass's own keys concatenated (model/attention.py); cudnn not yet timed in the engine.
+    cached_attention_impl: Literal["auto", "orl_jax", "pallas", "xla", "cudnn"] = "auto"
     # Projections (q/k/v, o, gate/up, down) of cached passes with at most 64 rows (denoising steps and commits at
     # batch 1): "xla" (jnp.einsum: cuBLAS on GPU) or "pallas" (kernels/small_m_gemm's split-K weight-streaming
     # GEMM, reading each layer's weight in place from the stack; single device, unsharded weights).
@@ -99,8 +102,8 @@ class ModelConfig:
         if self.attention_impl not in ("orl_jax", "xla", "cudnn"):
             raise ValueError(f"ModelConfig.attention_impl must be 'orl_jax', 'xla' or 'cudnn', "
                              f"got {self.attention_impl!r}")
-        if self.cached_attention_impl not in ("auto", "orl_jax", "pallas"):
-            raise ValueError(f"ModelConfig.cached_attention_impl must be 'auto', 'orl_jax' or 'pallas', "
+        if self.cached_attention_impl not in CACHED_ATTENTION_IMPLS:
+            raise ValueError(f"ModelConfig.cached_attention_impl must be one of {CACHED_ATTENTION_IMPLS}, "
                              f"got {self.cached_attention_impl!r}")
         if self.cached_matmul_impl not in ("xla", "pallas"):
             raise ValueError(f"ModelConfig.cached_matmul_impl must be 'xla' or 'pallas', "
@@ -351,7 +354,8 @@ class DiffusionGemmaConfig:
     # Attention of the cached passes (decoder over the prompt's cache, commit): "orl_jax" (the einsums), "pallas"
     # (kernels/decode_attention, scale 1.0, head dims 256 and 512) or "auto": the kernel on a GPU. At full size on
     # an H200 the forward took 19.22 ms with the kernel's wide-head blocks against 19.60 with the einsums
-    # (benchmarks/results/2026-11-30_dg_in_place_h200x2.md).
+    # (benchmarks/results/2026-11-30_dg_in_place_h200x2.md). "xla" / "cudnn" as for ModelConfig (cudnn: the sliding
+    # layers; the 512-wide full heads take the einsums).
     cached_attention_impl: str = "auto"
     sliding_window: int = 1024  # keys per query in sliding layers, the query included
     layer_types: tuple[str, ...] = _DG_DEFAULT_LAYERS  # must repeat (k sliding, 1 full); see diffusion_gemma.py
@@ -397,8 +401,8 @@ class DiffusionGemmaConfig:
         if self.moe_impl not in ("auto", "bucketed", "pallas", "dense"):
             raise ValueError(f"DiffusionGemmaConfig.moe_impl must be 'auto', 'bucketed', 'pallas' or 'dense', "
                              f"got {self.moe_impl!r}")
-        if self.cached_attention_impl not in ("auto", "orl_jax", "pallas"):
-            raise ValueError(f"DiffusionGemmaConfig.cached_attention_impl must be 'auto', 'orl_jax' or 'pallas', "
+        if self.cached_attention_impl not in CACHED_ATTENTION_IMPLS:
+            raise ValueError(f"DiffusionGemmaConfig.cached_attention_impl must be one of {CACHED_ATTENTION_IMPLS}, "
                              f"got {self.cached_attention_impl!r}")
         if self.top_k_experts > self.num_experts:
             raise ValueError(f"DiffusionGemmaConfig.top_k_experts={self.top_k_experts} exceeds "

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from orl_jax.model.streamed import StackedWeight
 
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked row (left padding) stays NaN-free
+CUDNN_MAX_HEAD_DIM = 256  # cuDNN's fused attention (cudnn frontend support matrix: d <= 256)
 
 
 def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]], impl: str = "orl_jax",
@@ -31,15 +32,18 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
     kernels/decode_attention's fused kernel. The cache part's k and v may be StackedWeight (layer i of the cache
     stacks): the kernel then reads them in place when its blocks say cache_in_place, every other path takes the
     layer loop's slice.
-    impl "xla" / "cudnn" (one part only): jax.nn.dot_product_attention with that implementation, the mask passed
-    whole. A query row with no visible key (padding) may then differ from ours (the mean of all values); no loss
-    reads such rows, but the value must stay finite, since masked keys still multiply it by 0 in later layers
-    (tests: test_objectives.py, the cuDNN one marked gpu).
+    impl "xla" / "cudnn": jax.nn.dot_product_attention with that implementation, the mask passed whole. With two
+    parts (cache + self) their K/V and masks are concatenated first: one copy of the layer's cache per pass, the
+    price of a fused kernel (cuDNN's flash attention) that takes one key sequence. cuDNN takes head dims <= 256;
+    wider heads (DiffusionGemma's full layers) take orl_jax's einsums. A query row with no visible key (padding)
+    may differ from ours (the mean of all values); no loss reads such rows, but the value must stay finite, since
+    masked keys still multiply it by 0 in later layers (tests: test_objectives.py, the cuDNN one marked gpu;
+    prefill lets padding rows see themselves, so cached passes have no such row).
     """
-    if impl in ("xla", "cudnn") and len(parts) == 1:
-        k, v, mask = parts[0]
-        return jax.nn.dot_product_attention(q, _slice(k), _slice(v), mask=mask[:, None], scale=scale,
-                                            implementation=impl)
+    if impl in ("xla", "cudnn") and not (impl == "cudnn" and q.shape[-1] > CUDNN_MAX_HEAD_DIM):
+        ks, vs, masks = zip(*[(_slice(k), _slice(v), m) for k, v, m in parts])
+        k, v, mask = jnp.concatenate(ks, axis=1), jnp.concatenate(vs, axis=1), jnp.concatenate(masks, axis=-1)
+        return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation=impl)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if impl == "pallas" and len(parts) == 2:
         from orl_jax_kernels.decode_attention.kernel import blocks_for, cached_attention, preferred, supported

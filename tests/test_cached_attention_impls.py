@@ -1,0 +1,111 @@
+"""cached_attention_impl "xla" / "cudnn": jax.nn.dot_product_attention over the cache and the pass's own keys,
+concatenated (model/attention.py), against orl_jax's einsums. On CPU the "xla" implementation runs the same
+concatenation and mask that cuDNN gets on a GPU; the cuDNN run itself is marked gpu."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from orl_jax import params as P
+from orl_jax.config import DG_PRESETS, preset
+from orl_jax.model import attention as attn
+from orl_jax.model import diffusion_gemma as dg
+from orl_jax.model import qwen3, qwendlm
+
+
+@pytest.fixture
+def dpa_calls(monkeypatch):
+    """The implementations jax.nn.dot_product_attention was traced with, and its key lengths."""
+    calls, real = [], jax.nn.dot_product_attention
+
+    def spy(q, k, v, *a, implementation=None, **kw):
+        calls.append((implementation, k.shape[1]))
+        return real(q, k, v, *a, implementation=implementation, **kw)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+    return calls
+
+
+def test_generate_with_xla_dot_product_attention_equals_the_default(dpa_calls):
+    from orl_jax.decode.engine import generate
+    from orl_jax.decode.residual import ORLResidual
+    from orl_jax.decode.samplers import UniformSampler
+
+    cfg = preset("tiny-qwendlm").replace(block_length=16)
+    params = P.init(qwen3.param_specs(cfg), jax.random.key(0))
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]  # left padding: prefill has pad rows
+    kw = dict(key=jax.random.key(1), max_new_tokens=32, sampler=UniformSampler(max_denoising_steps=4),
+              residual=ORLResidual(), eos_token_id=(), pad_token_id=0)
+    want = generate(params, cfg, prompts, **kw)
+    got = generate(params, cfg.replace(cached_attention_impl="xla"), prompts, **kw)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    assert int(got.total_forwards) == int(want.total_forwards)
+    # prefill, denoising steps and commits (a layer scan each, traced once) all went through it
+    assert len(dpa_calls) >= 3 and all(impl == "xla" for impl, _ in dpa_calls)
+
+
+def test_cached_passes_agree_with_the_einsums_and_pad_rows_stay_finite():
+    cfg = preset("tiny-qwendlm")
+    params = P.init(qwen3.param_specs(cfg), jax.random.key(2))
+    prompt = jax.random.randint(jax.random.key(3), (2, 16), 4, cfg.vocab_size)
+    lengths = jnp.array([16, 9])
+    canvas = jax.random.randint(jax.random.key(4), (2, 8), 4, cfg.vocab_size)
+    out = {}
+    for impl in ("orl_jax", "xla"):
+        c = cfg.replace(cached_attention_impl=impl)
+        last, cache = qwendlm.prefill(params, c, prompt, lengths, 32)
+        out[impl] = last, qwendlm.decode(params, c, canvas, cache), cache
+    for a, b in zip(out["xla"][:2], out["orl_jax"][:2]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
+    # pad rows see themselves (qwendlm.prefill): their cache slots are finite under every implementation
+    for impl in out:
+        assert np.isfinite(np.asarray(out[impl][2].k)).all() and np.isfinite(np.asarray(out[impl][2].v)).all()
+
+
+def test_diffusion_gemma_decoder_with_xla_dot_product_attention_equals_the_einsums(dpa_calls):
+    cfg = DG_PRESETS["tiny-dg"].replace(head_dim=16, global_head_dim=32, block_length=16)
+    params = P.init(dg.param_specs(cfg), jax.random.key(0))
+    prompt = jax.random.randint(jax.random.key(1), (2, 16), 0, 240)
+    canvas = jax.random.randint(jax.random.key(2), (2, 16), 0, 240)
+    out = {}
+    for impl in ("orl_jax", "xla"):
+        c = cfg.replace(cached_attention_impl=impl)
+        _, cache = dg.prefill(params, c, prompt, jnp.array([16, 11]), 48)
+        out[impl] = dg.decode(params, c, canvas, cache)
+    np.testing.assert_allclose(np.asarray(out["xla"]), np.asarray(out["orl_jax"]), atol=2e-4, rtol=2e-4)
+    assert dpa_calls and float(out["orl_jax"].std()) > 0.01
+
+
+def test_cudnn_leaves_heads_wider_than_it_takes_to_the_einsums(dpa_calls):
+    """DiffusionGemma's 512-wide full layers: cuDNN takes head dims <= 256, so those stay on orl_jax's path (this
+    runs on CPU, where a cuDNN call would fail)."""
+    b, l, s, kv, g, h = 1, 4, 8, 2, 2, 2 * attn.CUDNN_MAX_HEAD_DIM
+    ks = jax.random.split(jax.random.key(0), 5)
+    q = jax.random.normal(ks[0], (b, l, kv * g, h))
+    parts = [(jax.random.normal(ks[1], (b, s, kv, h)), jax.random.normal(ks[2], (b, s, kv, h)),
+              jnp.ones((b, l, s), bool)),
+             (jax.random.normal(ks[3], (b, l, kv, h)), jax.random.normal(ks[4], (b, l, kv, h)),
+              jnp.ones((b, l, l), bool))]
+    got = attn.attention(q, parts, "cudnn", scale=1.0)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(attn.scaled_attention(q, parts, 1.0)), atol=1e-6)
+    assert not dpa_calls
+
+
+@pytest.mark.gpu
+def test_cudnn_cached_attention_on_gpu_bf16():
+    """Qwen3-shaped cached passes in bf16 through cuDNN: prefill + a denoising step close to the einsums."""
+    cfg = preset("tiny-qwendlm").replace(dtype="bfloat16", head_dim=128, num_heads=8, num_kv_heads=2)
+    params = P.init(qwen3.param_specs(cfg), jax.random.key(0))
+    prompt = jax.random.randint(jax.random.key(1), (2, 64), 4, cfg.vocab_size)
+    canvas = jax.random.randint(jax.random.key(2), (2, 32), 4, cfg.vocab_size)
+    out = {}
+    for impl in ("orl_jax", "cudnn"):
+        c = cfg.replace(cached_attention_impl=impl)
+        fn = jax.jit(lambda p, c=c: (lambda lc: qwendlm.decode(p, c, canvas, lc[1]))(
+            qwendlm.prefill(p, c, prompt, jnp.array([64, 40]), 128)))
+        out[impl] = np.asarray(fn(params), np.float32)
+        if impl == "cudnn":
+            assert "cudnn" in fn.lower(params).compile().as_text().lower()
+    assert np.isfinite(out["cudnn"]).all()
+    np.testing.assert_allclose(out["cudnn"], out["orl_jax"], atol=0.1, rtol=0.05)
