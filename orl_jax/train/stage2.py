@@ -4,8 +4,8 @@ no-AEC ablation, each a sequence of rounds (rollout -> verify -> replay -> one u
 Prompts of round k are drawn from the train split with seed k (or, with r.orl_prompt_pool = N, are prompts
 kP .. kP + P - 1 mod N of one fixed set), rollout keys are fold_in(key, k), and the round counter is checkpointed
 with the state, so `--resume` replays exactly the rounds that were not done yet. A larger --orl-rounds on a
-finished stage continues it from its last checkpoint (the rate is constant after the warmup, so a run grown over
-several calls trains as one long run would).
+finished stage continues it from its last checkpoint (the rate is constant after a warmup of at most WARMUP_MAX
+updates, so a run grown over several calls trains as one long run would, but for that warmup's length).
 The RCD baseline trains the same converted model off-policy: the block-diffusion objective on randomly noised
 training states, with the residual computed by the frozen converted model (DiffusionObjective(reference_params))
 and plain cross-entropy, for as many updates as ORL takes rounds. The frozen reference is a sharded argument of

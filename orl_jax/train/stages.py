@@ -109,9 +109,9 @@ def load_export(name: str, out: Path, cfg, log, continue_to: int | None = None):
     export = out / name / "params"
     if not export.exists():
         return None
-    saved = latest_saved_step(out / name / "ckpt") if continue_to is not None else None
-    if saved is not None and saved < continue_to:
-        log(f"{name}: continuing from step {saved} to {continue_to}")
+    step = latest_saved_step(out / name / "ckpt") if continue_to is not None else None
+    if step is not None and step < continue_to:
+        log(f"{name}: continuing from step {step} to {continue_to}")
         return None
     saved, params = checkpoint.load_params(export, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
     check_same_model(saved, cfg, export)
