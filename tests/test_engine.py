@@ -262,3 +262,10 @@ def test_bad_model_arguments(uniform_model):
     no_adapter = cfg.replace(adapter_hidden=0)
     with pytest.raises(ValueError, match="ORLResidual"):
         generate(params, no_adapter, [[1]], key=jax.random.key(0), residual=ORLResidual())
+    # cuDNN's fused attention: bf16/fp16 only, and only on a GPU backend (refused before anything compiles)
+    with pytest.raises(ValueError, match="cached_attention_impl='cudnn' needs dtype bfloat16"):
+        generate(params, cfg.replace(cached_attention_impl="cudnn"), [[1]], key=jax.random.key(0))
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="cached_attention_impl='cudnn' needs a GPU backend"):
+            generate(params, cfg.replace(cached_attention_impl="cudnn", dtype="bfloat16"), [[1]],
+                     key=jax.random.key(0))
