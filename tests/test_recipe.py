@@ -74,6 +74,29 @@ def test_stage2_methods_split_over_processes_then_one_evaluation(tmp_path):
         train_qwendlm.main(["--preset", "smoke", "--out", str(tmp_path / "x"), "--stage2-methods", "orl,ppo"])
 
 
+
+def test_a_grown_stage_2_equals_one_run_of_all_its_updates(tmp_path):
+    """RCD trained 2 updates, then grown to 3 by a --resume with a larger --orl-rounds, ends with exactly the params
+    of one run of 3 (the checkpoint restores the optimizer and the data iterator; the warmup is 1 update in both)."""
+    import shutil
+
+    from orl_jax.checkpoint import load_params
+
+    args = ["--preset", "smoke", "--stage2-methods", "rcd", "--no-eval"]
+    one, grown = tmp_path / "one", tmp_path / "grown"
+    train_qwendlm.main(args + ["--out", str(one), "--orl-rounds", "3"])
+    grown.mkdir()
+    for part in ("tokenizer", "stage0", "stage1"):  # the same base: stages 0-1 are reused, not retrained
+        shutil.copytree(one / part, grown / part)
+    train_qwendlm.main(args + ["--out", str(grown), "--orl-rounds", "2", "--resume"])
+    train_qwendlm.main(args + ["--out", str(grown), "--orl-rounds", "3", "--resume"])
+    _, want = load_params(one / "stage2_rcd/params")
+    _, got = load_params(grown / "stage2_rcd/params")
+    _, base = load_params(one / "stage1/params")
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got, want)
+    assert any(not np.array_equal(np.asarray(a), np.asarray(b))  # the updates did move the weights
+               for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(base)))
+
 def test_mask_family_runs_every_stage_2_method(tmp_path):
     """--noise mask: conversion with [MASK] noise, ORL with mask-family rollouts (g_phi weighted at [MASK]), RCD in
     its own residual form, and an evaluation that decodes each with the residual it was trained with. (The smoke
