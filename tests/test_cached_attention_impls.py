@@ -58,7 +58,7 @@ def test_cached_passes_agree_with_the_einsums_and_pad_rows_stay_finite():
         out[impl] = last, qwendlm.decode(params, c, canvas, cache), cache
     for a, b in zip(out["xla"][:2], out["orl_jax"][:2]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
-    # pad rows see themselves (qwendlm.prefill): their cache slots are finite under every implementation
+    # pad rows see themselves (attention.self_mask): their cache slots are finite under every implementation
     for impl in out:
         assert np.isfinite(np.asarray(out[impl][2].k)).all() and np.isfinite(np.asarray(out[impl][2].v)).all()
 

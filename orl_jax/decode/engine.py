@@ -331,7 +331,7 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, *, key: jax.Array, max_
         raise ValueError("RCDResidual injects at [MASK] positions: it needs a noise='mask' model")
     if isinstance(residual, ORLResidual) and not cfg.has_adapter:
         raise ValueError("ORLResidual needs the adapter g_phi (ModelConfig.adapter_hidden > 0)")
-    if getattr(cfg, "cached_attention_impl", None) == "cudnn":  # cuDNN's fused attention: bf16/fp16 on a GPU
+    if cfg.cached_attention_impl == "cudnn":  # cuDNN's fused attention: bf16/fp16 on a GPU
         if cfg.dtype not in ("bfloat16", "float16"):
             raise ValueError(f"cached_attention_impl='cudnn' needs dtype bfloat16 or float16, got {cfg.dtype!r}")
         if jax.default_backend() != "gpu":

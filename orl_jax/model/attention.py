@@ -38,7 +38,7 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
     wider heads (DiffusionGemma's full layers) take orl_jax's einsums. A query row with no visible key (padding)
     may differ from ours (the mean of all values); no loss reads such rows, but the value must stay finite, since
     masked keys still multiply it by 0 in later layers (tests: test_objectives.py, the cuDNN one marked gpu;
-    prefill lets padding rows see themselves, so cached passes have no such row).
+    self_mask lets padding rows see themselves, so cached passes have no such row).
     """
     if impl in ("xla", "cudnn") and not (impl == "cudnn" and q.shape[-1] > CUDNN_MAX_HEAD_DIM):
         ks, vs, masks = zip(*[(_slice(k), _slice(v), m) for k, v, m in parts])
@@ -105,9 +105,11 @@ def block_segments(batch: int, length: int, prompt_length, block_length: int) ->
 
 
 def self_mask(seg_start: jax.Array, valid: jax.Array | None = None) -> jax.Array:
-    """[B, L] segment starts (+ optional [B, L] key validity) -> [B, L, L] visibility."""
+    """[B, L] segment starts (+ optional [B, L] key validity) -> [B, L, L] visibility. An invalid key (left padding)
+    is hidden from every query but itself: no row is fully masked, which fused kernels (cuDNN) leave undefined; a
+    pad row's output is never read."""
     m = seg_start[:, None, :] <= seg_start[:, :, None]
-    return m if valid is None else m & valid[:, None, :]
+    return m if valid is None else (m & valid[:, None, :]) | jnp.eye(m.shape[-1], dtype=bool)[None]
 
 
 def cache_mask(start: jax.Array, length: jax.Array, cache_size: int, num_queries: int) -> jax.Array:

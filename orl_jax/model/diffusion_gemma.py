@@ -329,9 +329,8 @@ def logits(params: dict, cfg: DiffusionGemmaConfig, h: jax.Array) -> jax.Array:
 # --- visibility ----------------------------------------------------------------------------------------------------
 
 def _encoder_vis(cfg: DiffusionGemmaConfig, b: int, l: int, valid=None, cache=None) -> dict:
-    """Causal, with the window on sliding layers; query i sits at cache slot `length + i`. Pad keys (not `valid`)
-    are invisible but to themselves: no row is fully masked (qwendlm.prefill says why)."""
-    full = self_mask(causal_segments(b, l), valid) | jnp.eye(l, dtype=bool)[None]
+    """Causal, with the window on sliding layers; query i sits at cache slot `length + i`."""
+    full = self_mask(causal_segments(b, l), valid)
     vis = {FULL: full, SLIDING: full & window_mask(causal_segments(b, l), jnp.arange(l), cfg.sliding_window)}
     if cache is not None:
         slots = jnp.arange(cache.size, dtype=jnp.int32)

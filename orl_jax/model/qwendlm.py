@@ -66,10 +66,8 @@ def prefill(params: dict, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Arra
     start = (p - lengths).astype(jnp.int32)
     cache = cache.replace(start=start)
     positions = jnp.maximum(cache.positions(p), 0)
-    valid = jnp.arange(p)[None] >= start[:, None]  # [B, P]: pad keys are invisible
-    # ... but to themselves: no query row is fully masked, which fused kernels (cuDNN) leave undefined; a pad row's
-    # output and cache slot are never read (every later pass masks slots before `start`)
-    vis = self_mask(causal_segments(b, p), valid) | jnp.eye(p, dtype=bool)[None]
+    valid = jnp.arange(p)[None] >= start[:, None]  # [B, P]: pad keys are invisible (but to themselves: self_mask)
+    vis = self_mask(causal_segments(b, p), valid)
     h, k, v = qwen3.backbone(params, cfg, qwen3.embed(params, cfg, tokens), positions, vis, cache)
     out = qwen3.logits(params, cfg, h[:, -1:])[:, 0], cache.write(k, v)
     return (*out, h[:, -1]) if return_hidden else out
