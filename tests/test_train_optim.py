@@ -44,6 +44,9 @@ def test_stage2_rate_is_constant_after_its_warmup():
     assert optim.groups["adapter"].lr_scale == 3.0  # --adapter-lr-scale
     # the warmup is capped, so a run continued from 150 to 2000 rounds stays at the full rate
     assert stage2_optim(SimpleNamespace(lr2=1e-5, orl_rounds=2000, adapter_lr_scale=1.0)).warmup_steps == 20
+    # --orl-rounds 1 (how a resumed run ends a stage stopped early, to evaluate it) builds: warmup of 1, no decay
+    one = lr_schedule(stage2_optim(SimpleNamespace(lr2=1e-5, orl_rounds=1, adapter_lr_scale=1.0)))
+    np.testing.assert_allclose([one(0), one(1), one(50)], [0.0, 1e-5, 1e-5], rtol=1e-5)
 
 
 def test_decay_mask_skips_norms_and_vectors():

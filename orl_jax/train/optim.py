@@ -94,7 +94,11 @@ class Optimizer:
 
 
 def lr_schedule(cfg: OptimConfig) -> optax.Schedule:
-    """Linear warmup 0 -> lr over warmup_steps, then cosine lr -> lr * min_lr_ratio at total_steps."""
+    """Linear warmup 0 -> lr over warmup_steps, then cosine lr -> lr * min_lr_ratio at total_steps (with nothing
+    left to decay over, warmup_steps == total_steps, the rate stays at lr)."""
+    if cfg.warmup_steps == cfg.total_steps:  # optax's cosine refuses zero decay steps
+        return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps),
+                                     optax.constant_schedule(cfg.lr)], [cfg.warmup_steps])
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
         decay_steps=cfg.total_steps, end_value=cfg.lr * cfg.min_lr_ratio)
