@@ -8,7 +8,7 @@
 # the profile (kernels named from the compiled module).
 # variants: the CUDA-graph peer, then the step once per entry of VARIANTS ('|'-separated engine_step.py flags; an
 # empty entry is the defaults), in order, then the peer again: e.g.
-#   VARIANTS='|--cached-attention cudnn|--layer-unroll 4|--layer-unroll 6' bash benchmarks/run_engine_bench.sh ...
+#   VARIANTS='|--cached-attention cudnn|--layer-unroll 36' bash benchmarks/run_engine_bench.sh ...
 set -uo pipefail
 part=$1; out=$2; mkdir -p "$out"
 export PYTHONUNBUFFERED=1

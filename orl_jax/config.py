@@ -61,8 +61,8 @@ class ModelConfig:
     # num_layers unrolls the whole stack. On one H200 (Qwen3-4B) unrolling makes a denoising step 3.76 ms instead of
     # 4.07 (block 32) and 6.54 instead of 6.91 (canvas 256), but the first generate() compiles 52-84 s instead of
     # 6-7 (benchmarks/results/2026-11-30_engine_profile_h200x2.md): worth it for a long-lived server with the
-    # persistent compilation cache. A partial unroll (a divisor of num_layers) scans over groups of layers
-    # (qwen3.scan_layers); lax.scan's own partial unroll (4) was much slower there.
+    # persistent compilation cache. Partial unrolls are refused: lax.scan's unroll=4 and a scan over groups of 4 or
+    # 12 layers both took 7.1-7.3 ms at block 32 (benchmarks/results/2026-11-30_engine_variants_h200x2.md).
     layer_unroll: int = 1
     # --- block diffusion (QwenDLM); inert for a causal model ---
     # uniform: the canvas starts as random tokens and is re-noised (DiffusionGemma's recipe, our reading for
@@ -109,9 +109,9 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.cached_matmul_impl must be 'xla' or 'pallas', "
                              f"got {self.cached_matmul_impl!r}")
         int_at_least("ModelConfig.layer_unroll", self.layer_unroll)
-        if self.layer_unroll < self.num_layers and self.num_layers % self.layer_unroll:
-            raise ValueError(f"ModelConfig.layer_unroll must divide num_layers={self.num_layers} (or be >= it), "
-                             f"got {self.layer_unroll}")
+        if 1 < self.layer_unroll < self.num_layers:
+            raise ValueError(f"ModelConfig.layer_unroll must be 1 or >= num_layers={self.num_layers} (partial unrolls "
+                             f"were 1.8x slower on GPU), got {self.layer_unroll}")
         if self.noise not in ("uniform", "mask"):
             raise ValueError(f"ModelConfig.noise must be 'uniform' or 'mask', got {self.noise!r}")
         if self.prefix_attention not in ("causal", "block_causal"):

@@ -171,31 +171,8 @@ def backbone(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
     ws = (layers, packed, jnp.arange(cfg.num_layers, dtype=jnp.int32) if streamed or cache_stacked else None)
     xs = (ws, None, None) if cache is None else (ws, cache.k, cache.v)
     unroll = 1 if cache is None else min(cfg.layer_unroll, cfg.num_layers)
-    x, (k, v) = scan_layers(body, constrain(x, ACTIVATION_AXES), xs, cfg.num_layers, unroll)
+    x, (k, v) = jax.lax.scan(body, constrain(x, ACTIVATION_AXES), xs, unroll=unroll)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), k, v
-
-
-def scan_layers(body, x, xs, num_layers: int, unroll: int):
-    """lax.scan of `body` over the layer stacks, `unroll` layers per iteration. A partial unroll (1 < unroll <
-    num_layers, a divisor) views every stack as [num_layers / unroll, unroll, ...] and scans over the groups, each
-    iteration running its `unroll` layers at static offsets of the group's slice. lax.scan's own unroll instead
-    indexes layer unroll * i + j of the flat stacks, and on an H200 its unroll=4 step took 7.3 ms against 4.1 for
-    the plain scan (benchmarks/results/2026-11-30_engine_profile_h200x2.md), likely copying weights. Whether
-    the grouped view keeps XLA's in-place slices is for the GPU to show (not yet timed)."""
-    if unroll in (1, num_layers):
-        return jax.lax.scan(body, x, xs, unroll=unroll)
-    groups = num_layers // unroll
-    grouped = jax.tree.map(lambda a: a.reshape(groups, unroll, *a.shape[1:]), xs)
-
-    def group_body(x, group):
-        ys = []
-        for j in range(unroll):
-            x, y = body(x, jax.tree.map(lambda a, j=j: a[j], group))
-            ys.append(y)
-        return x, jax.tree.map(lambda *a: jnp.stack(a), *ys)
-
-    x, ys = jax.lax.scan(group_body, x, grouped)
-    return x, jax.tree.map(lambda a: a.reshape(num_layers, *a.shape[2:]), ys)
 
 
 def logits(params: dict, cfg: ModelConfig, h: jax.Array) -> jax.Array:
