@@ -177,6 +177,10 @@ def test_stopped_stage_exits_before_later_stages_then_resume_finishes(tmp_path, 
     assert steps[-1] == 6 and (out / "stage1/params/config.json").exists()
     assert len((out / "stage2_orl/logs/metrics.jsonl").read_text().splitlines()) == 1
     assert not (out / "stage2_orl/params").exists()
+    # a lower --orl-rounds ends the stopped stage at its checkpoint (to evaluate it now); a later run grows it again
+    train_qwendlm.main(args + ["--resume", "--orl-rounds", "1"])
+    assert (out / "stage2_orl/params/config.json").exists()
+    assert len((out / "stage2_orl/logs/metrics.jsonl").read_text().splitlines()) == 1
     monkeypatch.undo()
     train_qwendlm.main(args + ["--resume"])
     assert len((out / "stage2_orl/logs/metrics.jsonl").read_text().splitlines()) == 2
