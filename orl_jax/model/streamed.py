@@ -56,16 +56,19 @@ class StackedWeight:
     def dtype(self):
         return self.stack.dtype
 
-    def ragged_dot(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
-        """moe.grouped_matmul's product: rows sorted by group times layer `index` of an expert stack [L, E, K, N],
-        through kernels/grouped_gemm reading the stack in place; shapes or dtypes it does not take fall back to
-        XLA's ragged_dot on the slice (a copy, as XLA makes for its own ops)."""
+    def ragged_dot(self, x: jax.Array, group_sizes: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+        """moe.grouped_matmul's product: rows sorted by group (x[rows] when rows are given) times layer `index` of
+        an expert stack [L, E, K, N], through kernels/grouped_gemm reading the stack in place and gathering the
+        rows in its loads; shapes or dtypes it does not take fall back to XLA's ragged_dot on the slice (a copy,
+        as XLA makes for its own ops)."""
         from orl_jax_kernels.grouped_gemm.kernel import grouped_matmul, supported
 
         if self.stack.ndim == 4 and self.stack.dtype == x.dtype and supported(*self.stack.shape[2:]):
-            return grouped_matmul(x, self.stack, group_sizes, self.index, interpret=jax.default_backend() == "cpu")
+            return grouped_matmul(x, self.stack, group_sizes, self.index, interpret=jax.default_backend() == "cpu",
+                                  rows=rows)
         w = self.sliced().astype(x.dtype)
-        return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+        xs = x if rows is None else jnp.take(x, rows, axis=0, mode="clip")
+        return jax.lax.ragged_dot(xs, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 
     def einsum(self, spec: str, x: jax.Array) -> jax.Array:
         """x @ stack[index] by the einsum spec."""
