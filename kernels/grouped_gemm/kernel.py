@@ -9,8 +9,9 @@ tile) streams its expert's weight tile once through tensor-core dots for each BM
 for any group of <= BM rows), loading and storing only the group's rows (masked). XLA's own ragged_dot on an H200
 does the work of every group (benchmarks/ragged_dot_probe.py), hence a kernel.
 
-Semantics: jax.lax.ragged_dot(x, w[layer], group_sizes) with float32 accumulation (reference.py). Rows past the
-last group are 0. Pallas, Triton lowering; interpret mode on CPU for tests.
+Semantics: jax.lax.ragged_dot(x, w[layer], group_sizes) with float32 accumulation (reference.py), of x[rows] when
+`rows` is given (the gather done by the kernel's loads). Rows past the last group are 0. Pallas, Triton lowering;
+interpret mode on CPU for tests.
 """
 
 from __future__ import annotations
