@@ -115,12 +115,20 @@ def _layer(cfg: ModelConfig, x, w, cos, sin, self_vis, cache_part):
     b, l, _ = x.shape
     g = cfg.num_heads // cfg.num_kv_heads
     qkv = einsum("bld,dkth->blkth", h, w["qkv"])  # [B, L, K, G+2, H]
-    q = rms_norm(qkv[:, :, :, :g].reshape(b, l, cfg.num_heads, cfg.head_dim), w["q_norm"], eps)  # [B, L, N, H]
-    k = rms_norm(qkv[:, :, :, g], w["k_norm"], eps)  # [B, L, K, H]
-    v = qkv[:, :, :, g + 1]
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
     impl = cfg.attention_impl if cache_part is None else cached_attention_impl(cfg)
+    from orl_jax_kernels.qk_norm_rope import kernel as qk_kernel
+
+    if cache_part is not None and impl == "pallas" and qk_kernel.supported(cfg.num_kv_heads, g, cfg.head_dim):
+        # the Pallas path of cached passes: q/k norm + RoPE and the v slice in one kernel (four XLA kernels)
+        q, k, v = qk_kernel.qk_norm_rope(qkv, cos, sin, w["q_norm"], w["k_norm"], eps,
+                                         interpret=jax.default_backend() == "cpu")
+        q = q.reshape(b, l, cfg.num_heads, cfg.head_dim)
+    else:
+        q = rms_norm(qkv[:, :, :, :g].reshape(b, l, cfg.num_heads, cfg.head_dim), w["q_norm"], eps)  # [B, L, N, H]
+        k = rms_norm(qkv[:, :, :, g], w["k_norm"], eps)  # [B, L, K, H]
+        v = qkv[:, :, :, g + 1]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
     x = x + einsum("blnh,nhd->bld", attention(q, parts, impl), w["o"])
     x = x + fused_gated_mlp(rms_norm(x, w["mlp_norm"], eps), w["gate_up"], w["down"])
     return x, k, v

@@ -1,0 +1,74 @@
+"""The q/k norm + RoPE kernel: interpret mode on CPU against its oracle and the model's own layers, Triton IR
+verified at the Qwen3-4B decode shapes, compiled on a GPU (marked gpu). generate() through it is covered by
+test_kernel_decode_attention (cached_attention_impl="pallas" equals the default token for token)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from triton_ir import verified_triton_modules
+
+from orl_jax.model.layers import apply_rope, rms_norm, rope_angles
+from orl_jax_kernels.qk_norm_rope.kernel import qk_norm_rope, supported
+from orl_jax_kernels.qk_norm_rope.reference import qk_norm_rope_reference
+
+
+def _inputs(key, b, l, kv, g, h, dtype):
+    ks = jax.random.split(key, 3)
+    qkv = (jax.random.normal(ks[0], (b, l, kv, g + 2, h)) * 3).astype(dtype)
+    positions = jnp.arange(l)[None] + 7 * jnp.arange(b)[:, None]  # rows at different offsets
+    cos, sin = rope_angles(positions, h, 10000.0)
+    q_norm = (1 + 0.1 * jax.random.normal(ks[1], (h,))).astype(dtype)
+    k_norm = (1 + 0.1 * jax.random.normal(ks[2], (h,))).astype(dtype)
+    return qkv, cos, sin, q_norm, k_norm
+
+
+def test_reference_is_the_models_norm_then_rope():
+    qkv, cos, sin, qn, kn = _inputs(jax.random.key(0), 2, 5, 2, 4, 16, jnp.bfloat16)
+    q, k, v = qk_norm_rope_reference(qkv, cos, sin, qn, kn, 1e-6)
+    b, l, kv, g, h = 2, 5, 2, 4, 16
+    want_q = apply_rope(rms_norm(qkv[:, :, :, :g].reshape(b, l, kv * g, h), qn, 1e-6), cos, sin)
+    want_k = apply_rope(rms_norm(qkv[:, :, :, g], kn, 1e-6), cos, sin)
+    np.testing.assert_array_equal(np.asarray(q.reshape(b, l, kv * g, h), np.float32), np.asarray(want_q, np.float32))
+    np.testing.assert_array_equal(np.asarray(k, np.float32), np.asarray(want_k, np.float32))
+    np.testing.assert_array_equal(np.asarray(v, np.float32), np.asarray(qkv[:, :, :, g + 1], np.float32))
+
+
+@pytest.mark.parametrize("dtype,shape", [(jnp.float32, (2, 5, 2, 4, 16)), (jnp.bfloat16, (1, 3, 4, 2, 32)),
+                                         (jnp.bfloat16, (2, 4, 2, 1, 16))])
+def test_matches_the_reference_in_interpret_mode(dtype, shape):
+    qkv, cos, sin, qn, kn = _inputs(jax.random.key(1), *shape, dtype)
+    got = qk_norm_rope(qkv, cos, sin, qn, kn, 1e-6, interpret=True)
+    want = qk_norm_rope_reference(qkv, cos, sin, qn, kn, 1e-6)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == dtype
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=1e-6)
+    # the check can fail: a swapped norm weight changes q
+    other = qk_norm_rope(qkv, cos, sin, kn, kn, 1e-6, interpret=True)[0]
+    assert np.abs(np.asarray(other, np.float32) - np.asarray(want[0], np.float32)).max() > 1e-3
+
+
+def test_rejects_mismatched_or_unsupported_shapes():
+    qkv, cos, sin, qn, kn = _inputs(jax.random.key(2), 1, 3, 2, 2, 16, jnp.float32)
+    with pytest.raises(ValueError, match="do not match"):
+        qk_norm_rope(qkv, cos[:, :2], sin, qn, kn, 1e-6, interpret=True)
+    with pytest.raises(ValueError, match="not supported"):
+        qk_norm_rope(jnp.ones((1, 3, 2, 5, 16)), cos, sin, qn, kn, 1e-6, interpret=True)  # G = 3
+    assert supported(8, 4, 128) and supported(4, 2, 64) and not supported(8, 3, 128) and not supported(6, 4, 128)
+
+
+@pytest.mark.parametrize("rows", [32, 256], ids=["block32", "canvas256"])
+def test_kernel_lowers_to_verified_triton_at_the_qwen3_4b_shapes(monkeypatch, rows):
+    sd = jax.ShapeDtypeStruct
+    verified_triton_modules(monkeypatch, lambda x, c, s, a, b: qk_norm_rope(x, c, s, a, b, 1e-6),
+                            sd((1, rows, 8, 6, 128), jnp.bfloat16), sd((1, rows, 128), jnp.float32),
+                            sd((1, rows, 128), jnp.float32), sd((128,), jnp.bfloat16), sd((128,), jnp.bfloat16))
+
+
+@pytest.mark.gpu
+def test_compiled_on_gpu_matches_the_reference_bf16():
+    qkv, cos, sin, qn, kn = _inputs(jax.random.key(3), 1, 32, 8, 4, 128, jnp.bfloat16)
+    got = qk_norm_rope(qkv, cos, sin, qn, kn, 1e-6)
+    want = qk_norm_rope_reference(qkv, cos, sin, qn, kn, 1e-6)
+    for a, b in zip(got, want):  # bf16: at most a rounding step apart (FMA contraction may differ)
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
