@@ -181,10 +181,11 @@ def test_stopped_stage_exits_before_later_stages_then_resume_finishes(tmp_path, 
     train_qwendlm.main(args + ["--resume", "--orl-rounds", "1"])
     assert (out / "stage2_orl/params/config.json").exists()
     assert len((out / "stage2_orl/logs/metrics.jsonl").read_text().splitlines()) == 1
+    ended = (out / "stage2_orl/params/config.json").stat().st_mtime_ns
     monkeypatch.undo()
     train_qwendlm.main(args + ["--resume"])
     assert len((out / "stage2_orl/logs/metrics.jsonl").read_text().splitlines()) == 2
-    assert (out / "stage2_orl/params/config.json").exists()
+    assert (out / "stage2_orl/params/config.json").stat().st_mtime_ns > ended  # the grown stage exported again
     with pytest.raises(SystemExit, match="needs an NVIDIA GPU"):  # the h200 preset trains with cuDNN attention
         train_qwendlm.main(["--preset", "h200", "--out", str(tmp_path / "cpu")])
     assert not (tmp_path / "cpu").exists()

@@ -46,7 +46,7 @@ def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, rows: jax.Array | No
     """x [M, K] whose rows come in contiguous groups (sizes [E]) times w [E, K, N]: row r of group e gets x_r @ w_e.
     rows [M]: the grouped rows are x[rows] of an ungrouped x [T, K] (the grouped kernel gathers them itself)."""
     if hasattr(w, "ragged_dot"):
-        return w.ragged_dot(x, group_sizes, rows)
+        return w.ragged_dot(x, group_sizes) if rows is None else w.ragged_dot(x, group_sizes, rows)
     xs = x if rows is None else jnp.take(x, rows, axis=0, mode="clip")  # in range: no out-of-bounds select
     return jax.lax.ragged_dot(xs, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 
