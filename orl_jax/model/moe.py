@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from orl_jax.model.layers import ACTIVATIONS, einsum, rms_norm_fp32
-from orl_jax.model.streamed import as_stacked
+from orl_jax.model.streamed import as_stacked, xla_ragged_dot
 
 
 def route(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: int, eps: float):
@@ -47,8 +47,7 @@ def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, rows: jax.Array | No
     rows [M]: the grouped rows are x[rows] of an ungrouped x [T, K] (the grouped kernel gathers them itself)."""
     if hasattr(w, "ragged_dot"):
         return w.ragged_dot(x, group_sizes) if rows is None else w.ragged_dot(x, group_sizes, rows)
-    xs = x if rows is None else jnp.take(x, rows, axis=0, mode="clip")  # in range: no out-of-bounds select
-    return jax.lax.ragged_dot(xs, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+    return xla_ragged_dot(x, w, group_sizes, rows)
 
 
 # Up to this many tokens the experts run bucketed: each expert gathers its routed tokens into `capacity` slots and

@@ -24,7 +24,7 @@ import numpy as np
 from orl_jax.config import ModelConfig, kernel_choice
 from orl_jax.model.attention import attention, cache_mask, causal_segments, self_mask
 from orl_jax.model.cache import KVCache
-from orl_jax.model.layers import apply_rope, einsum, fused_gated_mlp, gated_mlp, rms_norm, rope_angles
+from orl_jax.model.layers import einsum, fused_gated_mlp, gated_mlp, qk_norm_rope, rms_norm, rope_angles
 from orl_jax.model.streamed import StackedWeight, pack_vectors, unpack_vectors
 from orl_jax.params import ParamSpec, ones, zeros
 from orl_jax.sharding import constrain
@@ -122,12 +122,9 @@ def _layer(cfg: ModelConfig, x, w, cos, sin, self_vis, cache_part):
         # the Pallas path of cached passes: q/k norm + RoPE and the v slice in one kernel (four XLA kernels)
         q, k, v = qk_kernel.qk_norm_rope(qkv, cos, sin, w["q_norm"], w["k_norm"], eps,
                                          interpret=jax.default_backend() == "cpu")
-        q = q.reshape(b, l, cfg.num_heads, cfg.head_dim)
     else:
-        q = rms_norm(qkv[:, :, :, :g].reshape(b, l, cfg.num_heads, cfg.head_dim), w["q_norm"], eps)  # [B, L, N, H]
-        k = rms_norm(qkv[:, :, :, g], w["k_norm"], eps)  # [B, L, K, H]
-        v = qkv[:, :, :, g + 1]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = qk_norm_rope(qkv, cos, sin, w["q_norm"], w["k_norm"], eps)
+    q = q.reshape(b, l, cfg.num_heads, cfg.head_dim)  # [B, L, N, H]
     parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
     x = x + einsum("blnh,nhd->bld", attention(q, parts, impl), w["o"])
     x = x + fused_gated_mlp(rms_norm(x, w["mlp_norm"], eps), w["gate_up"], w["down"])

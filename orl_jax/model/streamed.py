@@ -39,6 +39,13 @@ def gemm_dims(spec: str, x_shape, w_shape):
     return (lead or (1,))[0], m, k, n, lead + tuple(x_shape[:-c]) + tuple(w_shape[c:])
 
 
+def xla_ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+    """XLA's ragged_dot of x [M, K] (or x[rows] of an ungrouped x [T, K]; indices in range, so "clip" spares the
+    out-of-bounds mask and select) with w [E, K, N]: float32 accumulation, x's dtype."""
+    xs = x if rows is None else jnp.take(x, rows, axis=0, mode="clip")
+    return jax.lax.ragged_dot(xs, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
 @dataclass(frozen=True)
 class StackedWeight:
     stack: jax.Array  # [L, ...]: one weight per layer
@@ -66,9 +73,7 @@ class StackedWeight:
         if self.stack.ndim == 4 and self.stack.dtype == x.dtype and supported(*self.stack.shape[2:]):
             return grouped_matmul(x, self.stack, group_sizes, self.index, interpret=jax.default_backend() == "cpu",
                                   rows=rows)
-        w = self.sliced().astype(x.dtype)
-        xs = x if rows is None else jnp.take(x, rows, axis=0, mode="clip")
-        return jax.lax.ragged_dot(xs, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+        return xla_ragged_dot(x, self.sliced(), group_sizes, rows)
 
     def einsum(self, spec: str, x: jax.Array) -> jax.Array:
         """x @ stack[index] by the einsum spec."""
