@@ -9,9 +9,8 @@ tile) streams its expert's weight tile once through tensor-core dots for each BM
 for any group of <= BM rows), loading and storing only the group's rows (masked). XLA's own ragged_dot on an H200
 does the work of every group (benchmarks/ragged_dot_probe.py), hence a kernel.
 
-Semantics: jax.lax.ragged_dot(x, w[layer], group_sizes) with float32 accumulation (reference.py), of x[rows] when
-`rows` is given (the gather done by the kernel's loads). Rows past the last group are 0. Pallas, Triton lowering;
-interpret mode on CPU for tests.
+Semantics: jax.lax.ragged_dot(x, w[layer], group_sizes) with float32 accumulation (reference.py). Rows past the
+last group are 0. Pallas, Triton lowering; interpret mode on CPU for tests.
 """
 
 from __future__ import annotations
@@ -34,8 +33,7 @@ def supported(k: int, n: int, blocks: Blocks | None = None) -> bool:
     return blocks is not None and k % blocks.bk == 0 and n % blocks.bn == 0
 
 
-def _kernel(layer_ref, off_ref, rows_ref, x_ref, w_ref, o_ref, *, bk: int, n_chunks: int, bm: int, stacked: bool,
-            gathered: bool):
+def _kernel(layer_ref, off_ref, x_ref, w_ref, o_ref, *, bk: int, n_chunks: int, bm: int, stacked: bool):
     from jax.experimental.pallas import triton as plt
 
     e = pl.program_id(0)
@@ -46,15 +44,10 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, w_ref, o_ref, *, bk: int, n_chu
     def tile(t, carry):
         r0 = start + t * bm
         live = (t * bm + jnp.arange(bm)) < rows  # the group's rows of this tile
-        # gathered: row r of the product is row rows[r] of x (rows past the group read x's row 0, then are dropped)
-        src = plt.load(rows_ref.at[pl.ds(r0, bm)], mask=live, other=0) if gathered else None
 
         def chunk(j, acc):
             k0 = pl.multiple_of(j * bk, bk)
-            if gathered:
-                xb = x_ref[src, pl.ds(k0, bk)]
-            else:
-                xb = plt.load(x_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)], mask=live[:, None], other=0.0)
+            xb = plt.load(x_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)], mask=live[:, None], other=0.0)
             wb = w_ref[layer, 0, pl.ds(k0, bk), :] if stacked else w_ref[0, pl.ds(k0, bk), :]
             return acc + jnp.dot(xb, wb, preferred_element_type=jnp.float32)
 
@@ -67,21 +60,15 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, w_ref, o_ref, *, bk: int, n_chu
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: jax.Array | None = None,
-                   blocks: Blocks | None = None, interpret: bool = False, rows: jax.Array | None = None) -> jax.Array:
+                   blocks: Blocks | None = None, interpret: bool = False) -> jax.Array:
     """x [M, K] (rows sorted by group) times w [E, K, N], or the layer `layer` of a stack w [L, E, K, N], group by
-    group: group_sizes [E] (int, summing to <= M) -> [M, N] in x's dtype.
-
-    rows [M] (int, each in [0, T)): the sorted rows are x[rows] of an unsorted x [T, K], gathered by the kernel's
-    own loads; the MoE's [M, K] copy of its routed tokens is then never written."""
-    gathered = rows is not None
-    m = rows.shape[0] if gathered else x.shape[0]
-    k = x.shape[1]
+    group: group_sizes [E] (int, summing to <= M) -> [M, N] in x's dtype."""
+    m, k = x.shape
     e, n = w.shape[-3], w.shape[-1]
     stacked = w.ndim == 4
     layer_arr = layer_operand("grouped_matmul", stacked, layer, w.shape)  # stacked: [L, E, K, N]
-    if w.shape[-2] != k or group_sizes.shape != (e,) or (gathered and rows.ndim != 1):
-        raise ValueError(f"grouped_matmul: x {x.shape}, w {w.shape}, group_sizes {group_sizes.shape} and rows "
-                         f"{None if rows is None else rows.shape} do not match")
+    if w.shape[-2] != k or group_sizes.shape != (e,):
+        raise ValueError(f"grouped_matmul: x {x.shape}, w {w.shape} and group_sizes {group_sizes.shape} do not match")
     blocks = blocks or blocks_for(k, n, groups=e)
     if not supported(k, n, blocks):
         raise ValueError(f"grouped_matmul: K={k}, N={n} not supported with {blocks}")
@@ -89,25 +76,21 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: ja
     # Triton's masked loads and stores touch only the group's rows, so on a GPU x goes in as it lies (the pad was
     # a copy of x per call, ~8 us at DiffusionGemma's gate/up input).
     spare = BM if interpret else 0
-    xp = jnp.pad(x, ((0, spare), (0, 0))) if spare and not gathered else x
-    src = rows.astype(jnp.int32) if gathered else jnp.zeros((1,), jnp.int32)  # a constant, unread, when not gathered
-    src = jnp.pad(src, (0, spare)) if spare and gathered else src
+    xp = jnp.pad(x, ((0, spare), (0, 0))) if spare else x
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes.astype(jnp.int32))])
     w_spec = (pl.BlockSpec((w.shape[0], 1, k, blocks.bn), lambda g, j: (0, g, 0, j)) if stacked
               else pl.BlockSpec((1, k, blocks.bn), lambda g, j: (g, 0, j)))
     out = pl.pallas_call(
-        functools.partial(_kernel, bk=blocks.bk, n_chunks=k // blocks.bk, bm=BM, stacked=stacked,
-                          gathered=gathered),
+        functools.partial(_kernel, bk=blocks.bk, n_chunks=k // blocks.bk, bm=BM, stacked=stacked),
         out_shape=jax.ShapeDtypeStruct((m + spare, n), x.dtype),
         grid=(e, n // blocks.bn),
         in_specs=[pl.BlockSpec((1,), lambda g, j: (0,)),
                   pl.BlockSpec((e + 1,), lambda g, j: (0,)),
-                  pl.BlockSpec(src.shape, lambda g, j: (0,)),
-                  pl.BlockSpec(xp.shape, lambda g, j: (0, 0)),
+                  pl.BlockSpec((m + spare, k), lambda g, j: (0, 0)),
                   w_spec],
         out_specs=pl.BlockSpec((m + spare, blocks.bn), lambda g, j: (0, j)),
         interpret=interpret,
         **triton_params(blocks.num_warps, pipeline_stages(blocks, BM), interpret),
-    )(layer_arr, offsets, src, xp, w)
+    )(layer_arr, offsets, xp, w)
     live = jnp.arange(m) < offsets[-1]  # rows past the last group: never written
     return jnp.where(live[:, None], out[:m] if spare else out, 0)
