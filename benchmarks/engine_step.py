@@ -43,6 +43,8 @@ ap.add_argument("--attention-table", help="tuned attention blocks (kernels/decod
 ap.add_argument("--attention-blocks", choices=["library", "dataclass"], default="library",
                 help="the attention kernel's blocks without a table: the library's measured rule (blocks_for) or "
                      "the Blocks() defaults it replaced (A/B of the rule in one call)")
+ap.add_argument("--plain-compile", action="store_true",
+                help="compile the step loops without runtime.ENGINE_COMPILER_OPTIONS (generate() uses them for Qwen3)")
 ap.add_argument("--gemm-table", help="tuned small-M GEMM blocks (kernels/small_m_gemm/bench.py --table)")
 args = ap.parse_args()
 runtime.configure(args.cache_dir, xla_flags=() if args.xla_default else runtime.DEFAULT_XLA_FLAGS)
@@ -59,12 +61,19 @@ from orl_jax.model import qwen3, qwendlm  # noqa: E402
 from orl_jax.model.cache import KVCache  # noqa: E402
 from orl_jax.sharding import make_mesh, named_sharding  # noqa: E402
 
+LOOP_OPTIONS = None if args.plain_compile else runtime.ENGINE_COMPILER_OPTIONS  # as generate() compiles Qwen3
+if args.plain_compile:
+    from orl_jax.decode import engine
+
+    engine._run_graphed = engine._run  # generate() then compiles with XLA's defaults (read at call time)
+
 T0 = time.perf_counter()
 
 
 def log(**kw):
     kw |= {"phase": args.phase, "tensor": args.tensor, "cached_attention": args.cached_attention,
            "cached_matmul": args.cached_matmul, "layer_unroll": args.layer_unroll,
+           "engine_options": not args.plain_compile,
            "attention_blocks": args.attention_blocks, "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "device": jax.devices()[0].device_kind,
            "jax": jax.__version__, "t": round(time.perf_counter() - T0, 1)}
@@ -134,7 +143,7 @@ def step_loop(sampler, c, sstate):
         if fixed:
             return jax.lax.fori_loop(0, 16, lambda i, cr: body(cr), init)
         return jax.lax.while_loop(lambda cr: (cr[0] < n) & (cr[4] < 10**9), body, init)
-    return jax.jit(run, static_argnames="fixed")
+    return jax.jit(run, static_argnames="fixed", compiler_options=LOOP_OPTIONS)
 
 
 def step_phase(params, bw):
@@ -158,8 +167,9 @@ def step_phase(params, bw):
     x0 = jax.random.normal(jax.random.key(1), (32, 4096), jnp.bfloat16)
     n = 2000
     wl = jax.jit(lambda x, n: jax.lax.while_loop(lambda c: (c[0] < n) & (c[1][0, 0] < 1e9),
-                                                 lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, x))[1])
-    fl = jax.jit(lambda x: jax.lax.fori_loop(0, n, lambda i, x: jnp.tanh(x @ w), x))
+                                                 lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, x))[1],
+                 compiler_options=LOOP_OPTIONS)
+    fl = jax.jit(lambda x: jax.lax.fori_loop(0, n, lambda i, x: jnp.tanh(x @ w), x), compiler_options=LOOP_OPTIONS)
     tw = median_seconds(lambda: wl(x0, n), reps=5) / n
     tf = median_seconds(lambda: fl(x0), reps=5) / n
     log(what="loop_overhead", while_us=tw * 1e6, fori_us=tf * 1e6, dynamic_predicate_cost_us=(tw - tf) * 1e6)
@@ -190,7 +200,7 @@ def profile_phase(params):
 
 
 def generate_phase(params):
-    prompt = np.random.default_rng(0).integers(0, 150000, (1, args.prompt)).astype(np.int32)
+    prompt = np.random.default_rng(0).integers(0, min(150000, cfg.vocab_size - 1), (1, args.prompt)).astype(np.int32)
     for L in map(int, args.blocks.split(",")):
         sampler, c = sampler_for(L)
         kw = dict(key=jax.random.key(0), max_new_tokens=256, block_length=L, sampler=sampler, eos_token_id=(),

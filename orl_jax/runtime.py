@@ -15,8 +15,9 @@ themselves, first thing, or sets the same things by hand):
   minutes to compile cold); GPU / TPU installs only (see configure).
 
 Loop mode: the engine's while_loop has a data-dependent predicate, which XLA copies to the host each iteration
-unless WHILE/CONDITIONAL command buffers are on; those made a step slower in our probe, so they stay off
-(measured in benchmarks/results/).
+unless WHILE/CONDITIONAL command buffers are on. Those alone made a step slower (REFERENCE.md's plain-XLA probe;
+our engine: +0.1-0.3 ms). With the layer scan unrolled inside the command buffer and graphs of any size they pay
+off for Qwen3: ENGINE_COMPILER_OPTIONS, per compiled program (jax.jit's compiler_options), not process-wide.
 """
 
 from __future__ import annotations
@@ -26,6 +27,17 @@ import os
 from pathlib import Path
 
 DEFAULT_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false", "--xla_gpu_dot_merger_threshold_mb=0")
+
+# generate()'s compiler options for Qwen3 / QwenDLM (decode/engine.py): CUDA graphs (command buffers) that also hold
+# the while loops and conditionals, known-trip-count loops (the layer scan) unrolled inside the graph, and graphs of
+# any size. On an H200 (benchmarks/results/2026-11-30_engine_command_buffers_h200x2.md), Qwen3-4B: the engine loop's
+# overhead 34 -> 17 us per step, a denoising step -0.07 to -0.13 ms. Not for DiffusionGemma: its forward was 1 ms
+# slower with them (19.19 vs 18.16 ms), so its programs keep XLA's defaults. Only GPU backends read them.
+ENGINE_COMPILER_OPTIONS = {
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL,DYNAMIC_SLICE_FUSION",
+    "xla_gpu_command_buffer_unroll_loops": True,
+    "xla_gpu_graph_min_graph_size": 1,
+}
 
 
 def configure(compilation_cache_dir: str | os.PathLike | None = "~/.cache/orl_jax/xla",

@@ -18,7 +18,6 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +31,7 @@ from orl_jax.decode.residual import NoResidual, ORLResidual, RCDResidual, Residu
 from orl_jax.decode.samplers import MaskSampler, Sampler, UniformSampler
 from orl_jax.decode.state import DecodeState, GenerateOutput
 from orl_jax.model.registry import model_module
+from orl_jax.runtime import ENGINE_COMPILER_OPTIONS
 from orl_jax.sharding import named_sharding
 
 MIN_BUCKET = 16
@@ -80,8 +80,14 @@ def _finalize_block(dcfg: DecodeConfig, tokens_block, seq_done):
     return jnp.where(before > 0, pad, tokens_block), jnp.any(is_eos, axis=-1)
 
 
-@partial(jax.jit, static_argnames=("cfg", "dcfg"))
 def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeConfig) -> GenerateOutput:
+    """The compiled program for cfg's family: Qwen3 / QwenDLM with runtime.ENGINE_COMPILER_OPTIONS (the loop in
+    CUDA graphs), other models with XLA's defaults."""
+    run = _run_graphed if isinstance(cfg, ModelConfig) else _run
+    return run(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
+
+
+def _generate_loop(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeConfig) -> GenerateOutput:
     b, p = prompt.shape
     L, nb, sampler = dcfg.block_length, dcfg.num_blocks, dcfg.sampler
     model = model_module(cfg)
@@ -181,6 +187,10 @@ def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeCon
     return GenerateOutput(tokens=s.tokens, lengths=lengths_out, forwards=s.forwards, total_forwards=s.total_forwards,
                           commits=s.commits, steps_per_block=s.steps_per_block, tpf=tpf, tpf_hf=tpf_hf,
                           capture=s.capture)
+
+
+_run = jax.jit(_generate_loop, static_argnames=("cfg", "dcfg"))
+_run_graphed = jax.jit(_generate_loop, static_argnames=("cfg", "dcfg"), compiler_options=ENGINE_COMPILER_OPTIONS)
 
 
 def _valid_lengths(tokens, dcfg: DecodeConfig):

@@ -1,0 +1,54 @@
+"""generate() compiles Qwen3 / QwenDLM with runtime.ENGINE_COMPILER_OPTIONS (the loop inside CUDA graphs) and
+DiffusionGemma with XLA's defaults. Command buffers change how kernels are launched, never what they compute, so
+on a GPU the two programs must give the same tokens."""
+
+import jax
+import numpy as np
+import pytest
+
+from orl_jax import params as P
+from orl_jax.config import preset
+from orl_jax.decode import engine
+from orl_jax.decode.residual import ORLResidual
+from orl_jax.decode.samplers import MaskSampler
+from orl_jax.model import qwen3
+from orl_jax.runtime import ENGINE_COMPILER_OPTIONS
+
+
+def _inputs():
+    cfg = preset("tiny-qwendlm").replace(block_length=16, noise="mask")
+    params = P.init(qwen3.param_specs(cfg), jax.random.key(0))
+    kw = dict(key=jax.random.key(1), max_new_tokens=48, sampler=MaskSampler(cfg.mask_token_id, threshold=0.5),
+              residual=ORLResidual(), eos_token_id=(), pad_token_id=0)
+    return cfg, params, [[5, 6, 7, 8, 9], [10, 11, 12]], kw
+
+
+def test_the_options_are_valid_xla_debug_options():
+    """XLA rejects an unknown option or enum value when it compiles (e.g. a renamed command buffer type)."""
+    f = jax.jit(lambda x: x + 1, compiler_options=ENGINE_COMPILER_OPTIONS)
+    assert int(f(1)) == 2
+    bad = jax.jit(lambda x: x + 1, compiler_options={**ENGINE_COMPILER_OPTIONS,
+                                                     "xla_gpu_enable_command_buffer": "FUSION,NOT_A_TYPE"})
+    with pytest.raises(Exception, match="not a valid enum value"):
+        bad(1)
+
+
+def test_qwen_generate_runs_the_program_with_the_options(monkeypatch):
+    calls = []
+    for name in ("_run", "_run_graphed"):
+        real = getattr(engine, name)
+        monkeypatch.setattr(engine, name, lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k))
+    cfg, params, prompts, kw = _inputs()
+    engine.generate(params, cfg, prompts, **kw)
+    assert calls == ["_run_graphed"]
+
+
+@pytest.mark.gpu
+def test_graphed_program_equals_the_plain_one_on_gpu(monkeypatch):
+    cfg, params, prompts, kw = _inputs()
+    got = engine.generate(params, cfg, prompts, **kw)
+    monkeypatch.setattr(engine, "_run_graphed", engine._run)
+    want = engine.generate(params, cfg, prompts, **kw)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_array_equal(np.asarray(got.steps_per_block), np.asarray(want.steps_per_block))
+    assert int(got.total_forwards) == int(want.total_forwards)
