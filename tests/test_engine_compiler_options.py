@@ -33,14 +33,21 @@ def test_the_options_are_valid_xla_debug_options():
         bad(1)
 
 
-def test_qwen_generate_runs_the_program_with_the_options(monkeypatch):
+@pytest.mark.parametrize("case", ["plain", "streaming", "user_flag"])
+def test_which_program_qwen_generate_runs(monkeypatch, case):
+    """The options for one device without streaming; XLA's defaults with the streaming host callback in the loop,
+    or when XLA_FLAGS sets command buffers itself (read per call; this process's XLA is already configured)."""
     calls = []
     for name in ("_run", "_run_graphed"):
         real = getattr(engine, name)
         monkeypatch.setattr(engine, name, lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k))
     cfg, params, prompts, kw = _inputs()
+    if case == "streaming":
+        kw["streamer"] = lambda tokens, index: None
+    if case == "user_flag":
+        monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
     engine.generate(params, cfg, prompts, **kw)
-    assert calls == ["_run_graphed"]
+    assert calls == (["_run_graphed"] if case == "plain" else ["_run"])
 
 
 @pytest.mark.gpu

@@ -15,6 +15,7 @@ what the ORL trainer replays.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -80,10 +81,14 @@ def _finalize_block(dcfg: DecodeConfig, tokens_block, seq_done):
     return jnp.where(before > 0, pad, tokens_block), jnp.any(is_eos, axis=-1)
 
 
-def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeConfig) -> GenerateOutput:
-    """The compiled program for cfg's family: Qwen3 / QwenDLM with runtime.ENGINE_COMPILER_OPTIONS (the loop in
-    CUDA graphs), other models with XLA's defaults."""
-    run = _run_graphed if isinstance(cfg, ModelConfig) else _run
+def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeConfig, devices: int) -> GenerateOutput:
+    """Run the compiled loop. Qwen3 / QwenDLM on one device, without streaming, take runtime.ENGINE_COMPILER_OPTIONS
+    (the loop in CUDA graphs), as measured on an H200, unless XLA_FLAGS sets command buffers itself. Anything else
+    (DiffusionGemma: slower with them; a mesh's collectives or the streaming host callback in the loop: not
+    measured) compiles with XLA's defaults."""
+    graphed = (isinstance(cfg, ModelConfig) and devices == 1 and not dcfg.stream
+               and "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""))
+    run = _run_graphed if graphed else _run
     return run(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
 
 
@@ -368,12 +373,13 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, *, key: jax.Array, max_
         rows_sh = named_sharding(mesh, ("batch", None), prompt.shape)  # replicated if B does not divide
         prompt, lengths = jax.device_put(prompt, rows_sh), jax.device_put(lengths, named_sharding(mesh, ("batch",),
                                                                                                    lengths.shape))
+    devices = 1 if mesh is None else mesh.size
     if streamer is None:
-        return _generate(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
+        return _generate(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg, devices=devices)
     with _stream_lock:
         _stream_fn[0] = streamer
         try:
-            out = _generate(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
+            out = _generate(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg, devices=devices)
             jax.block_until_ready(out)
             jax.effects_barrier()
         finally:
