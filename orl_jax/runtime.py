@@ -28,7 +28,8 @@ from pathlib import Path
 
 DEFAULT_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false", "--xla_gpu_dot_merger_threshold_mb=0")
 
-# generate()'s compiler options for Qwen3 / QwenDLM on one device (decode/engine.py): CUDA graphs (command buffers)
+# generate()'s compiler options for plain Qwen3 / QwenDLM calls on one device (decode/engine.py: not for streaming,
+# capture, or calls inside another trace): CUDA graphs (command buffers)
 # that also hold the while loops and conditionals, known-trip-count loops (the layer scan) unrolled inside the graph,
 # and graphs of any size. On an H200 (benchmarks/results/2026-11-30_engine_command_buffers_h200x2.md), Qwen3-4B: the
 # engine loop's overhead ~36 -> 17-20 us per step, a denoising step -0.06 to -0.14 ms. Not for DiffusionGemma: its

@@ -33,10 +33,11 @@ def test_the_options_are_valid_xla_debug_options():
         bad(1)
 
 
-@pytest.mark.parametrize("case", ["plain", "streaming", "user_flag"])
+@pytest.mark.parametrize("case", ["plain", "streaming", "capture", "traced", "user_flag"])
 def test_which_program_qwen_generate_runs(monkeypatch, case):
-    """The options for one device without streaming; XLA's defaults with the streaming host callback in the loop,
-    or when XLA_FLAGS sets command buffers itself (read per call; this process's XLA is already configured)."""
+    """The options for a plain call on one device; XLA's defaults with the streaming host callback or the capture
+    buffers in the loop, inside another trace (jax.jit takes compiler_options only at the top level), or when
+    XLA_FLAGS sets command buffers itself (read per call; this process's XLA is already configured)."""
     calls = []
     for name in ("_run", "_run_graphed"):
         real = getattr(engine, name)
@@ -44,9 +45,14 @@ def test_which_program_qwen_generate_runs(monkeypatch, case):
     cfg, params, prompts, kw = _inputs()
     if case == "streaming":
         kw["streamer"] = lambda tokens, index: None
+    if case == "capture":
+        kw["capture"] = True
     if case == "user_flag":
         monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
-    engine.generate(params, cfg, prompts, **kw)
+    if case == "traced":
+        jax.make_jaxpr(lambda p: engine.generate(p, cfg, prompts, **kw).tokens)(params)
+    else:
+        engine.generate(params, cfg, prompts, **kw)
     assert calls == (["_run_graphed"] if case == "plain" else ["_run"])
 
 

@@ -82,12 +82,14 @@ def _finalize_block(dcfg: DecodeConfig, tokens_block, seq_done):
 
 
 def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeConfig, devices: int) -> GenerateOutput:
-    """Run the compiled loop. Qwen3 / QwenDLM on one device, without streaming, take runtime.ENGINE_COMPILER_OPTIONS
-    (the loop in CUDA graphs), as measured on an H200, unless XLA_FLAGS sets command buffers itself. Anything else
-    (DiffusionGemma: slower with them; a mesh's collectives or the streaming host callback in the loop: not
-    measured) compiles with XLA's defaults."""
-    graphed = (isinstance(cfg, ModelConfig) and devices == 1 and not dcfg.stream
-               and "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""))
+    """Run the compiled loop. Qwen3 / QwenDLM take runtime.ENGINE_COMPILER_OPTIONS (the loop in CUDA graphs) where
+    they were measured on an H200: one device, no streaming, no capture, called from Python (jax.jit's
+    compiler_options apply to top-level programs only), and XLA_FLAGS not setting command buffers itself.
+    Everything else compiles with XLA's defaults: DiffusionGemma (slower with them), a mesh's collectives, the
+    streaming host callback and the capture buffers in the loop (not measured)."""
+    graphed = (isinstance(cfg, ModelConfig) and devices == 1 and not dcfg.stream and not dcfg.capture
+               and "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", "")
+               and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, key))))
     run = _run_graphed if graphed else _run
     return run(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
 
