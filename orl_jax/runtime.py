@@ -29,12 +29,12 @@ from pathlib import Path
 DEFAULT_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false", "--xla_gpu_dot_merger_threshold_mb=0")
 
 # generate()'s compiler options for plain Qwen3 / QwenDLM calls on one device (decode/engine.py: not for streaming,
-# capture, or calls inside another trace): CUDA graphs (command buffers)
-# that also hold the while loops and conditionals, known-trip-count loops (the layer scan) unrolled inside the graph,
-# and graphs of any size. On an H200 (benchmarks/results/2026-11-30_engine_command_buffers_h200x2.md), Qwen3-4B: the
-# engine loop's overhead ~36 -> 17-20 us per step, a denoising step -0.06 to -0.14 ms. Not for DiffusionGemma: its
-# forward was 1 ms slower with them (19.19 vs 18.16 ms), so its programs keep XLA's defaults; nor where XLA_FLAGS
-# sets --xla_gpu_enable_command_buffer (the user's choice wins). Only GPU backends read them.
+# capture, or calls inside another trace): CUDA graphs (command buffers) that also hold the while loops and
+# conditionals, known-trip-count loops (the layer scan) unrolled inside the graph, and graphs of any size. On an H200
+# (benchmarks/results/2026-11-30_engine_command_buffers_h200x2.md), Qwen3-4B: the engine loop's overhead ~36 -> 17-20
+# us per step, a denoising step -0.06 to -0.14 ms. Not for DiffusionGemma: its forward was 1 ms slower with them (19.19
+# vs 18.16 ms), so its programs keep XLA's defaults; nor where XLA_FLAGS sets --xla_gpu_enable_command_buffer (the
+# user's choice wins). Only GPU backends read them.
 ENGINE_COMPILER_OPTIONS = {
     "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL,DYNAMIC_SLICE_FUSION",
     "xla_gpu_command_buffer_unroll_loops": True,
@@ -50,7 +50,7 @@ def configure(compilation_cache_dir: str | os.PathLike | None = "~/.cache/orl_ja
     devices, collectives inside the layer scan) reloaded from it deadlocked its devices (jax 0.10.2, seen in
     tests/test_recipe.py's resume), and CPU programs compile in seconds anyway."""
     current = os.environ.get("XLA_FLAGS", "")
-    have = {f.split("=")[0] for f in current.split()}
+    have = xla_flags_set()
     add = [f for f in xla_flags if f.split("=")[0] not in have]
     if add:
         os.environ["XLA_FLAGS"] = " ".join([current, *add]).strip()
@@ -62,6 +62,11 @@ def configure(compilation_cache_dir: str | os.PathLike | None = "~/.cache/orl_ja
         jax.config.update("jax_compilation_cache_dir", str(path))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def xla_flags_set() -> set[str]:
+    """The names of the flags XLA_FLAGS sets now ("--xla_..."): the user's, which orl_jax's own choices give way to."""
+    return {f.split("=")[0] for f in os.environ.get("XLA_FLAGS", "").split()}
 
 
 def _accelerator_installed() -> bool:

@@ -15,7 +15,6 @@ what the ORL trainer replays.
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from orl_jax.decode.residual import NoResidual, ORLResidual, RCDResidual, Residu
 from orl_jax.decode.samplers import MaskSampler, Sampler, UniformSampler
 from orl_jax.decode.state import DecodeState, GenerateOutput
 from orl_jax.model.registry import model_module
-from orl_jax.runtime import ENGINE_COMPILER_OPTIONS
+from orl_jax.runtime import ENGINE_COMPILER_OPTIONS, xla_flags_set
 from orl_jax.sharding import named_sharding
 
 MIN_BUCKET = 16
@@ -88,7 +87,7 @@ def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeCon
     Everything else compiles with XLA's defaults: DiffusionGemma (slower with them), a mesh's collectives, the
     streaming host callback and the capture buffers in the loop (not measured)."""
     graphed = (isinstance(cfg, ModelConfig) and devices == 1 and not dcfg.stream and not dcfg.capture
-               and "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", "")
+               and "--xla_gpu_enable_command_buffer" not in xla_flags_set()
                and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, key))))
     run = _run_graphed if graphed else _run
     return run(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
