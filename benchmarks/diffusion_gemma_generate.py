@@ -26,6 +26,8 @@ ap.add_argument("--out", default="dg_bench.jsonl")
 ap.add_argument("--preset", default="diffusiongemma-26b-a4b")
 ap.add_argument("--prompt", type=int, default=512)
 ap.add_argument("--new", type=int, default=256)
+ap.add_argument("--rng", choices=["threefry", "rbg", "inverse_cdf"], default="threefry",
+                help="the sampler's draw (samplers.categorical)")
 ap.add_argument("--expert", type=int, default=1, help="expert-parallel over the first N devices (mesh tensor=N)")
 ap.add_argument("--moe-impl", default="bucketed",
                 help="DiffusionGemmaConfig.moe_impl; a comma-separated list (bucketed, pallas, dense): "
@@ -66,7 +68,7 @@ T0 = time.perf_counter()
 
 
 def log(**kw):
-    kw |= {"expert_parallel": args.expert, "cached_attention": args.cached_attention,
+    kw |= {"expert_parallel": args.expert, "cached_attention": args.cached_attention, "rng": args.rng,
            "device": jax.devices()[0].device_kind,
            "jax": jax.__version__,
            "t": round(time.perf_counter() - T0, 1)}
@@ -118,7 +120,7 @@ log(what="init", params_b=n / 1e9, seconds=time.perf_counter() - t)
 
 prompt = np.random.default_rng(0).integers(0, min(200000, cfg.vocab_size) - 8, (1, args.prompt)).astype(np.int32)
 sampler = UniformSampler(max_denoising_steps=48, t_max=0.8, t_min=0.4, entropy_bound=0.1, stability=1,
-                         confidence=0.0)
+                         confidence=0.0, rng=args.rng)
 
 
 def one_forward(cfg):

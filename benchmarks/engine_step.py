@@ -46,6 +46,10 @@ ap.add_argument("--attention-blocks", choices=["library", "dataclass"], default=
 ap.add_argument("--plain-compile", action="store_true",
                 help="compile the step loops without runtime.ENGINE_COMPILER_OPTIONS (generate() uses them for Qwen3)")
 ap.add_argument("--gemm-table", help="tuned small-M GEMM blocks (kernels/small_m_gemm/bench.py --table)")
+ap.add_argument("--rng", choices=["threefry", "rbg", "inverse_cdf"], default="threefry",
+                help="the canvas-256 uniform sampler's draw (samplers.categorical)")
+ap.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
+                help="one more XLA option for the step loops (with the engine's), e.g. xla_gpu_enable_triton_gemm=true")
 args = ap.parse_args()
 runtime.configure(args.cache_dir, xla_flags=() if args.xla_default else runtime.DEFAULT_XLA_FLAGS)
 
@@ -62,6 +66,9 @@ from orl_jax.model.cache import KVCache  # noqa: E402
 from orl_jax.sharding import make_mesh, named_sharding  # noqa: E402
 
 LOOP_OPTIONS = None if args.plain_compile else runtime.ENGINE_COMPILER_OPTIONS  # as generate() compiles Qwen3
+if args.compiler_option:
+    LOOP_OPTIONS = dict(LOOP_OPTIONS or {}) | {k: json.loads(v) if v in ("true", "false") or v.isdigit() else v
+                                               for k, v in (o.split("=", 1) for o in args.compiler_option)}
 if args.plain_compile:
     from orl_jax.decode import engine
 
@@ -71,7 +78,8 @@ T0 = time.perf_counter()
 
 
 def log(**kw):
-    kw |= {"phase": args.phase, "tensor": args.tensor, "cached_attention": args.cached_attention,
+    kw |= {"phase": args.phase, "rng": args.rng, "compiler_options": args.compiler_option, "tensor": args.tensor,
+           "cached_attention": args.cached_attention,
            "cached_matmul": args.cached_matmul, "layer_unroll": args.layer_unroll,
            "engine_options": not args.plain_compile,
            "attention_blocks": args.attention_blocks, "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -108,13 +116,10 @@ MESH = None if args.tensor == 1 else make_mesh(data=1, fsdp=1, tensor=args.tenso
 nbytes = sum(int(np.prod(s.shape)) * 2 for s in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P.ParamSpec)))
 
 
-RNG = os.environ.get("ORL_BENCH_RNG", "threefry")  # benchmark-only switch, to compare the two generators
-
-
 def sampler_for(L):
     if L == 32:
         return MaskSampler(mask_token_id=cfg.mask_token_id, threshold=None, tokens_per_step=4), cfg
-    return UniformSampler(max_denoising_steps=48, confidence=0.0, rng=RNG), cfg.replace(noise="uniform")
+    return UniformSampler(max_denoising_steps=48, confidence=0.0, rng=args.rng), cfg.replace(noise="uniform")
 
 
 def step_inputs(L):

@@ -1,0 +1,58 @@
+"""samplers.categorical: every generator draws from the given distribution, never a zero-probability entry, and
+the same key gives the same sample."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from orl_jax.decode.samplers import EXCLUDED_LOGIT, RNGS, UniformSampler, _chunk_width, categorical
+
+
+@pytest.mark.parametrize("v,width", [(151936, 128), (262144, 512), (64, 8), (4099, 0), (2494, 43)])
+def test_chunk_width_tiles_the_vocabulary(v, width):
+    assert _chunk_width(v) == width
+    assert width == 0 or v % width == 0
+
+
+@pytest.mark.parametrize("rng", RNGS)
+@pytest.mark.parametrize("v", [64, 61])  # 61 is prime: inverse_cdf pads its chunks
+def test_draws_follow_the_distribution(rng, v):
+    logits = 2.0 * jax.random.normal(jax.random.key(1), (v,))
+    logits = logits.at[3].set(EXCLUDED_LOGIT).at[v - 1].set(-jnp.inf)
+    logp = jax.nn.log_softmax(logits)
+    n = 400_000
+    draws = jax.jit(jax.vmap(lambda k: categorical(k, logp, rng)))(jax.random.split(jax.random.key(7), n))
+    counts = np.bincount(np.asarray(draws), minlength=v)
+    assert counts[3] == 0 and counts[v - 1] == 0, "a zero-probability entry was drawn"
+    p = np.exp(np.asarray(logp, np.float64))
+    expected = p / p.sum() * n
+    big = expected > 20  # the chi-square approximation; the rest are checked by their total
+    assert stats.chisquare(counts[big], expected[big] * counts[big].sum() / expected[big].sum()).pvalue > 1e-3
+    assert abs(counts[~big].sum() - expected[~big].sum()) < 5 * np.sqrt(expected[~big].sum()) + 5
+
+
+@pytest.mark.parametrize("rng", RNGS)
+def test_same_key_same_draw_any_shape(rng):
+    logp = jax.nn.log_softmax(jax.random.normal(jax.random.key(0), (2, 5, 320)))
+    a = categorical(jax.random.key(3), logp, rng)
+    assert a.shape == (2, 5) and a.dtype == jnp.int32
+    np.testing.assert_array_equal(a, categorical(jax.random.key(3), logp, rng))
+    assert not np.array_equal(a, categorical(jax.random.key(4), logp, rng))
+
+
+def test_inverse_cdf_with_one_likely_entry_per_row():
+    """A nearly one-hot row returns its entry whatever the uniform is (top end of the CDF included)."""
+    v = 1000
+    hot = jnp.asarray([0, 999, 517, 128])
+    logp = jax.nn.log_softmax(jnp.where(jnp.arange(v)[None] == hot[:, None], 0.0, EXCLUDED_LOGIT))
+    for s in range(20):
+        np.testing.assert_array_equal(categorical(jax.random.key(s), logp, "inverse_cdf"), hot)
+
+
+def test_unknown_rng_is_a_value_error():
+    with pytest.raises(ValueError, match="rng"):
+        UniformSampler(rng="philox")
