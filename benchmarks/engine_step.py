@@ -38,7 +38,9 @@ ap.add_argument("--cached-attention", choices=["auto", "orl_jax", "pallas", "xla
                      "(xla / cudnn) over [cache | own keys]")
 ap.add_argument("--cached-matmul", choices=["xla", "pallas"], default="xla",
                 help="projections of cached passes <= 64 rows: XLA (cuBLAS) or kernels/small_m_gemm")
-ap.add_argument("--layer-unroll", type=int, default=1, help="ModelConfig.layer_unroll (layers per scan iteration)")
+ap.add_argument("--layer-unroll", type=int, default=0,
+                help="ModelConfig.layer_unroll (1: scan; the layer count: unrolled); 0: as generate() compiles it "
+                     "(unrolled on a GPU unless --plain-compile)")
 ap.add_argument("--attention-table", help="tuned attention blocks (kernels/decode_attention/bench.py --table)")
 ap.add_argument("--attention-blocks", choices=["library", "dataclass"], default="library",
                 help="the attention kernel's blocks without a table: the library's measured rule (blocks_for) or "
@@ -46,7 +48,7 @@ ap.add_argument("--attention-blocks", choices=["library", "dataclass"], default=
 ap.add_argument("--plain-compile", action="store_true",
                 help="compile the step loops without runtime.ENGINE_COMPILER_OPTIONS (generate() uses them for Qwen3)")
 ap.add_argument("--gemm-table", help="tuned small-M GEMM blocks (kernels/small_m_gemm/bench.py --table)")
-ap.add_argument("--rng", choices=["threefry", "rbg", "inverse_cdf"], default="threefry",
+ap.add_argument("--rng", choices=["threefry", "rbg", "inverse_cdf"], default="inverse_cdf",
                 help="the canvas-256 uniform sampler's draw (samplers.categorical)")
 ap.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
                 help="one more XLA option for the step loops (with the engine's), e.g. xla_gpu_enable_triton_gemm=true")
@@ -59,6 +61,7 @@ import numpy as np  # noqa: E402
 
 from orl_jax import params as P  # noqa: E402
 from orl_jax.config import preset  # noqa: E402
+from orl_jax.decode import engine  # noqa: E402
 from orl_jax.decode.engine import generate  # noqa: E402
 from orl_jax.decode.samplers import MaskSampler, UniformSampler  # noqa: E402
 from orl_jax.model import qwen3, qwendlm  # noqa: E402
@@ -70,8 +73,6 @@ if args.compiler_option:
     LOOP_OPTIONS = dict(LOOP_OPTIONS or {}) | {k: json.loads(v) if v in ("true", "false") or v.isdigit() else v
                                                for k, v in (o.split("=", 1) for o in args.compiler_option)}
 if args.plain_compile:
-    from orl_jax.decode import engine
-
     engine._run_graphed = engine._run  # generate() then compiles with XLA's defaults (read at call time)
 
 T0 = time.perf_counter()
@@ -80,7 +81,7 @@ T0 = time.perf_counter()
 def log(**kw):
     kw |= {"phase": args.phase, "rng": args.rng, "compiler_options": args.compiler_option, "tensor": args.tensor,
            "cached_attention": args.cached_attention,
-           "cached_matmul": args.cached_matmul, "layer_unroll": args.layer_unroll,
+           "cached_matmul": args.cached_matmul, "layer_unroll": cfg.layer_unroll,
            "engine_options": not args.plain_compile,
            "attention_blocks": args.attention_blocks, "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "device": jax.devices()[0].device_kind,
@@ -104,7 +105,9 @@ def ceilings():
 
 cfg = preset(args.preset).replace(noise="mask", mask_token_id=preset(args.preset).vocab_size - 1,
                                   cached_attention_impl=args.cached_attention,
-                                  cached_matmul_impl=args.cached_matmul, layer_unroll=args.layer_unroll)
+                                  cached_matmul_impl=args.cached_matmul, layer_unroll=args.layer_unroll or None)
+if not args.plain_compile:  # the step loops compile what generate() compiles
+    cfg = engine.graphed_config(cfg, jax.default_backend())
 if args.attention_blocks == "dataclass":
     from orl_jax_kernels.decode_attention import kernel as attention_kernel
 

@@ -58,12 +58,14 @@ class ModelConfig:
     # GEMM, reading each layer's weight in place from the stack; single device, unsharded weights).
     cached_matmul_impl: Literal["xla", "pallas"] = "xla"
     # Layers per iteration of the layer scan in cached passes (lax.scan's unroll): 1 compiles one layer body;
-    # num_layers unrolls the whole stack. On one H200 (Qwen3-4B) unrolling makes a denoising step 3.76 ms instead of
-    # 4.07 (block 32) and 6.54 instead of 6.91 (canvas 256), but the first generate() compiles 52-84 s instead of
-    # 6-7 (benchmarks/results/2026-11-30_engine_profile_h200x2.md): worth it for a long-lived server with the
-    # persistent compilation cache. Partial unrolls are refused: lax.scan's unroll=4 and a scan over groups of 4 or
-    # 12 layers both took 7.1-7.3 ms at block 32 (benchmarks/results/2026-11-30_engine_variants_h200x2.md).
-    layer_unroll: int = 1
+    # num_layers unrolls the whole stack. None (default): generate() unrolls the stack where it runs the loop in CUDA
+    # graphs on a GPU (one device, plain calls: engine._generate) and scans one body everywhere else. On one H200
+    # (Qwen3-4B) the unrolled generate() is 4-5% faster (0.270 vs 0.282 s at block 32, 0.290 vs 0.305 s at canvas
+    # 256) and its first call compiles in 11-12 s per program instead of 2.5-3 s with an empty cache, 2 s instead of
+    # 1 s with a warm one (benchmarks/results/2026-11-30_engine_unroll_default_h200x2.md). Partial unrolls are
+    # refused: lax.scan's unroll=4 and a scan over groups of 4 or 12 layers both took 7.1-7.3 ms at block 32
+    # (benchmarks/results/2026-11-30_engine_variants_h200x2.md).
+    layer_unroll: int | None = None
     # --- block diffusion (QwenDLM); inert for a causal model ---
     # uniform: the canvas starts as random tokens and is re-noised (DiffusionGemma's recipe, our reading for
     # QwenDLM); mask: the canvas starts as [MASK] tokens (LLaDA / SDAR style).
@@ -108,8 +110,9 @@ class ModelConfig:
         if self.cached_matmul_impl not in ("xla", "pallas"):
             raise ValueError(f"ModelConfig.cached_matmul_impl must be 'xla' or 'pallas', "
                              f"got {self.cached_matmul_impl!r}")
-        int_at_least("ModelConfig.layer_unroll", self.layer_unroll)
-        if 1 < self.layer_unroll < self.num_layers:
+        if self.layer_unroll is not None:
+            int_at_least("ModelConfig.layer_unroll", self.layer_unroll)
+        if self.layer_unroll is not None and 1 < self.layer_unroll < self.num_layers:
             raise ValueError(f"ModelConfig.layer_unroll must be 1 or >= num_layers={self.num_layers} (partial unrolls "
                              f"were 1.8x slower on GPU), got {self.layer_unroll}")
         if self.noise not in ("uniform", "mask"):

@@ -3,7 +3,8 @@
 Both sides get the same logits and the same random draws: HF's own `_denoising_step` (with
 LinearTemperatureScheduleLogitsProcessor, EntropyBoundSampler and StableAndConfidentStoppingCriteria) runs with a
 stand-in decoder that returns our logits, and torch.multinomial / torch.randint replaced by the draws our sampler
-makes from its step key (categorical = argmax(logits + gumbel), then the re-noise tokens). Compared at every step:
+makes from its step key (samplers.categorical with the sampler's rng, on HF's probabilities; then the re-noise
+tokens). Compared at every step:
 the processed distribution (temperature schedule), the accepted positions, the next (re-noised) canvas, the argmax
 canvas and the stop decisions, with rows that stop at different steps and one that never does.
 """
@@ -30,7 +31,7 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
 
 from orl_jax.config import DG_PRESETS
 from orl_jax.decode.engine import make_sampler
-from orl_jax.decode.samplers import UniformSampler
+from orl_jax.decode.samplers import UniformSampler, categorical
 
 pytestmark = pytest.mark.hf
 
@@ -40,13 +41,13 @@ B, L, V = 3, 12, 64
 class _StepDraws:
     """torch.multinomial / torch.randint for one HF step, drawn as UniformSampler.step draws from `key`."""
 
-    def __init__(self, key):
+    def __init__(self, key, rng: str):
         self.k_sample, self.k_noise = jax.random.split(key)
+        self.rng = rng
 
     def multinomial(self, probs, num_samples, **kw):
-        g = np.asarray(jax.random.gumbel(self.k_sample, (B, L, V), jnp.float32)).reshape(-1, V)
-        with np.errstate(divide="ignore"):
-            return torch.from_numpy(np.argmax(np.log(probs.numpy()) + g, axis=-1))[:, None]
+        logp = jnp.log(jnp.asarray(probs.numpy()).reshape(B, L, V))
+        return torch.from_numpy(np.asarray(categorical(self.k_sample, logp, self.rng)).reshape(-1, 1)).long()
 
     def randint(self, low=0, high=None, size=None, **kw):
         return torch.from_numpy(np.array(jax.random.randint(self.k_noise, tuple(size), low, high, jnp.int32))).long()
@@ -105,7 +106,7 @@ def _run(sampler: UniformSampler, logits: np.ndarray, key):
         active = ~done
         out = _step(sampler, jnp.asarray(logits[step]), canvas, state, k_step, jnp.int32(step), active)
         done = done | (out.done & active)
-        draws = _StepDraws(k_step)
+        draws = _StepDraws(k_step, sampler.rng)
         decoder = _decoder(torch.from_numpy(logits[step].copy()))
         with um.patch.object(torch, "multinomial", draws.multinomial), um.patch.object(torch, "randint", draws.randint):
             hf_canvas, hf_argmax, hf_sc, hf_done = DiffusionGemmaGenerationMixin._denoising_step(
@@ -130,11 +131,12 @@ def _run(sampler: UniformSampler, logits: np.ndarray, key):
     return np.array(stops)
 
 
+@pytest.mark.parametrize("rng", ["inverse_cdf", "threefry"])
 @pytest.mark.parametrize("stability", [0, 1, 2])
 @pytest.mark.parametrize("entropy_bound", [0.1, 2.0])
-def test_step_for_step(stability, entropy_bound):
+def test_step_for_step(stability, entropy_bound, rng):
     sampler = UniformSampler(max_denoising_steps=10, entropy_bound=entropy_bound, stability=stability,
-                             confidence=0.05)
+                             confidence=0.05, rng=rng)
     stops = _run(sampler, _logits(10, seed=stability), jax.random.key(stability))
     # rows stop at different steps and the flat row runs to the cap: the per-row freezing was exercised
     first = [int(np.argmax(stops[:, r])) if stops[:, r].any() else None for r in range(B)]

@@ -24,7 +24,7 @@ from orl_jax import params as P
 from orl_jax.config import DG_PRESETS, FULL, SLIDING, DiffusionGemmaConfig
 from orl_jax.convert.hf import DG_SKIPPED_PREFIXES, load_hf, save_hf
 from orl_jax.decode.engine import generate, make_sampler
-from orl_jax.decode.samplers import UniformSampler
+from orl_jax.decode.samplers import UniformSampler, categorical
 from orl_jax.model import diffusion_gemma as dg
 from orl_jax.model.moe import experts_mlp
 
@@ -405,9 +405,10 @@ class _EngineDraws:
     Engine keys: key, k_init = split(key); each step key, k_step, k_init = split(key, 3) and
     k_sample, k_noise = split(k_step); a new block's canvas uses the k_init of the step that finished the last."""
 
-    def __init__(self, key):
+    def __init__(self, key, rng: str):
         self.key, self.k_init = jax.random.split(key)
         self.k_noise = None
+        self.rng = rng
 
     def randint(self, low=0, high=None, size=None, **kw):
         k, self.k_noise = (self.k_noise, None) if self.k_noise is not None else (self.k_init, None)
@@ -416,17 +417,17 @@ class _EngineDraws:
     def multinomial(self, probs, num_samples, **kw):
         self.key, k_step, self.k_init = jax.random.split(self.key, 3)
         k_sample, self.k_noise = jax.random.split(k_step)
-        g = np.asarray(jax.random.gumbel(k_sample, tuple(probs.shape), jnp.float32))
-        with np.errstate(divide="ignore"):
-            return torch.from_numpy(np.argmax(np.log(probs.numpy()) + g, axis=-1))[:, None]
+        # HF's [B * L, V] rows draw as the engine's [B, L, V]: jax.random's draws are laid out row-major either way
+        logp = jnp.log(jnp.asarray(probs.numpy()))
+        return torch.from_numpy(np.asarray(categorical(k_sample, logp, self.rng))).long()[:, None]
 
 
 def test_categorical_is_gumbel_argmax():
-    """What _EngineDraws relies on: jax.random.categorical(k, logits) == argmax(gumbel(k, shape) + logits)."""
+    """rng="threefry" is jax.random.categorical: argmax(gumbel(k, shape) + logits)."""
     k = jax.random.key(5)
     logits = jax.random.normal(jax.random.key(6), (3, 4, 50)) * 3
     g = jax.random.gumbel(k, logits.shape, jnp.float32)
-    np.testing.assert_array_equal(jax.random.categorical(k, logits, axis=-1), jnp.argmax(g + logits, axis=-1))
+    np.testing.assert_array_equal(categorical(k, logits, "threefry"), jnp.argmax(g + logits, axis=-1))
 
 
 @pytest.fixture(scope="session")
@@ -440,12 +441,13 @@ def sharp(dg_hf, dg_ours):
 
 
 GEN = dict(max_denoising_steps=8, t_min=0.4, t_max=0.8, entropy_bound=100.0, stability=1, confidence=1.5)
+KEY_CDF = 8  # a key whose inverse-CDF draws let rows stop early (after 16 and 23 of 24 forwards)
 
 
-def _hf_generate(model, prompts, key, eos):
+def _hf_generate(model, prompts, key, eos, rng: str = UniformSampler.rng):
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
-    draws = _EngineDraws(key)
+    draws = _EngineDraws(key, rng)
     with um.patch.object(torch, "randint", draws.randint), um.patch.object(torch, "multinomial", draws.multinomial):
         return model.generate(
             _torch(prompts), max_new_tokens=24, max_denoising_steps=GEN["max_denoising_steps"], t_min=GEN["t_min"],
@@ -454,16 +456,17 @@ def _hf_generate(model, prompts, key, eos):
             pad_token_id=0)
 
 
-def test_generate_matches_transformers(sharp):
+@pytest.mark.parametrize("rng,seed", [("inverse_cdf", KEY_CDF), ("threefry", 3)])
+def test_generate_matches_transformers(sharp, rng, seed):
     """3 blocks of 8 tokens, 2 rows: every token, the per-row forward counts (through tokens_per_forward) and the
     early per-row stops equal transformers' generate() run with the engine's random draws. generate() defaults to
     self-conditioning for DiffusionGemma, as transformers always does."""
     model, cfg, params = sharp
     prompts = np.stack([_tokens((7,), 60), _tokens((7,), 61)])
-    sampler = UniformSampler(**GEN)
-    out = generate(params, cfg, prompts, key=jax.random.key(3), max_new_tokens=24, sampler=sampler, pad_token_id=0,
-                   eos_token_id=())
-    ref = _hf_generate(model, prompts, jax.random.key(3), eos=None)
+    sampler = UniformSampler(**GEN, rng=rng)
+    out = generate(params, cfg, prompts, key=jax.random.key(seed), max_new_tokens=24, sampler=sampler,
+                   pad_token_id=0, eos_token_id=())
+    ref = _hf_generate(model, prompts, jax.random.key(seed), eos=None, rng=rng)
     np.testing.assert_array_equal(np.asarray(out.tokens), ref.sequences[:, 7:].numpy())
     np.testing.assert_allclose(np.asarray(out.tpf_hf), ref.tokens_per_forward.numpy(), rtol=1e-6)
     assert np.asarray(out.forwards).min() < 3 * GEN["max_denoising_steps"]  # some row stopped early

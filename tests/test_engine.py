@@ -61,7 +61,7 @@ UNIFORM_CASES = [
     ("greedy", UniformSampler(max_denoising_steps=5, entropy_bound=2.0, confidence=0.5, greedy=True), NoResidual()),
     ("orl", UniformSampler(max_denoising_steps=4, entropy_bound=1.0, stability=2, confidence=1.0), ORLResidual()),
     ("rbg", UniformSampler(max_denoising_steps=4, entropy_bound=1.0, rng="rbg"), NoResidual()),
-    ("inverse_cdf", UniformSampler(max_denoising_steps=4, entropy_bound=1.0, rng="inverse_cdf"), NoResidual()),
+    ("threefry", UniformSampler(max_denoising_steps=4, entropy_bound=1.0, rng="threefry"), NoResidual()),
 ]
 
 
@@ -77,7 +77,7 @@ MASK_CASES = [
     ("per_step", MaskSampler(mask_token_id=255, threshold=None, tokens_per_step=2), NoResidual()),
     ("edit_sampled", MaskSampler(mask_token_id=255, threshold=0.3, edit_threshold=0.3, max_edit_steps=3,
                                  temperature=0.7), NoResidual()),
-    ("sampled_inverse_cdf", MaskSampler(mask_token_id=255, threshold=0.3, temperature=0.7, rng="inverse_cdf"),
+    ("sampled_threefry", MaskSampler(mask_token_id=255, threshold=0.3, temperature=0.7, rng="threefry"),
      NoResidual()),
     ("rcd", MaskSampler(mask_token_id=255, threshold=0.5), RCDResidual()),
     ("orl", MaskSampler(mask_token_id=255, threshold=0.4, edit_threshold=0.5, max_edit_steps=2), ORLResidual()),

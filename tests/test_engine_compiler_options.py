@@ -56,8 +56,18 @@ def test_which_program_qwen_generate_runs(monkeypatch, case):
     assert calls == (["_run_graphed"] if case == "plain" else ["_run"])
 
 
+def test_graphed_program_unrolls_the_layers_on_gpu_only():
+    cfg = _inputs()[0]
+    assert cfg.layer_unroll is None
+    assert engine.graphed_config(cfg, "gpu").layer_unroll == cfg.num_layers
+    assert engine.graphed_config(cfg, "cpu") is cfg
+    scan = cfg.replace(layer_unroll=1)  # the user's choice wins
+    assert engine.graphed_config(scan, "gpu") is scan
+
+
 @pytest.mark.gpu
 def test_graphed_program_equals_the_plain_one_on_gpu(monkeypatch):
+    """Also the unrolled layer stack (graphed) against the scan (plain)."""
     cfg, params, prompts, kw = _inputs()
     got = engine.generate(params, cfg, prompts, **kw)
     monkeypatch.setattr(engine, "_run_graphed", engine._run)

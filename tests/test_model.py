@@ -317,6 +317,8 @@ def test_unrolled_layer_scan_equals_the_scan(dlm):
     last_u, out_u = _prefill_decode(params, cfg.replace(layer_unroll=cfg.num_layers), *args)
     np.testing.assert_allclose(np.asarray(out_u), np.asarray(out), atol=1e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(last_u), np.asarray(last), atol=1e-5, rtol=0)
+    last_s, out_s = _prefill_decode(params, cfg.replace(layer_unroll=1), *args)
+    np.testing.assert_array_equal(np.asarray(out_s), np.asarray(out))  # None (the default) scans outside generate()
     with pytest.raises(ValueError, match="layer_unroll"):
         cfg.replace(layer_unroll=0)
     with pytest.raises(ValueError, match="layer_unroll must be 1 or >= num_layers=6"):

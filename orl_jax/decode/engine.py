@@ -85,12 +85,19 @@ def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeCon
     they were measured on an H200: one device, no streaming, no capture, called from Python (jax.jit's
     compiler_options apply to top-level programs only), and XLA_FLAGS not setting command buffers itself.
     Everything else compiles with XLA's defaults: DiffusionGemma (slower with them), a mesh's collectives, the
-    streaming host callback and the capture buffers in the loop (not measured)."""
+    streaming host callback and the capture buffers in the loop (not measured). The graphed program on a GPU also
+    unrolls the layer stack unless cfg.layer_unroll says otherwise (config.py)."""
     graphed = (isinstance(cfg, ModelConfig) and devices == 1 and not dcfg.stream and not dcfg.capture
                and "--xla_gpu_enable_command_buffer" not in xla_flags_set()
                and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, key))))
-    run = _run_graphed if graphed else _run
-    return run(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
+    if not graphed:
+        return _run(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
+    return _run_graphed(params, prompt, lengths, key, cfg=graphed_config(cfg, jax.default_backend()), dcfg=dcfg)
+
+
+def graphed_config(cfg: ModelConfig, backend: str) -> ModelConfig:
+    """The config the graphed program compiles: on a GPU the layer stack unrolled, unless cfg.layer_unroll is set."""
+    return cfg.replace(layer_unroll=cfg.num_layers) if cfg.layer_unroll is None and backend == "gpu" else cfg
 
 
 def _generate_loop(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeConfig) -> GenerateOutput:

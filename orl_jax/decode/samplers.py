@@ -125,7 +125,7 @@ class MaskSampler:
     edit_threshold: float | None = None
     max_edit_steps: int = 16
     temperature: float = 0.0
-    rng: str = "threefry"  # see `categorical`
+    rng: str = "inverse_cdf"  # see `categorical`
 
     def __post_init__(self):
         if (self.threshold is None) == (self.tokens_per_step is None):
@@ -208,7 +208,7 @@ class UniformSampler:
     stability: int = 1
     confidence: float = 0.005
     greedy: bool = False
-    rng: str = "threefry"  # see `categorical`
+    rng: str = "inverse_cdf"  # see `categorical`
 
     def __post_init__(self):
         _check_temperature("t_max (temperature)", self.t_max, allow_zero=False)

@@ -175,7 +175,7 @@ def backbone(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
         body = jax.checkpoint(body, prevent_cse=False)
     ws = (layers, packed, jnp.arange(cfg.num_layers, dtype=jnp.int32) if streamed or cache_stacked else None)
     xs = (ws, None, None) if cache is None else (ws, cache.k, cache.v)
-    unroll = 1 if cache is None else min(cfg.layer_unroll, cfg.num_layers)
+    unroll = 1 if cache is None or cfg.layer_unroll is None else min(cfg.layer_unroll, cfg.num_layers)
     x, (k, v) = jax.lax.scan(body, constrain(x, ACTIVATION_AXES), xs, unroll=unroll)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), k, v
 
