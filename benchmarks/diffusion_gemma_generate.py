@@ -26,7 +26,7 @@ ap.add_argument("--out", default="dg_bench.jsonl")
 ap.add_argument("--preset", default="diffusiongemma-26b-a4b")
 ap.add_argument("--prompt", type=int, default=512)
 ap.add_argument("--new", type=int, default=256)
-ap.add_argument("--rng", choices=["threefry", "rbg", "inverse_cdf"], default="threefry",
+ap.add_argument("--rng", choices=["threefry", "rbg", "inverse_cdf"], default="inverse_cdf",
                 help="the sampler's draw (samplers.categorical)")
 ap.add_argument("--expert", type=int, default=1, help="expert-parallel over the first N devices (mesh tensor=N)")
 ap.add_argument("--moe-impl", default="bucketed",
