@@ -42,8 +42,6 @@ ap.add_argument("--cached-attention", choices=["auto", "orl_jax", "pallas", "xla
                      "jax.nn.dot_product_attention (xla / cudnn; heads > 256 take the einsums), or auto")
 ap.add_argument("--attention-table", help="tuned attention blocks for --cached-attention pallas "
                                          "(kernels/decode_attention/bench.py --table)")
-ap.add_argument("--layer-loop", choices=["while", "unrolled"], default="while",
-                help="DiffusionGemmaConfig.cached_layer_loop: the sliding layers of cached passes")
 ap.add_argument("--capacity-factor", type=int,
                 help="moe.CAPACITY_FACTOR (slots per expert / mean load; overflow takes further rounds)")
 args = ap.parse_args()
@@ -71,7 +69,6 @@ T0 = time.perf_counter()
 
 def log(**kw):
     kw |= {"expert_parallel": args.expert, "cached_attention": args.cached_attention, "rng": args.rng,
-           "layer_loop": args.layer_loop,
            "device": jax.devices()[0].device_kind,
            "jax": jax.__version__,
            "t": round(time.perf_counter() - T0, 1)}
@@ -86,8 +83,7 @@ if args.capacity_factor is not None:
     moe.CAPACITY_FACTOR = args.capacity_factor  # read by moe.capacity at trace time
     log(what="capacity_factor", value=args.capacity_factor)
 load_tables(log, gemm=args.gemm_table, attention=args.attention_table)
-cfg = DG_PRESETS[args.preset].replace(dtype="bfloat16", cached_attention_impl=args.cached_attention,
-                                      cached_layer_loop=args.layer_loop)
+cfg = DG_PRESETS[args.preset].replace(dtype="bfloat16", cached_attention_impl=args.cached_attention)
 specs = diffusion_gemma.param_specs(cfg)
 flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda s: isinstance(s, P.ParamSpec))
 leaves = [s for _, s in flat]

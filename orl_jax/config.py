@@ -360,9 +360,6 @@ class DiffusionGemmaConfig:
     # (benchmarks/results/2026-11-30_dg_in_place_h200x2.md). "xla" / "cudnn" as for ModelConfig (cudnn: the sliding
     # layers; the 512-wide full heads take the einsums).
     cached_attention_impl: str = "auto"
-    # The sliding layers of cached passes: "while" (one while_loop per group, the layer index its counter) or
-    # "unrolled" (every layer at a static index: no loop and no per-iteration predicate). A runtime choice.
-    cached_layer_loop: str = "while"
     sliding_window: int = 1024  # keys per query in sliding layers, the query included
     layer_types: tuple[str, ...] = _DG_DEFAULT_LAYERS  # must repeat (k sliding, 1 full); see diffusion_gemma.py
     rope_sliding: RopeConfig = RopeConfig("default", 10_000.0)
@@ -407,9 +404,6 @@ class DiffusionGemmaConfig:
         if self.moe_impl not in ("auto", "bucketed", "pallas", "dense"):
             raise ValueError(f"DiffusionGemmaConfig.moe_impl must be 'auto', 'bucketed', 'pallas' or 'dense', "
                              f"got {self.moe_impl!r}")
-        if self.cached_layer_loop not in ("while", "unrolled"):
-            raise ValueError("DiffusionGemmaConfig.cached_layer_loop must be 'while' or 'unrolled', got "
-                             f"{self.cached_layer_loop!r}")
         if self.cached_attention_impl not in CACHED_ATTENTION_IMPLS:
             raise ValueError(f"DiffusionGemmaConfig.cached_attention_impl must be one of {CACHED_ATTENTION_IMPLS}, "
                              f"got {self.cached_attention_impl!r}")

@@ -285,18 +285,12 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
             if sliding_v is not None:
                 w |= unpack_vectors(take(sliding_v, i), sliding_layout)
             # the cache as layer i of its stacks: the attention kernel may read it in place (Blocks.cache_in_place)
-            index = jnp.int32(i) if isinstance(i, int) else i  # the kernels take the layer as an array
-            ck, cv = (StackedWeight(c, index, take(c, i)) for c in (cache.sliding.k, cache.sliding.v))
-            x, kk, vv = sliding_layer(x, index, w, ck, cv)
+            ck, cv = (StackedWeight(c, i, take(c, i)) for c in (cache.sliding.k, cache.sliding.v))
+            x, kk, vv = sliding_layer(x, i, w, ck, cv)
             if collect_kv:
                 kv = (kv[0].at[i - lo].set(kk), kv[1].at[i - lo].set(vv))
             return i + 1, x, kv
 
-        if cfg.cached_layer_loop == "unrolled":
-            carry = (lo, x, kv)  # a Python int counter: every slice and StackedWeight index is static
-            for _ in range(k):
-                carry = step(carry)
-            return carry[1], carry[2]
         _, x, kv = jax.lax.while_loop(lambda c: c[0] < lo + k, step, (jnp.int32(lo), x, kv))
         return x, kv
 
