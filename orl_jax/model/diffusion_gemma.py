@@ -248,7 +248,9 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     # into the whole stacks: XLA feeds each matrix to its GEMM in place only when its offset is the loop's own
     # counter (dynamic-slice fusion). Offsets computed any other way made XLA copy the weights: from a scan over
     # [G, k, ...] group slices (2.6 GB per 26B forward), from `g * k + j` in an unrolled body, or from a nested
-    # scan (~1.3-2 ms per forward: benchmarks/results/2026-11-30_dg_in_place_h200x2.md). Cache-free passes
+    # scan (~1.3-2 ms per forward: benchmarks/results/2026-11-30_dg_in_place_h200x2.md). Unrolling the sliding
+    # layers at static indices made a forward 0.8 ms slower and its first generate() compile 72 s instead of 32
+    # (benchmarks/results/2026-11-30_engine_unroll_default_h200x2.md). Cache-free passes
     # (training, `forward`) need reverse-mode autodiff, which while_loop lacks: they scan each group's slice of the
     # stacks, copies included. The pallas moe_impl's grouped kernel reads the expert stacks in place (StackedWeight).
     stacks = EXPERT_WEIGHTS if moe_impl(cfg) == "pallas" else ()
