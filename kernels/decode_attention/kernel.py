@@ -173,14 +173,14 @@ def _kernel(layer_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref, ms_ref, o_
              jnp.zeros((rows, h), jnp.float32))
     carry = stream(kc_ref, vc_ref, mc_ref, cs, first, cache_trips, carry, stacked)
     m, l, acc = stream(ks_ref, vs_ref, ms_ref, ss, 0, self_trips, carry)
-    if grouped:  # m, l laid out [P, B, L, N] here (transposed outside)
+    if grouped:  # m, l laid out [P, B, L, N] either way: combine() reads them without a transpose
         o_ref[0, 0] = acc.reshape(bl, g, h)
         m_out[0, 0] = m.reshape(bl, g)
         l_out[0, 0] = l.reshape(bl, g)
     else:
         o_ref[0, 0, :, 0, :] = acc  # unnormalized: the splits are combined outside
-        m_out[0, 0, 0, :] = m
-        l_out[0, 0, 0, :] = l
+        m_out[0, 0, :, 0] = m
+        l_out[0, 0, :, 0] = l
 
 
 def combine(o, m, l, dtype):
@@ -217,11 +217,10 @@ def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask,
     grouped = blocks.group_heads
     kvh = (lambda j: j) if grouped else (lambda j: j // g)  # grid axis 1: kv heads (grouped) or query heads
     nh = g if grouped else 1  # query heads per program
-    stats = (splits, b, l, n) if grouped else (splits, b, n, l)
+    stats = (splits, b, l, n)
     cache_spec = (pl.BlockSpec((k_cache.shape[0], 1, s, 1, h), lambda i, j, t, p: (0, i, 0, kvh(j), 0)) if stacked
                   else pl.BlockSpec((1, s, 1, h), lambda i, j, t, p: (i, 0, kvh(j), 0)))
-    stat_spec = (pl.BlockSpec((1, 1, bl, g), lambda i, j, t, p: (p, i, t, j)) if grouped else
-                 pl.BlockSpec((1, 1, 1, bl), lambda i, j, t, p: (p, i, j, t)))
+    stat_spec = pl.BlockSpec((1, 1, bl, nh), lambda i, j, t, p: (p, i, t, j))
     o, m, lsum = pl.pallas_call(
         functools.partial(_kernel, scale=scale, cs=cs, ss=ss, cps=blocks.chunks_per_split, grouped=grouped,
                           stacked=stacked),
@@ -239,6 +238,4 @@ def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask,
         interpret=interpret,
         **triton_params(blocks.num_warps, blocks.num_stages, interpret),
     )(layer_arr, q, k_cache, v_cache, cache_mask.astype(jnp.int8), k_self, v_self, self_mask.astype(jnp.int8))
-    if not grouped:  # [P, B, N, L] -> [P, B, L, N]
-        m, lsum = jnp.swapaxes(m, 2, 3), jnp.swapaxes(lsum, 2, 3)
     return combine(o, m, lsum, q.dtype)

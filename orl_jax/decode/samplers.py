@@ -10,6 +10,7 @@ Rows with `active=False` (finished block or finished sequence) come out unchange
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -47,6 +48,7 @@ def categorical(key: jax.Array, logp: jax.Array, rng: str) -> jax.Array:
     return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
 
 
+@functools.cache
 def _chunk_width(v: int) -> int:
     """The divisor of v nearest sqrt(v) (its chunks tile the vocabulary without padding); 0 when every divisor is
     far from it (then the caller pads)."""
@@ -86,7 +88,13 @@ RNGS = ("threefry", "rbg", "inverse_cdf")
 
 
 def _entropy(logp: jax.Array) -> jax.Array:
-    return jnp.maximum(-jnp.sum(jnp.exp(logp) * logp, axis=-1), 0.0)  # [B, L] nats; rounding can dip below 0
+    """[..., V] -> nats [...] (rounding can dip below 0: clipped). Summed in the inverse-CDF draw's chunks, so XLA
+    reads the logits once for this sum and the draw's chunk masses (one multi-output reduction, not two)."""
+    terms = jnp.exp(logp) * logp
+    w = _chunk_width(logp.shape[-1])
+    if w:
+        terms = jnp.sum(terms.reshape(*logp.shape[:-1], -1, w), axis=-1)
+    return jnp.maximum(-jnp.sum(terms, axis=-1), 0.0)
 
 
 def _check_unit(name: str, v: float | None, allow_none: bool = False) -> None:
