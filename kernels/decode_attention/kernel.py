@@ -8,12 +8,16 @@ split) streams a few chunks of its kv head's cache, or the pass's own keys (the 
 tensor-core dots with an online (running-max) softmax, reading the visibility masks as int8 tiles; XLA then
 combines the splits' partial results (flash-decoding). The splits are what fills the chip at batch 1: the first
 version ran one program per (row, head, query tile) over all keys, 32 programs for 132 SMs at block 32, and was
-slower than XLA's einsums (benchmarks/results/2026-11-29_engine_step_h200.md).
+slower than XLA's einsums (benchmarks/results/2026-11-29_engine_step_h200.md). Cache chunks past the last slot a
+tile sees are not streamed.
 
 Semantics equal orl_jax.model.attention.attention with two parts (cache, self): scores in float32, masked keys at
-a finite large negative value (a row with no visible key averages all values, as the reference does), the
-probabilities cast to the value dtype for the second dot. The online softmax rescales partial sums, so results
-differ from the reference by rounding only.
+a finite large negative value, the probabilities cast to the value dtype for the second dot. The online softmax
+rescales partial sums, so results differ from the reference by rounding only. One exception: a query row with no
+visible key at all (the engine never makes one: every row sees itself) averages the values the kernel streams for
+its tile (the own keys, and the cache up to the tile's last visible slot), where the reference averages every
+value. When the whole cache fits one program's chunks, that program also takes the own keys and writes the
+normalized output: no partial results and no merge.
 
 Pallas, Triton lowering (pallas.triton); interpret mode on CPU for tests.
 """
@@ -128,7 +132,7 @@ def supported(l: int, s: int, h: int, blocks: Blocks = Blocks(), g: int = 1) -> 
             and (not blocks.group_heads or pow2(g)))
 
 
-def _kernel(layer_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref, ms_ref, o_ref, m_out, l_out, *, scale: float,
+def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref, ms_ref, o_ref, *stats, scale: float,
             cs: int, ss: int, cps: int, grouped: bool, stacked: bool):
     if grouped:  # [BL, G, H] -> rows (query, head) of one dot
         bl, g, h = q_ref.shape[1:]
@@ -137,13 +141,16 @@ def _kernel(layer_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref, ms_ref, o_
         q = q_ref[0, :, 0, :]  # [BL, H]
         (bl, h), g = q.shape, 1
     split = pl.program_id(3)
-    own = split == pl.num_programs(3) - 1  # the last split holds the pass's own keys, the others the cache
-    n_cache = kc_ref.shape[-3] // cs
     layer = layer_ref[0]
     first = split * cps
-    # int32 loop bounds: Triton's scf.for needs bounds of one type (where(own, 1, 0) otherwise lowers to i1)
-    cache_trips = ((~own).astype(jnp.int32) * jnp.minimum(cps, n_cache - first)).astype(jnp.int32)
-    self_trips = own.astype(jnp.int32) * (ks_ref.shape[1] // ss)
+    n_cache = (extent_ref[0, 0] + cs - 1) // cs  # the chunks up to the tile's last visible cache slot
+    if not stats:  # one split: the cache, then the own keys, normalized here
+        cache_trips, self_trips = n_cache.astype(jnp.int32), jnp.int32(ks_ref.shape[1] // ss)
+    else:
+        own = split == pl.num_programs(3) - 1  # the last split holds the pass's own keys, the others the cache
+        # int32 loop bounds: Triton's scf.for needs bounds of one type (where(own, 1, 0) otherwise lowers to i1)
+        cache_trips = ((~own).astype(jnp.int32) * jnp.clip(n_cache - first, 0, cps)).astype(jnp.int32)
+        self_trips = own.astype(jnp.int32) * (ks_ref.shape[1] // ss)
 
     def stream(k_ref, v_ref, m_ref, chunk, start, trips, carry, stacked=False):
         def body(j, carry):
@@ -173,6 +180,14 @@ def _kernel(layer_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref, ms_ref, o_
              jnp.zeros((rows, h), jnp.float32))
     carry = stream(kc_ref, vc_ref, mc_ref, cs, first, cache_trips, carry, stacked)
     m, l, acc = stream(ks_ref, vs_ref, ms_ref, ss, 0, self_trips, carry)
+    if not stats:  # o_ref: the block of the [B, L, N, H] output
+        out = (acc / l[:, None]).astype(o_ref.dtype)
+        if grouped:
+            o_ref[0] = out.reshape(bl, g, h)
+        else:
+            o_ref[0, :, 0, :] = out
+        return
+    m_out, l_out = stats
     if grouped:  # m, l laid out [P, B, L, N] either way: combine() reads them without a transpose
         o_ref[0, 0] = acc.reshape(bl, g, h)
         m_out[0, 0] = m.reshape(bl, g)
@@ -212,7 +227,15 @@ def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask,
     if not supported(l, s, h, blocks, g):
         raise ValueError(f"cached_attention: L={l}, S={s}, H={h}, G={g} not supported with {blocks}")
     bl, cs, ss = tile(l, blocks.bl), tile(s, blocks.bs), tile(l, blocks.bs)
-    splits = -(-(s // cs) // blocks.chunks_per_split) + 1
+    # the cache in one split: that program also takes the own keys and normalizes (no partials, no merge);
+    # otherwise the own keys are one more split
+    cache_splits = -(-(s // cs) // blocks.chunks_per_split)
+    splits = 1 if cache_splits == 1 else cache_splits + 1
+    # Per (row, query tile): one past the last cache slot any of its queries sees. Chunks beyond it are not streamed,
+    # so slots a generation has not filled yet (a third of a 768-slot cache at a 512-token prompt's first canvas)
+    # cost nothing. The same mask feeds every layer, so XLA computes this once per pass.
+    seen = jnp.any(cache_mask.reshape(b, l // bl, bl, s) != 0, axis=2)  # [B, T, S]
+    extent = jnp.max(jnp.where(seen, jnp.arange(1, s + 1, dtype=jnp.int32), 0), axis=-1)  # [B, T]
     f32 = jnp.float32
     grouped = blocks.group_heads
     kvh = (lambda j: j) if grouped else (lambda j: j // g)  # grid axis 1: kv heads (grouped) or query heads
@@ -221,21 +244,29 @@ def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask,
     cache_spec = (pl.BlockSpec((k_cache.shape[0], 1, s, 1, h), lambda i, j, t, p: (0, i, 0, kvh(j), 0)) if stacked
                   else pl.BlockSpec((1, s, 1, h), lambda i, j, t, p: (i, 0, kvh(j), 0)))
     stat_spec = pl.BlockSpec((1, 1, bl, nh), lambda i, j, t, p: (p, i, t, j))
-    o, m, lsum = pl.pallas_call(
+    if splits == 1:
+        out_shape = (jax.ShapeDtypeStruct((b, l, n, h), q.dtype),)
+        out_specs = (pl.BlockSpec((1, bl, nh, h), lambda i, j, t, p: (i, t, j, 0)),)
+    else:
+        out_shape = (jax.ShapeDtypeStruct((splits, b, l, n, h), f32), jax.ShapeDtypeStruct(stats, f32),
+                     jax.ShapeDtypeStruct(stats, f32))
+        out_specs = (pl.BlockSpec((1, 1, bl, nh, h), lambda i, j, t, p: (p, i, t, j, 0)), stat_spec, stat_spec)
+    outs = pl.pallas_call(
         functools.partial(_kernel, scale=scale, cs=cs, ss=ss, cps=blocks.chunks_per_split, grouped=grouped,
                           stacked=stacked),
-        out_shape=(jax.ShapeDtypeStruct((splits, b, l, n, h), f32), jax.ShapeDtypeStruct(stats, f32),
-                   jax.ShapeDtypeStruct(stats, f32)),
+        out_shape=out_shape,
         grid=(b, kv if grouped else n, l // bl, splits),
         in_specs=[pl.BlockSpec((1,), lambda i, j, t, p: (0,)),
+                  pl.BlockSpec((1, 1), lambda i, j, t, p: (i, t)),
                   pl.BlockSpec((1, bl, nh, h), lambda i, j, t, p: (i, t, j, 0)),
                   cache_spec, cache_spec,
                   pl.BlockSpec((1, bl, s), lambda i, j, t, p: (i, t, 0)),
                   pl.BlockSpec((1, l, 1, h), lambda i, j, t, p: (i, 0, kvh(j), 0)),
                   pl.BlockSpec((1, l, 1, h), lambda i, j, t, p: (i, 0, kvh(j), 0)),
                   pl.BlockSpec((1, bl, l), lambda i, j, t, p: (i, t, 0))],
-        out_specs=(pl.BlockSpec((1, 1, bl, nh, h), lambda i, j, t, p: (p, i, t, j, 0)), stat_spec, stat_spec),
+        out_specs=out_specs,
         interpret=interpret,
         **triton_params(blocks.num_warps, blocks.num_stages, interpret),
-    )(layer_arr, q, k_cache, v_cache, cache_mask.astype(jnp.int8), k_self, v_self, self_mask.astype(jnp.int8))
-    return combine(o, m, lsum, q.dtype)
+    )(layer_arr, extent, q, k_cache, v_cache, cache_mask.astype(jnp.int8), k_self, v_self,
+      self_mask.astype(jnp.int8))
+    return outs[0] if splits == 1 else combine(*outs, q.dtype)
