@@ -311,7 +311,8 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, *, key: jax.Array, max_
     max_new_tokens is rounded up to whole blocks of `block_length` (default cfg.block_length).
     sampler: a MaskSampler / UniformSampler, or None for the model family's default built from sampler_options
     (mask: threshold, tokens_per_step, edit_threshold, max_edit_steps, temperature; uniform: t_max, t_min,
-    max_denoising_steps, entropy_bound, stability, confidence, greedy).
+    max_denoising_steps, entropy_bound, stability, confidence, greedy; both: rng, how a sample is drawn:
+    "inverse_cdf" by default, or Gumbel-max with "threefry" / "rbg" noise; see samplers.categorical).
     residual: NoResidual(), RCDResidual() or ORLResidual(); default NoResidual(), or ORLResidual() for a
     self-conditioning model (DiffusionGemma: its self-conditioning block is the adapter, w = 1).
     streamer(block_tokens [B, L], block_index) is called on the host as each block is finished.
