@@ -106,8 +106,10 @@ def ceilings():
 cfg = preset(args.preset).replace(noise="mask", mask_token_id=preset(args.preset).vocab_size - 1,
                                   cached_attention_impl=args.cached_attention,
                                   cached_matmul_impl=args.cached_matmul, layer_unroll=args.layer_unroll or None)
-if not args.plain_compile:  # the step loops compile what generate() compiles
-    cfg = engine.graphed_config(cfg, jax.default_backend())
+# the step loops compile what generate() compiles: with the engine options the stack unrolled on a GPU; without
+# them (--plain-compile) the scan, for generate() too, which then runs the plain program
+cfg = cfg.replace(layer_unroll=cfg.layer_unroll or 1) if args.plain_compile else engine.graphed_config(
+    cfg, jax.default_backend())
 if args.attention_blocks == "dataclass":
     from orl_jax_kernels.decode_attention import kernel as attention_kernel
 

@@ -112,9 +112,9 @@ class ModelConfig:
                              f"got {self.cached_matmul_impl!r}")
         if self.layer_unroll is not None:
             int_at_least("ModelConfig.layer_unroll", self.layer_unroll)
-        if self.layer_unroll is not None and 1 < self.layer_unroll < self.num_layers:
-            raise ValueError(f"ModelConfig.layer_unroll must be 1 or >= num_layers={self.num_layers} (partial unrolls "
-                             f"were 1.8x slower on GPU), got {self.layer_unroll}")
+            if 1 < self.layer_unroll < self.num_layers:
+                raise ValueError(f"ModelConfig.layer_unroll must be 1 or >= num_layers={self.num_layers} (partial "
+                                 f"unrolls were 1.8x slower on GPU), got {self.layer_unroll}")
         if self.noise not in ("uniform", "mask"):
             raise ValueError(f"ModelConfig.noise must be 'uniform' or 'mask', got {self.noise!r}")
         if self.prefix_attention not in ("causal", "block_causal"):

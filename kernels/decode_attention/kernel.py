@@ -233,23 +233,23 @@ def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask,
     splits = 1 if cache_splits == 1 else cache_splits + 1
     # Per (row, query tile): one past the last cache slot any of its queries sees. Chunks beyond it are not streamed,
     # so slots a generation has not filled yet (a third of a 768-slot cache at a 512-token prompt's first canvas)
-    # cost nothing. The same mask feeds every layer, so XLA computes this once per pass.
+    # cost nothing. The same mask feeds every layer, so XLA may share this across layers (CSE in an unrolled stack,
+    # loop-invariant motion in a scan); no profile has checked which it does.
     seen = jnp.any(cache_mask.reshape(b, l // bl, bl, s) != 0, axis=2)  # [B, T, S]
     extent = jnp.max(jnp.where(seen, jnp.arange(1, s + 1, dtype=jnp.int32), 0), axis=-1)  # [B, T]
     f32 = jnp.float32
     grouped = blocks.group_heads
     kvh = (lambda j: j) if grouped else (lambda j: j // g)  # grid axis 1: kv heads (grouped) or query heads
     nh = g if grouped else 1  # query heads per program
-    stats = (splits, b, l, n)
     cache_spec = (pl.BlockSpec((k_cache.shape[0], 1, s, 1, h), lambda i, j, t, p: (0, i, 0, kvh(j), 0)) if stacked
                   else pl.BlockSpec((1, s, 1, h), lambda i, j, t, p: (i, 0, kvh(j), 0)))
-    stat_spec = pl.BlockSpec((1, 1, bl, nh), lambda i, j, t, p: (p, i, t, j))
-    if splits == 1:
+    if splits == 1:  # the normalized output
         out_shape = (jax.ShapeDtypeStruct((b, l, n, h), q.dtype),)
         out_specs = (pl.BlockSpec((1, bl, nh, h), lambda i, j, t, p: (i, t, j, 0)),)
-    else:
-        out_shape = (jax.ShapeDtypeStruct((splits, b, l, n, h), f32), jax.ShapeDtypeStruct(stats, f32),
-                     jax.ShapeDtypeStruct(stats, f32))
+    else:  # per split: the unnormalized output, then its max and sum [P, B, L, N] (the layout combine() reads)
+        stat = jax.ShapeDtypeStruct((splits, b, l, n), f32)
+        stat_spec = pl.BlockSpec((1, 1, bl, nh), lambda i, j, t, p: (p, i, t, j))
+        out_shape = (jax.ShapeDtypeStruct((splits, b, l, n, h), f32), stat, stat)
         out_specs = (pl.BlockSpec((1, 1, bl, nh, h), lambda i, j, t, p: (p, i, t, j, 0)), stat_spec, stat_spec)
     outs = pl.pallas_call(
         functools.partial(_kernel, scale=scale, cs=cs, ss=ss, cps=blocks.chunks_per_split, grouped=grouped,

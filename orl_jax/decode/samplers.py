@@ -79,12 +79,12 @@ def _inverse_cdf(key: jax.Array, logp: jax.Array) -> jax.Array:
     return (c * w + j).astype(jnp.int32)
 
 
+RNGS = ("threefry", "rbg", "inverse_cdf")  # categorical's draws
+
+
 def _check_rng(rng) -> None:
     if rng not in RNGS:
         raise ValueError(f"rng must be one of {RNGS}, got {rng!r}")
-
-
-RNGS = ("threefry", "rbg", "inverse_cdf")
 
 
 def _entropy(logp: jax.Array) -> jax.Array:
