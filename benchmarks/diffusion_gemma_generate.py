@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gzip
+import hashlib
 import json
 import os
 import sys
@@ -205,4 +206,5 @@ for impl in IMPLS:
     fwd, com = int(out.total_forwards), int(out.commits)
     log(what="generate", moe_impl=impl, first_call_s=first, seconds=sec, new_tokens=args.new, denoise_forwards=fwd,
         commits=com, ms_per_forward_incl_prefill=sec * 1e3 / max(fwd + com, 1), tokens_per_s=args.new / sec,
+        tokens_sha=hashlib.sha256(np.asarray(out.tokens).tobytes()).hexdigest()[:12],
         tpf_hf=float(np.asarray(out.tpf_hf)[0]) if getattr(out, "tpf_hf", None) is not None else None)

@@ -91,6 +91,14 @@ def log(**kw):
         f.write(json.dumps(kw) + "\n")
 
 
+def sha(x) -> str:
+    """A short digest of an output array: variants that should not change numerics (launch or loop options) must
+    agree on it."""
+    import hashlib
+
+    return hashlib.sha256(np.asarray(x).tobytes()).hexdigest()[:12]
+
+
 def ceilings():
     x = jnp.ones((512 * 2**20,), jnp.int32)  # 2 GiB
     f = jax.jit(lambda x: x + 1)
@@ -162,13 +170,13 @@ def step_phase(params, bw):
         f = step_loop(sampler, c, sstate)
         for mode in ("while", "fori"):
             t = time.perf_counter()
-            jax.block_until_ready(f(params, cache, canvas, 16, jax.random.key(3), mode == "fori"))
+            res = jax.block_until_ready(f(params, cache, canvas, 16, jax.random.key(3), mode == "fori"))
             compile_s = time.perf_counter() - t
             per = median_seconds(lambda: f(params, cache, canvas, 16, jax.random.key(3), mode == "fori"), reps=5) / 16
             flops = 2 * (nbytes / 2) * L
             roof = max(nbytes / bw, flops / 790e12)
             log(what="denoise_step", block=L, loop=mode, ms_per_forward=per * 1e3, roofline_ms=roof * 1e3,
-                pct_of_roofline=100 * roof / per, compile_s=compile_s)
+                pct_of_roofline=100 * roof / per, compile_s=compile_s, canvas_sha=sha(res[1]))
 
     if MESH is not None:
         return
@@ -222,7 +230,7 @@ def generate_phase(params):
         per = median_seconds(lambda: generate(params, c, prompt, **kw), reps=5)
         fwd, com = int(out.total_forwards), int(out.commits)
         log(what="generate", block=L, first_call_s=first, seconds=per, new_tokens=256, denoise_forwards=fwd,
-            commits=com, forced_tpf=256 / (fwd + com), tokens_per_s=256 / per,
+            commits=com, forced_tpf=256 / (fwd + com), tokens_per_s=256 / per, tokens_sha=sha(out.tokens),
             ms_per_forward_incl_prefill=per * 1e3 / (fwd + com))
 
 
