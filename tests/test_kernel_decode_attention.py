@@ -102,12 +102,20 @@ def test_generate_with_the_kernel_equals_the_default(in_place, monkeypatch):
     real = kernel.cached_attention
     monkeypatch.setattr(kernel, "cached_attention",
                         lambda *a, **k: (k["layer"] is not None and layers_read.append(k["layer"])) or real(*a, **k))
+    from orl_jax_kernels.qk_norm_rope import kernel as qk_kernel
+
+    norms_read = []  # the q/k norm kernel takes its weights from the packed vector stack, in place
+    real_qk = qk_kernel.qk_norm_rope_stacked
+    monkeypatch.setattr(qk_kernel, "qk_norm_rope_stacked",
+                        lambda qkv, cos, sin, vectors, *a: norms_read.append(vectors.shape) or
+                        real_qk(qkv, cos, sin, vectors, *a))
     jax.clear_caches()  # trace again: the blocks are not part of generate()'s cache key
     assert "pallas_call" in str(jax.make_jaxpr(lambda p: generate(p, fused, prompts, **kw).tokens)(params))
     got = generate(params, fused, prompts, **kw)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     assert int(got.total_forwards) == int(want.total_forwards)
     assert bool(layers_read) == in_place and all(layer is not None for layer in layers_read)
+    assert norms_read and all(shape[0] == cfg.num_layers for shape in norms_read)
 
 
 @pytest.mark.gpu

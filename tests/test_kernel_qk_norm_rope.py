@@ -9,7 +9,7 @@ import pytest
 from triton_ir import verified_triton_modules
 
 from orl_jax.model.layers import apply_rope, rms_norm, rope_angles
-from orl_jax_kernels.qk_norm_rope.kernel import qk_norm_rope, supported
+from orl_jax_kernels.qk_norm_rope.kernel import qk_norm_rope, qk_norm_rope_stacked, supported
 from orl_jax_kernels.qk_norm_rope.reference import qk_norm_rope_reference
 
 
@@ -48,10 +48,27 @@ def test_matches_the_reference_in_interpret_mode(dtype, shape):
     assert np.abs(np.asarray(other, np.float32) - np.asarray(want[0], np.float32)).max() > 1e-3
 
 
+def test_stacked_norms_are_read_from_the_layer_and_offsets_given():
+    """The engine's form: both norm weights inside one packed [layers, n] vector stack (model/streamed.pack_vectors),
+    at unaligned offsets, selected by a traced layer index."""
+    qkv, cos, sin, _, _ = _inputs(jax.random.key(4), 1, 4, 2, 2, 16, jnp.bfloat16)
+    vectors = (1 + 0.1 * jax.random.normal(jax.random.key(5), (3, 45))).astype(jnp.bfloat16)
+    offsets = (5, 24)
+    run = jax.jit(lambda layer: qk_norm_rope_stacked(qkv, cos, sin, vectors, layer, offsets, 1e-6, interpret=True))
+    for layer in range(3):
+        want = qk_norm_rope_reference(qkv, cos, sin, vectors[layer, 5:21], vectors[layer, 24:40], 1e-6)
+        for a, b in zip(run(jnp.int32(layer)), want):
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="do not match"):
+        qk_norm_rope_stacked(qkv, cos, sin, vectors, jnp.int32(0), (5, 30), 1e-6, interpret=True)  # 30 + 16 > 45
+
+
 def test_rejects_mismatched_or_unsupported_shapes():
     qkv, cos, sin, qn, kn = _inputs(jax.random.key(2), 1, 3, 2, 2, 16, jnp.float32)
     with pytest.raises(ValueError, match="do not match"):
         qk_norm_rope(qkv, cos[:, :2], sin, qn, kn, 1e-6, interpret=True)
+    with pytest.raises(ValueError, match="do not match"):
+        qk_norm_rope(qkv, cos, sin, qn[:8], kn, 1e-6, interpret=True)
     with pytest.raises(ValueError, match="not supported"):
         qk_norm_rope(jnp.ones((1, 3, 2, 5, 16)), cos, sin, qn, kn, 1e-6, interpret=True)  # G = 3
     assert supported(8, 4, 128) and supported(4, 2, 64) and not supported(8, 3, 128) and not supported(6, 4, 128)

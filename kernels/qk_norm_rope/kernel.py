@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from orl_jax_kernels.pallas_args import triton_params
+from orl_jax_kernels.pallas_args import layer_operand, triton_params
 
 
 def supported(k: int, g: int, h: int) -> bool:
@@ -26,49 +26,67 @@ def supported(k: int, g: int, h: int) -> bool:
     return pow2(k) and pow2(g) and h % 2 == 0 and pow2(h // 2)
 
 
-def _kernel(qkv_ref, cos_ref, sin_ref, qn_ref, kn_ref, q_ref, k_ref, v_ref, *, g: int, half: int, eps: float):
+def _kernel(layer_ref, qkv_ref, cos_ref, sin_ref, vec_ref, q_ref, k_ref, v_ref, *, g: int, half: int, eps: float,
+            offsets: tuple[int, int]):
     r = pl.program_id(0)
+    layer = layer_ref[0]
     lo, hi = pl.ds(0, half), pl.ds(half, half)
     dt = q_ref.dtype
     c1, c2 = cos_ref[r, lo].astype(dt), cos_ref[r, hi].astype(dt)  # [half]
     s1, s2 = sin_ref[r, lo].astype(dt), sin_ref[r, hi].astype(dt)
 
-    def norm_rope(x1, x2, w_ref):  # the two halves of H, [..., half] each
+    def norm_rope(x1, x2, off):  # the two halves of H, [..., half] each; the norm weight at vectors[layer, off:]
         row = lambda v: v.reshape((1,) * (x1.ndim - 1) + (half,))  # noqa: E731  (explicit broadcasting)
         f1, f2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
         ms = (jnp.sum(f1 * f1, axis=-1, keepdims=True) + jnp.sum(f2 * f2, axis=-1, keepdims=True)) / (2 * half)
         inv = jax.lax.rsqrt(ms + eps)
-        y1 = row(w_ref[lo].astype(dt)) * (f1 * inv).astype(dt)
-        y2 = row(w_ref[hi].astype(dt)) * (f2 * inv).astype(dt)
+        y1 = row(vec_ref[layer, pl.ds(off, half)].astype(dt)) * (f1 * inv).astype(dt)
+        y2 = row(vec_ref[layer, pl.ds(off + half, half)].astype(dt)) * (f2 * inv).astype(dt)
         return y1 * row(c1) + (-y2) * row(s1), y2 * row(c2) + y1 * row(s2)  # x * cos + rotate_half(x) * sin
 
-    q1, q2 = norm_rope(qkv_ref[r, :, pl.ds(0, g), lo], qkv_ref[r, :, pl.ds(0, g), hi], qn_ref)  # [K, G, half]
+    q_off, k_off = offsets
+    q1, q2 = norm_rope(qkv_ref[r, :, pl.ds(0, g), lo], qkv_ref[r, :, pl.ds(0, g), hi], q_off)  # [K, G, half]
     q_ref[r, :, :, lo], q_ref[r, :, :, hi] = q1, q2
-    k1, k2 = norm_rope(qkv_ref[r, :, g, lo], qkv_ref[r, :, g, hi], kn_ref)  # [K, half]
+    k1, k2 = norm_rope(qkv_ref[r, :, g, lo], qkv_ref[r, :, g, hi], k_off)  # [K, half]
     k_ref[r, :, lo], k_ref[r, :, hi] = k1, k2
     v_ref[r, :, lo], v_ref[r, :, hi] = qkv_ref[r, :, g + 1, lo], qkv_ref[r, :, g + 1, hi]
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret", "num_warps"))
 def qk_norm_rope(qkv: jax.Array, cos: jax.Array, sin: jax.Array, q_norm: jax.Array, k_norm: jax.Array, eps: float,
                  interpret: bool = False, num_warps: int = 4):
     """qkv [B, L, K, G + 2, H]; cos, sin [B, L, H]; q_norm, k_norm [H] -> (q [B, L, K, G, H], k [B, L, K, H],
     v [B, L, K, H]) in qkv's dtype, equal to reference.qk_norm_rope_reference."""
+    h = qkv.shape[-1]
+    if q_norm.shape != (h,) or k_norm.shape != (h,):
+        raise ValueError(f"qk_norm_rope: qkv {qkv.shape}, q_norm {q_norm.shape} and k_norm {k_norm.shape} do not match")
+    vectors = jnp.concatenate([q_norm, k_norm])[None]
+    return qk_norm_rope_stacked(qkv, cos, sin, vectors, jnp.int32(0), (0, h), eps, interpret, num_warps)
+
+
+@functools.partial(jax.jit, static_argnames=("offsets", "eps", "interpret", "num_warps"))
+def qk_norm_rope_stacked(qkv: jax.Array, cos: jax.Array, sin: jax.Array, vectors: jax.Array, layer: jax.Array,
+                         offsets: tuple[int, int], eps: float, interpret: bool = False, num_warps: int = 4):
+    """qk_norm_rope with the norm weights read in place from a stack of packed per-layer vectors [L, n]
+    (model/streamed.pack_vectors): q_norm = vectors[layer, q:q + H], k_norm = vectors[layer, k:k + H] for
+    offsets (q, k) and an int32 scalar `layer`. Why: handed to the kernel as slices, each norm weight was its own
+    copy launch per layer (2 x 36 `memcpy32_post` per Qwen3-4B step, ~80 us)."""
     b, l, kv, slots, h = qkv.shape
     g = slots - 2
-    if cos.shape != (b, l, h) or sin.shape != (b, l, h) or q_norm.shape != (h,) or k_norm.shape != (h,):
-        raise ValueError(f"qk_norm_rope: qkv {qkv.shape}, cos {cos.shape}, sin {sin.shape}, q_norm {q_norm.shape} "
-                         f"and k_norm {k_norm.shape} do not match")
+    if cos.shape != (b, l, h) or sin.shape != (b, l, h) or vectors.ndim != 2 or \
+            not all(0 <= o <= vectors.shape[1] - h for o in offsets):
+        raise ValueError(f"qk_norm_rope: qkv {qkv.shape}, cos {cos.shape}, sin {sin.shape}, vectors "
+                         f"{vectors.shape} and offsets {offsets} do not match")
     if not supported(kv, g, h):
         raise ValueError(f"qk_norm_rope: K={kv}, G={g}, H={h} not supported (powers of two needed)")
     rows = b * l
     dt = qkv.dtype
     q, k, v = pl.pallas_call(
-        functools.partial(_kernel, g=g, half=h // 2, eps=eps),
+        functools.partial(_kernel, g=g, half=h // 2, eps=eps, offsets=offsets),
         out_shape=(jax.ShapeDtypeStruct((rows, kv, g, h), dt), jax.ShapeDtypeStruct((rows, kv, h), dt),
                    jax.ShapeDtypeStruct((rows, kv, h), dt)),
         grid=(rows,),
         interpret=interpret,
         **triton_params(num_warps, 1, interpret),
-    )(qkv.reshape(rows, kv, slots, h), cos.reshape(rows, h), sin.reshape(rows, h), q_norm, k_norm)
+    )(layer_operand("qk_norm_rope", True, layer, vectors.shape), qkv.reshape(rows, kv, slots, h),
+      cos.reshape(rows, h), sin.reshape(rows, h), vectors)
     return q.reshape(b, l, kv, g, h), k.reshape(b, l, kv, h), v.reshape(b, l, kv, h)

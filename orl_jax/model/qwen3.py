@@ -119,9 +119,13 @@ def _layer(cfg: ModelConfig, x, w, cos, sin, self_vis, cache_part):
     from orl_jax_kernels.qk_norm_rope import kernel as qk_kernel
 
     if cache_part is not None and impl == "pallas" and qk_kernel.supported(cfg.num_kv_heads, g, cfg.head_dim):
-        # the Pallas path of cached passes: q/k norm + RoPE and the v slice in one kernel (four XLA kernels)
-        q, k, v = qk_kernel.qk_norm_rope(qkv, cos, sin, w["q_norm"], w["k_norm"], eps,
-                                         interpret=jax.default_backend() == "cpu")
+        # the Pallas path of cached passes: q/k norm + RoPE and the v slice in one kernel (four XLA kernels); the
+        # norm weights read in place from the packed vector stack where the layer loop passes it (backbone)
+        interpret = jax.default_backend() == "cpu"
+        if "packed_vectors" in w:
+            q, k, v = qk_kernel.qk_norm_rope_stacked(qkv, cos, sin, *w["packed_vectors"], eps, interpret)
+        else:
+            q, k, v = qk_kernel.qk_norm_rope(qkv, cos, sin, w["q_norm"], w["k_norm"], eps, interpret)
     else:
         q, k, v = qk_norm_rope(qkv, cos, sin, w["q_norm"], w["k_norm"], eps)
     q = q.reshape(b, l, cfg.num_heads, cfg.head_dim)  # [B, L, N, H]
@@ -158,6 +162,7 @@ def backbone(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
 
     # cached passes (inference) slice the layer's vectors from one packed array: one copy per layer, not four
     layers, packed, layout = (params["layers"], None, ()) if cache is None else pack_vectors(params["layers"])
+    starts = {name: start for name, start, _ in layout}
 
     def body(x, xs):
         (w, row, i), ck, cv = xs
@@ -167,6 +172,8 @@ def backbone(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
             w = layer_in_place(params["layers"], i, w)
         if cache_stacked:
             ck, cv = StackedWeight(cache.k, i, ck), StackedWeight(cache.v, i, cv)
+            if {"q_norm", "k_norm"} <= starts.keys():  # the q/k norm kernel reads them where they lie (no copies)
+                w = w | {"packed_vectors": (packed, i, (starts["q_norm"], starts["k_norm"]))}
         cache_part = None if ck is None else (ck, cv, cvis)
         x, k, v = _layer(cfg, x, w, cos, sin, self_vis, cache_part)
         return constrain(x, ACTIVATION_AXES), (k, v)
