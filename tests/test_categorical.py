@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from orl_jax.decode.samplers import EXCLUDED_LOGIT, RNGS, UniformSampler, _chunk_width, categorical
+from orl_jax.decode.samplers import (
+    EXCLUDED_LOGIT,
+    RNGS,
+    UniformSampler,
+    _chunk_width,
+    _chunks,
+    categorical,
+    softmax_stats,
+)
 
 
 @pytest.mark.parametrize("v,width", [(151936, 128), (262144, 512), (64, 8), (4099, 0), (2494, 43)])
@@ -56,3 +64,27 @@ def test_inverse_cdf_with_one_likely_entry_per_row():
 def test_unknown_rng_is_a_value_error():
     with pytest.raises(ValueError, match="rng"):
         UniformSampler(rng="philox")
+
+
+@pytest.mark.parametrize("v", [151, 64])  # 151 is prime: the chunks are padded with -inf
+def test_softmax_stats_equal_log_softmax(v):
+    """The samplers' two-pass statistics against jax.nn.log_softmax's: argmax, log-probabilities, entropy and the draw's
+    chunk masses, with an excluded entry, a -inf entry, and a nearly one-hot row."""
+    x = 3.0 * jax.random.normal(jax.random.key(2), (3, 4, v))
+    x = x.at[..., 5].set(EXCLUDED_LOGIT).at[..., 7].set(-jnp.inf).at[2, 1, 9].set(60.0)
+    argmax, got_logp, ent, mass = softmax_stats(x)
+    logp = jax.nn.log_softmax(x, axis=-1)
+    p = jnp.exp(logp)
+    want_ent = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
+    np.testing.assert_array_equal(argmax, jnp.argmax(x, axis=-1))
+    # as log_softmax computes them, (x - max) - log s; s summed in chunks: the last bit may differ
+    live = np.isfinite(np.asarray(logp))
+    np.testing.assert_allclose(np.asarray(got_logp)[live], np.asarray(logp)[live], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(ent, want_ent, rtol=1e-5, atol=1e-6)
+    assert float(ent[2, 1]) < 1e-12 and bool(jnp.all(ent >= 0))
+    np.testing.assert_allclose(mass, jnp.sum(jnp.exp(_chunks(logp)), axis=-1), rtol=1e-5, atol=1e-7)
+    # the draw with the precomputed masses is the draw categorical() makes on its own (same key)
+    keys = jax.random.split(jax.random.key(4), 64)
+    own = jax.vmap(lambda k: categorical(k, logp, "inverse_cdf"))(keys)
+    given = jax.vmap(lambda k: categorical(k, logp, "inverse_cdf", mass))(keys)
+    assert float(jnp.mean(own == given)) > 0.99  # only a rounding-edge draw may differ

@@ -32,7 +32,7 @@ class StepOut:
     resolved: jax.Array  # [B, L] positions decided by this step (filled/accepted)
 
 
-def categorical(key: jax.Array, logp: jax.Array, rng: str) -> jax.Array:
+def categorical(key: jax.Array, logp: jax.Array, rng: str, mass: jax.Array | None = None) -> jax.Array:
     """Sample token ids from log-probabilities [..., V]; same key -> same sample for every `rng`.
 
     rng="threefry": Gumbel-max with jax.random's default generator (one noise value per vocabulary entry).
@@ -40,9 +40,10 @@ def categorical(key: jax.Array, logp: jax.Array, rng: str) -> jax.Array:
     rng="inverse_cdf": one uniform per position (threefry) and a two-level search of the cumulative distribution
     (chunk sums, then one chunk's entries). Exact in distribution like the others, but it draws no per-entry
     noise: at [256, 151936] the Gumbel noise (~39M hashed values, two logs each) is most of a uniform step's
-    sampler fusion. Its samples differ from Gumbel-max's for the same key."""
+    sampler fusion. Its samples differ from Gumbel-max's for the same key. `mass`: the chunk sums of exp(logp) if
+    the caller has them already (`softmax_stats`), so the draw reads the logits for no pass of its own."""
     if rng == "inverse_cdf":
-        return _inverse_cdf(key, logp)
+        return _inverse_cdf(key, logp, mass)
     if rng == "rbg":
         key = jax.random.wrap_key_data(jax.random.bits(key, (4,), jnp.uint32), impl="rbg")
     return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
@@ -57,15 +58,41 @@ def _chunk_width(v: int) -> int:
     return best if root // 4 <= best <= root * 4 else 0
 
 
-def _inverse_cdf(key: jax.Array, logp: jax.Array) -> jax.Array:
-    *lead, v = logp.shape
+def _chunks(x: jax.Array) -> jax.Array:
+    """x [..., V] as [..., C, W] chunks of _chunk_width(V) entries (padded with -inf where V has no such width)."""
+    *lead, v = x.shape
     w = _chunk_width(v)
     if not w:
         w = 1 << (math.isqrt(v) - 1).bit_length()
-        logp = jnp.pad(logp, [(0, 0)] * len(lead) + [(0, -v % w)], constant_values=-jnp.inf)
-    chunks = logp.reshape(*lead, -1, w)  # [..., C, W]
-    n = chunks.shape[-2]
-    mass = jnp.sum(jnp.exp(chunks), axis=-1)  # [..., C]
+        x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, -v % w)], constant_values=-jnp.inf)
+    return x.reshape(*lead, -1, w)
+
+
+def softmax_stats(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """What both samplers need of softmax(x) for float32 logits x [..., V], in two passes over x (XLA's
+    log_softmax, entropy and the draw's chunk sums each read it once more: four passes of 155 MB per canvas-256
+    step at Qwen3's vocabulary): (argmax [...], log-probabilities [..., V] (elementwise, so XLA computes them
+    where they are read), entropy in nats [...], the chunk masses of the inverse-CDF draw [..., C] (sums of the
+    probabilities)). With z = x - max <= 0, s = sum exp(z) >= 1 and t = sum exp(z) z <= 0: entropy =
+    log s - t / s, two non-negative terms (no cancellation); log p = z - log s, as jax.nn.log_softmax."""
+    argmax = jnp.argmax(x, axis=-1)
+    z = x - jnp.take_along_axis(x, argmax[..., None], axis=-1)  # the max, from the argmax's pass
+    zc = _chunks(z)
+    e = jnp.exp(zc)
+    mass = jnp.sum(e, axis=-1)  # [..., C]: chunk sums of both reductions, one multi-output pass
+    t = jnp.sum(jnp.where(e > 0, e * zc, 0.0), axis=-1)  # an excluded entry (exp 0) adds 0, not 0 * -inf
+    s, t = jnp.sum(mass, axis=-1), jnp.sum(t, axis=-1)
+    log_s = jnp.log(s)
+    entropy = jnp.maximum(log_s - t / s, 0.0)
+    return argmax.astype(jnp.int32), z - log_s[..., None], entropy, mass / s[..., None]
+
+
+def _inverse_cdf(key: jax.Array, logp: jax.Array, mass: jax.Array | None = None) -> jax.Array:
+    lead = logp.shape[:-1]
+    chunks = _chunks(logp)  # [..., C, W]
+    n, w = chunks.shape[-2:]
+    if mass is None:
+        mass = jnp.sum(jnp.exp(chunks), axis=-1)  # [..., C]
     cum = jnp.cumsum(mass, axis=-1)
     u = jax.random.uniform(key, tuple(lead), jnp.float32) * cum[..., -1]
     # the first chunk whose cumulative mass exceeds u (it has mass > 0); float rounding at the top end falls back to
@@ -85,10 +112,6 @@ RNGS = ("threefry", "rbg", "inverse_cdf")  # categorical's draws
 def _check_rng(rng) -> None:
     if rng not in RNGS:
         raise ValueError(f"rng must be one of {RNGS}, got {rng!r}")
-
-
-def _entropy(logp: jax.Array) -> jax.Array:
-    return jnp.maximum(-jnp.sum(jnp.exp(logp) * logp, axis=-1), 0.0)  # [B, L] nats; rounding can dip below 0
 
 
 def _check_unit(name: str, v: float | None, allow_none: bool = False) -> None:
@@ -160,11 +183,9 @@ class MaskSampler:
     def step(self, logits, canvas, state, key, step, active) -> StepOut:
         # [MASK] is never a prediction: a filled position must leave the masked state.
         logits = exclude_token(logits, self.mask_token_id)
-        logp = jax.nn.log_softmax(logits if self.temperature == 0 else logits / self.temperature, axis=-1)
-        if self.temperature == 0:
-            x0 = jnp.argmax(logp, axis=-1).astype(jnp.int32)
-        else:
-            x0 = categorical(key, logp, self.rng)
+        scaled = logits if self.temperature == 0 else logits / self.temperature
+        argmax, logp, ent, mass = softmax_stats(scaled)
+        x0 = argmax if self.temperature == 0 else categorical(key, logp, self.rng, mass)
         conf = jnp.exp(jnp.take_along_axis(logp, x0[..., None], axis=-1)[..., 0])  # [B, L]
         masked = canvas == self.mask_token_id
         mconf = jnp.where(masked, conf, -1.0)
@@ -188,9 +209,8 @@ class MaskSampler:
         new = jnp.where(active[:, None], new, canvas)
         edit_steps = jnp.where(active, edit_steps, state["edit_steps"])
         x0 = jnp.where(active[:, None], x0, state["x0"])
-        ent = _entropy(logp) / math.log(logits.shape[-1])
         return StepOut(canvas=new, state={"edit_steps": edit_steps, "x0": x0}, done=done, probs=jnp.exp(logp),
-                       entropy=ent, resolved=(fill | edit) & active[:, None])
+                       entropy=ent / math.log(logits.shape[-1]), resolved=(fill | edit) & active[:, None])
 
 
 @dataclass(frozen=True)
@@ -246,10 +266,9 @@ class UniformSampler:
     def step(self, logits, canvas, state, key, step, active) -> StepOut:
         k_sample, k_noise = jax.random.split(key)
         scaled = logits / self.temperature(step)  # HF's processed logits
-        logp = jax.nn.log_softmax(scaled, axis=-1)  # [B, L, V]
-        argmax = jnp.argmax(scaled, axis=-1).astype(jnp.int32)  # of the processed logits, as HF (no rounding ties)
-        proposal = argmax if self.greedy else categorical(k_sample, logp, self.rng)
-        ent = _entropy(logp)  # [B, L]
+        # argmax of the processed logits, as HF (no rounding ties); entropy [B, L] in nats
+        argmax, logp, ent, mass = softmax_stats(scaled)  # logp [B, L, V]
+        proposal = argmax if self.greedy else categorical(k_sample, logp, self.rng, mass)
         order = jnp.argsort(ent, axis=-1, stable=True)
         sorted_ent = jnp.take_along_axis(ent, order, axis=-1)
         keep_sorted = jnp.cumsum(sorted_ent, axis=-1) - sorted_ent <= self.entropy_bound
