@@ -1,11 +1,15 @@
 """What the kernel sweeps (kernels/*/bench.py) write: a JSON-lines record per variant, printed as it lands, and a
 tuned table rewritten atomically after each shape, so a sweep stopped by its time limit keeps the shapes done and
-never leaves a half-written table. And how the model benchmarks read such tables back (load_tables)."""
+never leaves a half-written table. And how the model benchmarks read such tables back (load_tables) and label their
+outputs (digest)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+
+import numpy as np
 
 
 def recorder(path: str):
@@ -35,3 +39,9 @@ def load_tables(log, gemm: str | None = None, attention: str | None = None) -> N
         from orl_jax_kernels.decode_attention.kernel import load_tuned
 
         log(what="attention_table", table=str(load_tuned(attention)))
+
+
+def digest(x) -> str:
+    """A short digest of an output array (a canvas, generated tokens): variants that must not change numerics
+    (launch or loop options) must agree on it."""
+    return hashlib.sha256(np.asarray(x).tobytes()).hexdigest()[:12]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gzip
-import hashlib
 import json
 import os
 import sys
@@ -56,7 +55,7 @@ runtime.configure(os.path.expanduser("~/.cache/orl_jax/xla"))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_io import load_tables  # noqa: E402
+from bench_io import digest, load_tables  # noqa: E402
 
 from orl_jax import params as P  # noqa: E402
 from orl_jax.config import DG_PRESETS  # noqa: E402
@@ -206,5 +205,5 @@ for impl in IMPLS:
     fwd, com = int(out.total_forwards), int(out.commits)
     log(what="generate", moe_impl=impl, first_call_s=first, seconds=sec, new_tokens=args.new, denoise_forwards=fwd,
         commits=com, ms_per_forward_incl_prefill=sec * 1e3 / max(fwd + com, 1), tokens_per_s=args.new / sec,
-        tokens_sha=hashlib.sha256(np.asarray(out.tokens).tobytes()).hexdigest()[:12],
+        tokens_sha=digest(out.tokens),
         tpf_hf=float(np.asarray(out.tpf_hf)[0]) if getattr(out, "tpf_hf", None) is not None else None)

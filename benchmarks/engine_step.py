@@ -18,7 +18,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench_io import load_tables  # noqa: E402
+from bench_io import digest, load_tables  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
 from orl_jax import runtime  # noqa: E402
@@ -89,14 +89,6 @@ def log(**kw):
     print(json.dumps(kw), flush=True)
     with open(args.out, "a") as f:
         f.write(json.dumps(kw) + "\n")
-
-
-def sha(x) -> str:
-    """A short digest of an output array: variants that should not change numerics (launch or loop options) must
-    agree on it."""
-    import hashlib
-
-    return hashlib.sha256(np.asarray(x).tobytes()).hexdigest()[:12]
 
 
 def ceilings():
@@ -176,7 +168,7 @@ def step_phase(params, bw):
             flops = 2 * (nbytes / 2) * L
             roof = max(nbytes / bw, flops / 790e12)
             log(what="denoise_step", block=L, loop=mode, ms_per_forward=per * 1e3, roofline_ms=roof * 1e3,
-                pct_of_roofline=100 * roof / per, compile_s=compile_s, canvas_sha=sha(res[1]))
+                pct_of_roofline=100 * roof / per, compile_s=compile_s, canvas_sha=digest(res[1]))
 
     if MESH is not None:
         return
@@ -230,7 +222,7 @@ def generate_phase(params):
         per = median_seconds(lambda: generate(params, c, prompt, **kw), reps=5)
         fwd, com = int(out.total_forwards), int(out.commits)
         log(what="generate", block=L, first_call_s=first, seconds=per, new_tokens=256, denoise_forwards=fwd,
-            commits=com, forced_tpf=256 / (fwd + com), tokens_per_s=256 / per, tokens_sha=sha(out.tokens),
+            commits=com, forced_tpf=256 / (fwd + com), tokens_per_s=256 / per, tokens_sha=digest(out.tokens),
             ms_per_forward_incl_prefill=per * 1e3 / (fwd + com))
 
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from bench_io import recorder, write_table  # noqa: E402
+import numpy as np  # noqa: E402
+from bench_io import digest, recorder, write_table  # noqa: E402
 
 
 def test_records_append_and_tables_replace(tmp_path, capsys):
@@ -20,3 +21,12 @@ def test_records_append_and_tables_replace(tmp_path, capsys):
     write_table(str(table), [{"k": 1}, {"k": 2}])
     assert json.loads(table.read_text()) == [{"k": 1}, {"k": 2}]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl", "t.json"]  # no temporary left behind
+
+
+def test_digest_tells_arrays_apart_by_value_and_dtype():
+    a = np.arange(12, dtype=np.int32).reshape(3, 4)
+    assert digest(a) == digest(a.copy()) and len(digest(a)) == 12
+    b = a.copy()
+    b[0, 0] = 1
+    assert digest(a) != digest(b)
+    assert digest(a) != digest(a.astype(np.int64))
