@@ -10,7 +10,7 @@ from triton_ir import verified_triton_modules
 
 from orl_jax.model.layers import apply_rope, rms_norm, rope_angles
 from orl_jax_kernels.qk_norm_rope.kernel import qk_norm_rope, qk_norm_rope_stacked, supported
-from orl_jax_kernels.qk_norm_rope.reference import qk_norm_rope_reference
+from orl_jax_kernels.qk_norm_rope.reference import gemma_qkv_reference, qk_norm_rope_reference
 
 
 def _inputs(key, b, l, kv, g, h, dtype):
@@ -63,6 +63,21 @@ def test_stacked_norms_are_read_from_the_layer_and_offsets_given():
         qk_norm_rope_stacked(qkv, cos, sin, vectors, jnp.int32(0), (5, 30), 1e-6, interpret=True)  # 30 + 16 > 45
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gemma_order_matches_diffusion_gemmas_layer(dtype):
+    """gemma=True: the weight multiplies in float32 before the cast, v gets the weightless norm (DiffusionGemma's
+    sliding layers, head dim 256 in the real model; 2 query heads per kv head)."""
+    qkv, cos, sin, qn, kn = _inputs(jax.random.key(6), 2, 3, 2, 2, 32, dtype)
+    vectors = jnp.concatenate([jnp.ones((7,), dtype), qn, kn])[None].repeat(2, axis=0)
+    got = qk_norm_rope_stacked(qkv, cos, sin, vectors, jnp.int32(1), (7, 39), 1e-6, interpret=True, gemma=True)
+    want = gemma_qkv_reference(qkv, cos, sin, qn, kn, 1e-6)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == dtype
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=1e-6)
+    qwen = qk_norm_rope_stacked(qkv, cos, sin, vectors, jnp.int32(1), (7, 39), 1e-6, interpret=True)
+    assert np.abs(np.asarray(qwen[2], np.float32) - np.asarray(want[2], np.float32)).max() > 1e-2  # v differs
+
+
 def test_rejects_mismatched_or_unsupported_shapes():
     qkv, cos, sin, qn, kn = _inputs(jax.random.key(2), 1, 3, 2, 2, 16, jnp.float32)
     with pytest.raises(ValueError, match="do not match"):
@@ -80,6 +95,30 @@ def test_kernel_lowers_to_verified_triton_at_the_qwen3_4b_shapes(monkeypatch, ro
     verified_triton_modules(monkeypatch, lambda x, c, s, a, b: qk_norm_rope(x, c, s, a, b, 1e-6),
                             sd((1, rows, 8, 6, 128), jnp.bfloat16), sd((1, rows, 128), jnp.float32),
                             sd((1, rows, 128), jnp.float32), sd((128,), jnp.bfloat16), sd((128,), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("gemma", [False, True], ids=["qwen3", "gemma"])
+def test_stacked_kernel_lowers_to_verified_triton(monkeypatch, gemma):
+    """The engine's form (norms from the packed stack by layer index) at Qwen3-4B's block-32 shape, and DiffusionGemma's
+    sliding layers at canvas 256 (8 kv heads x 2 query heads, head dim 256)."""
+    sd = jax.ShapeDtypeStruct
+    g, h, rows, n = (2, 256, 256, 8 * 2816) if gemma else (4, 128, 32, 5376)
+    verified_triton_modules(monkeypatch,
+                            lambda x, c, s, v, i: qk_norm_rope_stacked(x, c, s, v, i, (n - 2 * h, n - h), 1e-6,
+                                                                       gemma=gemma),
+                            sd((1, rows, 8, g + 2, h), jnp.bfloat16), sd((1, rows, h), jnp.float32),
+                            sd((1, rows, h), jnp.float32), sd((25, n), jnp.bfloat16), sd((), jnp.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gemma", [False, True], ids=["qwen3", "gemma"])
+def test_stacked_compiled_on_gpu_matches_the_reference_bf16(gemma):
+    qkv, cos, sin, qn, kn = _inputs(jax.random.key(7), 1, 64, 8, 2, 256, jnp.bfloat16)
+    vectors = jnp.stack([jnp.concatenate([qn * 0.5, kn * 2, qn, kn]), jnp.concatenate([kn, qn, qn, kn])])
+    got = qk_norm_rope_stacked(qkv, cos, sin, vectors, jnp.int32(0), (512, 768), 1e-6, gemma=gemma)
+    want = (gemma_qkv_reference if gemma else qk_norm_rope_reference)(qkv, cos, sin, qn, kn, 1e-6)
+    for a, b in zip(got, want):  # bf16: at most a rounding step apart (FMA contraction may differ)
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu

@@ -1,4 +1,5 @@
-"""q/k RMSNorm + RoPE on the fused qkv projection's output, in one kernel: q, k normed and rotated, v copied out.
+"""q/k RMSNorm + RoPE on the fused qkv projection's output, in one kernel: q, k normed and rotated, v copied out
+(Qwen3), or normed without a weight (DiffusionGemma's sliding layers, `gemma=True`).
 
 Why: in a Qwen3-4B denoising step XLA spends four kernels per layer here (the q slice, the k/v slices, the q
 norm+RoPE and the k norm+RoPE fusions): 7.7 us per layer at block 32, 11.5 at canvas 256, ~0.3-0.4 ms per step
@@ -27,7 +28,7 @@ def supported(k: int, g: int, h: int) -> bool:
 
 
 def _kernel(layer_ref, qkv_ref, cos_ref, sin_ref, vec_ref, q_ref, k_ref, v_ref, *, g: int, half: int, eps: float,
-            offsets: tuple[int, int]):
+            offsets: tuple[int, int], gemma: bool):
     r = pl.program_id(0)
     layer = layer_ref[0]
     lo, hi = pl.ds(0, half), pl.ds(half, half)
@@ -40,8 +41,12 @@ def _kernel(layer_ref, qkv_ref, cos_ref, sin_ref, vec_ref, q_ref, k_ref, v_ref, 
         f1, f2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
         ms = (jnp.sum(f1 * f1, axis=-1, keepdims=True) + jnp.sum(f2 * f2, axis=-1, keepdims=True)) / (2 * half)
         inv = jax.lax.rsqrt(ms + eps)
-        y1 = row(vec_ref[layer, pl.ds(off, half)].astype(dt)) * (f1 * inv).astype(dt)
-        y2 = row(vec_ref[layer, pl.ds(off + half, half)].astype(dt)) * (f2 * inv).astype(dt)
+        w1, w2 = vec_ref[layer, pl.ds(off, half)], vec_ref[layer, pl.ds(off + half, half)]
+        if gemma:  # the weight multiplies in float32, then the cast (layers.rms_norm_fp32)
+            y1 = (row(w1.astype(jnp.float32)) * (f1 * inv)).astype(dt)
+            y2 = (row(w2.astype(jnp.float32)) * (f2 * inv)).astype(dt)
+        else:  # the cast, then the weight (layers.rms_norm)
+            y1, y2 = row(w1.astype(dt)) * (f1 * inv).astype(dt), row(w2.astype(dt)) * (f2 * inv).astype(dt)
         return y1 * row(c1) + (-y2) * row(s1), y2 * row(c2) + y1 * row(s2)  # x * cos + rotate_half(x) * sin
 
     q_off, k_off = offsets
@@ -49,7 +54,13 @@ def _kernel(layer_ref, qkv_ref, cos_ref, sin_ref, vec_ref, q_ref, k_ref, v_ref, 
     q_ref[r, :, :, lo], q_ref[r, :, :, hi] = q1, q2
     k1, k2 = norm_rope(qkv_ref[r, :, g, lo], qkv_ref[r, :, g, hi], k_off)  # [K, half]
     k_ref[r, :, lo], k_ref[r, :, hi] = k1, k2
-    v_ref[r, :, lo], v_ref[r, :, hi] = qkv_ref[r, :, g + 1, lo], qkv_ref[r, :, g + 1, hi]
+    v1, v2 = qkv_ref[r, :, g + 1, lo], qkv_ref[r, :, g + 1, hi]
+    if gemma:  # v gets the weightless norm
+        f1, f2 = v1.astype(jnp.float32), v2.astype(jnp.float32)
+        inv = jax.lax.rsqrt((jnp.sum(f1 * f1, axis=-1, keepdims=True) + jnp.sum(f2 * f2, axis=-1, keepdims=True))
+                            / (2 * half) + eps)
+        v1, v2 = (f1 * inv).astype(dt), (f2 * inv).astype(dt)
+    v_ref[r, :, lo], v_ref[r, :, hi] = v1, v2
 
 
 def qk_norm_rope(qkv: jax.Array, cos: jax.Array, sin: jax.Array, q_norm: jax.Array, k_norm: jax.Array, eps: float,
@@ -63,13 +74,17 @@ def qk_norm_rope(qkv: jax.Array, cos: jax.Array, sin: jax.Array, q_norm: jax.Arr
     return qk_norm_rope_stacked(qkv, cos, sin, vectors, jnp.int32(0), (0, h), eps, interpret, num_warps)
 
 
-@functools.partial(jax.jit, static_argnames=("offsets", "eps", "interpret", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("offsets", "eps", "interpret", "num_warps", "gemma"))
 def qk_norm_rope_stacked(qkv: jax.Array, cos: jax.Array, sin: jax.Array, vectors: jax.Array, layer: jax.Array,
-                         offsets: tuple[int, int], eps: float, interpret: bool = False, num_warps: int = 4):
+                         offsets: tuple[int, int], eps: float, interpret: bool = False, num_warps: int = 4,
+                         gemma: bool = False):
     """qk_norm_rope with the norm weights read in place from a stack of packed per-layer vectors [L, n]
     (model/streamed.pack_vectors): q_norm = vectors[layer, q:q + H], k_norm = vectors[layer, k:k + H] for
     offsets (q, k) and an int32 scalar `layer`. Why: handed to the kernel as slices, each norm weight was its own
-    copy launch per layer (2 x 36 `memcpy32_post` per Qwen3-4B step, ~80 us)."""
+    copy launch per layer (2 x 36 `memcpy32_post` per Qwen3-4B step, ~80 us).
+
+    gemma=True: DiffusionGemma's order (reference.gemma_qkv_reference): each norm's weight multiplies in float32
+    before the cast, and v gets the weightless norm instead of passing through."""
     b, l, kv, slots, h = qkv.shape
     g = slots - 2
     if cos.shape != (b, l, h) or sin.shape != (b, l, h) or vectors.ndim != 2 or \
@@ -81,7 +96,7 @@ def qk_norm_rope_stacked(qkv: jax.Array, cos: jax.Array, sin: jax.Array, vectors
     rows = b * l
     dt = qkv.dtype
     q, k, v = pl.pallas_call(
-        functools.partial(_kernel, g=g, half=h // 2, eps=eps, offsets=offsets),
+        functools.partial(_kernel, g=g, half=h // 2, eps=eps, offsets=offsets, gemma=gemma),
         out_shape=(jax.ShapeDtypeStruct((rows, kv, g, h), dt), jax.ShapeDtypeStruct((rows, kv, h), dt),
                    jax.ShapeDtypeStruct((rows, kv, h), dt)),
         grid=(rows,),

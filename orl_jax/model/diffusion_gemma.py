@@ -201,10 +201,17 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     own_v = "qkv" in w  # full layers: "qk", K = V
     proj = einsum("bld,dkth->blkth", h, w["qkv" if own_v else "qk"])  # [B, L, K, G + 2 (or + 1), H]
     g = cfg.num_heads // proj.shape[2]
-    q = rms_norm_fp32(proj[:, :, :, :g].reshape(b, l, cfg.num_heads, -1), w["q_norm"], eps)  # [B, L, N, H]
-    k = rms_norm_fp32(proj[:, :, :, g], w["k_norm"], eps)  # [B, L, K, H]
-    v = rms_norm_fp32(proj[:, :, :, g + 1 if own_v else g], None, eps)
-    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    if "packed_vectors" in w:  # sliding layers of cached passes on a GPU: q/k/v norms + RoPE in one kernel
+        from orl_jax_kernels.qk_norm_rope import kernel as qk_kernel
+
+        q, k, v = qk_kernel.qk_norm_rope_stacked(proj, *rope, *w["packed_vectors"], eps, gemma=True,
+                                                 interpret=jax.default_backend() == "cpu")
+        q = q.reshape(b, l, cfg.num_heads, -1)
+    else:  # kernels/qk_norm_rope/reference.gemma_qkv_reference is this, for sliding layers
+        q = rms_norm_fp32(proj[:, :, :, :g].reshape(b, l, cfg.num_heads, -1), w["q_norm"], eps)  # [B, L, N, H]
+        k = rms_norm_fp32(proj[:, :, :, g], w["k_norm"], eps)  # [B, L, K, H]
+        v = rms_norm_fp32(proj[:, :, :, g + 1 if own_v else g], None, eps)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
     impl = "orl_jax" if cache_part is None else qwen3.cached_attention_impl(cfg)
     attn = einsum("blnh,nhd->bld", attention(q, parts, impl, scale=1.0), w["o"])
@@ -218,6 +225,18 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     ffw = rms_norm_fp32(mlp, w["post_mlp_norm"], eps) + rms_norm_fp32(moe, w["post_moe_norm"], eps)
     x = (x + rms_norm_fp32(ffw, w["post_ffw_norm"], eps)) * w[scalar][0]
     return x, k, v
+
+
+def _qk_kernel_fits(cfg: DiffusionGemmaConfig, packed, layout) -> bool:
+    """Whether the sliding layers of a cached pass take kernels/qk_norm_rope (q/k/v norms + RoPE in one launch
+    instead of XLA's slices and fusions): with the Pallas attention (on a GPU by default), the shapes the kernel
+    takes, full RoPE on sliding layers, and both norm weights in the packed vector stack."""
+    from orl_jax_kernels.qk_norm_rope.kernel import supported
+
+    names = {name for name, _, _ in layout}
+    return (qwen3.cached_attention_impl(cfg) == "pallas" and packed is not None and {"q_norm", "k_norm"} <= names
+            and cfg.rope_sliding.partial_rotary_factor == 1.0
+            and supported(cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim))
 
 
 def moe_impl(cfg: DiffusionGemmaConfig) -> str:
@@ -261,6 +280,8 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     if cache is not None:  # inference: each layer's vectors (norms, scales) as one slice of a packed array
         (sliding_w, sliding_v, sliding_layout), (full_w, full_v, full_layout) = map(pack_vectors, (sliding_w, full_w))
     take = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False, allow_negative_indices=False)  # noqa
+    qk_kernel_norms = cache is not None and _qk_kernel_fits(cfg, sliding_v, sliding_layout)
+    starts = {name: start for name, start, _ in sliding_layout} if cache is not None else {}
 
     def sliding_layer(x, i, w, ck=None, cv=None):
         w = w | {n: StackedWeight(params["sliding"][n], i) for n in stacks}
@@ -288,6 +309,8 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
                 w |= unpack_vectors(take(sliding_v, i), sliding_layout)
             # the cache as layer i of its stacks: the attention kernel may read it in place (Blocks.cache_in_place)
             ck, cv = (StackedWeight(c, i, take(c, i)) for c in (cache.sliding.k, cache.sliding.v))
+            if qk_kernel_norms:  # the q/k norm kernel reads both weights from the packed stack (no slice copies)
+                w["packed_vectors"] = (sliding_v, i, (starts["q_norm"], starts["k_norm"]))
             x, kk, vv = sliding_layer(x, i, w, ck, cv)
             if collect_kv:
                 kv = (kv[0].at[i - lo].set(kk), kv[1].at[i - lo].set(vv))
