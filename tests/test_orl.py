@@ -70,6 +70,7 @@ def test_one_update_lowers_l_pred_and_rollouts_are_always_fresh(setup):
     accept_all = lambda responses: [True] * len(responses)  # noqa: E731
     state1, m1, arrays1 = orl_iteration(state, step, cfg, PROMPTS, accept_all, jax.random.key(1), SAMPLER, OCFG)
     assert m1["replayed_states"] > 0 and m1["verified"] == 1.0
+    assert all(m1[k] > 0 for k in ("rollout_s", "replay_s", "update_s"))  # where the round's time went
     assert int(state1.step) == 1  # exactly one update for the rollout batch
     # the rollout ran under the pre-update params: its captured distributions are theirs
     assert _entropy_err(p0, cfg, arrays1) < 2e-5

@@ -18,6 +18,7 @@ Replay arrays are padded to fixed sizes (rows, width, states) so the update comp
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -139,11 +140,14 @@ def orl_iteration(state, step_fn, cfg, prompts, verify: Callable[[list[np.ndarra
     verify(responses) -> one bool per response, given all len(prompts) * G response token arrays at once (row r
     answers prompt r // G), so a verifier can check them in parallel (tasks.verify_many). The rollout runs over the
     step's mesh (rows split over its data axes). Returns (state, metrics, replay arrays); metrics include the
-    verified share and the rollout's TPF.
+    verified share, the rollout's TPF, and where the round's wall time went (rollout_s: generate(), read back;
+    replay_s: verify and pack on the host; update_s: the step, waited for).
     """
+    t0 = time.perf_counter()
     rows, out = rollout(state.params, cfg, prompts, key, sampler, orl_cfg, eos_token_ids=eos_token_ids,
                         pad_token_id=pad_token_id, mesh=getattr(step_fn, "mesh", None))
     toks, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    t1 = time.perf_counter()
     ok = [bool(v) for v in verify([toks[r, :lengths[r]] for r in range(len(rows))])]
     if len(ok) != len(rows):
         raise ValueError(f"verify returned {len(ok)} results for {len(rows)} responses")
@@ -156,8 +160,11 @@ def orl_iteration(state, step_fn, cfg, prompts, verify: Callable[[list[np.ndarra
     width = orl_cfg.max_prompt + orl_cfg.max_new_tokens + L + orl_cfg.max_states * L
     arrays = pad_replay(batch, n, width, n * orl_cfg.max_states)
     metrics = {"verified": float(np.mean(ok)), "rollout_tpf": float(np.mean(np.asarray(out.tpf))),
-               "replayed_states": int(len(batch.step))}
+               "replayed_states": int(len(batch.step)), "rollout_s": t1 - t0}
+    t2 = time.perf_counter()
+    metrics["replay_s"] = t2 - t1
     if not any(ok):  # nothing verified: no gradient this round (the rollout still counts)
-        return state, metrics, arrays
+        return state, metrics | {"update_s": 0.0}, arrays
     state, m = step_fn(state, arrays)
-    return state, metrics | dict(m), arrays
+    jax.block_until_ready(state.params)
+    return state, metrics | dict(m) | {"update_s": time.perf_counter() - t2}, arrays

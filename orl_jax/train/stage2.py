@@ -128,7 +128,8 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
             if (rnd + 1) % max(r.orl_rounds // 10, 1) == 0:
                 update = f"loss {m['loss']:.4f}" if "loss" in m else "no update (no verified response)"
                 log(f"{name} round {rnd + 1}/{r.orl_rounds}: verified {m['verified']:.2f}, rollout TPF "
-                    f"{m['rollout_tpf']:.2f}, {update}")
+                    f"{m['rollout_tpf']:.2f}, {update}; rollout {m['rollout_s']:.2f} s, replay {m['replay_s']:.2f} s, "
+                    f"update {m['update_s']:.2f} s")
             if stop and rnd + 1 < r.orl_rounds:
                 raise StageStopped(name, rnd + 1, r.orl_rounds)
     params = jax.device_get(state.params)
