@@ -201,7 +201,7 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     own_v = "qkv" in w  # full layers: "qk", K = V
     proj = einsum("bld,dkth->blkth", h, w["qkv" if own_v else "qk"])  # [B, L, K, G + 2 (or + 1), H]
     g = cfg.num_heads // proj.shape[2]
-    if "packed_vectors" in w:  # sliding layers of cached passes on a GPU: q/k/v norms + RoPE in one kernel
+    if own_v and "packed_vectors" in w:  # sliding layers of cached passes on a GPU: q/k/v norms + RoPE, one kernel
         from orl_jax_kernels.qk_norm_rope import kernel as qk_kernel
 
         q, k, v = qk_kernel.qk_norm_rope_stacked(proj, *rope, *w["packed_vectors"], eps, gemma=True,
