@@ -696,7 +696,7 @@ def test_auto_kernels_are_the_pallas_ones_on_a_gpu_only(monkeypatch):
 def test_pack_vectors_round_trip():
     """The per-layer vectors of one dtype join one [L, sum n] array; unpacking a row gives layer i's vectors back
     exactly; matrices and vectors of another dtype stay apart."""
-    from orl_jax.model.streamed import pack_vectors, unpack_vectors
+    from orl_jax.model.streamed import pack_vectors, unpack_vectors, vector_offsets
 
     key = iter(jax.random.split(jax.random.key(0), 5))
     layers = {"a_norm": jax.random.normal(next(key), (3, 8)), "q": jax.random.normal(next(key), (3, 8, 4)),
@@ -710,3 +710,5 @@ def test_pack_vectors_round_trip():
         for n in ("a_norm", "b_norm", "scalar"):
             np.testing.assert_array_equal(np.asarray(got[n]), np.asarray(layers[n][i]))
     assert pack_vectors({"q": layers["q"], "a_norm": layers["a_norm"]})[1] is None  # one vector: nothing to join
+    assert vector_offsets(layout, "b_norm", "scalar") == (8, 10)  # where a kernel reads them in place
+    assert vector_offsets(layout, "b_norm", "half") is None  # "half" was not packed

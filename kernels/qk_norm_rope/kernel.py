@@ -36,11 +36,14 @@ def _kernel(layer_ref, qkv_ref, cos_ref, sin_ref, vec_ref, q_ref, k_ref, v_ref, 
     c1, c2 = cos_ref[r, lo].astype(dt), cos_ref[r, hi].astype(dt)  # [half]
     s1, s2 = sin_ref[r, lo].astype(dt), sin_ref[r, hi].astype(dt)
 
-    def norm_rope(x1, x2, off):  # the two halves of H, [..., half] each; the norm weight at vectors[layer, off:]
-        row = lambda v: v.reshape((1,) * (x1.ndim - 1) + (half,))  # noqa: E731  (explicit broadcasting)
+    def normed(x1, x2):  # the two halves of H in float32, and 1 / RMS over both
         f1, f2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
         ms = (jnp.sum(f1 * f1, axis=-1, keepdims=True) + jnp.sum(f2 * f2, axis=-1, keepdims=True)) / (2 * half)
-        inv = jax.lax.rsqrt(ms + eps)
+        return f1, f2, jax.lax.rsqrt(ms + eps)
+
+    def norm_rope(x1, x2, off):  # the two halves of H, [..., half] each; the norm weight at vectors[layer, off:]
+        row = lambda v: v.reshape((1,) * (x1.ndim - 1) + (half,))  # noqa: E731  (explicit broadcasting)
+        f1, f2, inv = normed(x1, x2)
         w1, w2 = vec_ref[layer, pl.ds(off, half)], vec_ref[layer, pl.ds(off + half, half)]
         if gemma:  # the weight multiplies in float32, then the cast (layers.rms_norm_fp32)
             y1 = (row(w1.astype(jnp.float32)) * (f1 * inv)).astype(dt)
@@ -56,9 +59,7 @@ def _kernel(layer_ref, qkv_ref, cos_ref, sin_ref, vec_ref, q_ref, k_ref, v_ref, 
     k_ref[r, :, lo], k_ref[r, :, hi] = k1, k2
     v1, v2 = qkv_ref[r, :, g + 1, lo], qkv_ref[r, :, g + 1, hi]
     if gemma:  # v gets the weightless norm
-        f1, f2 = v1.astype(jnp.float32), v2.astype(jnp.float32)
-        inv = jax.lax.rsqrt((jnp.sum(f1 * f1, axis=-1, keepdims=True) + jnp.sum(f2 * f2, axis=-1, keepdims=True))
-                            / (2 * half) + eps)
+        f1, f2, inv = normed(v1, v2)
         v1, v2 = (f1 * inv).astype(dt), (f2 * inv).astype(dt)
     v_ref[r, :, lo], v_ref[r, :, hi] = v1, v2
 

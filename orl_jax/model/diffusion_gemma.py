@@ -66,7 +66,7 @@ from orl_jax.model.layers import (
     soft_cap,
 )
 from orl_jax.model.moe import experts_mlp, route
-from orl_jax.model.streamed import StackedWeight, pack_vectors, unpack_vectors
+from orl_jax.model.streamed import StackedWeight, pack_vectors, unpack_vectors, vector_offsets
 from orl_jax.params import ParamSpec, ones
 
 ACT = "gelu_tanh"  # HF: gelu_pytorch_tanh
@@ -227,16 +227,16 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     return x, k, v
 
 
-def _qk_kernel_fits(cfg: DiffusionGemmaConfig, packed, layout) -> bool:
-    """Whether the sliding layers of a cached pass take kernels/qk_norm_rope (q/k/v norms + RoPE in one launch
-    instead of XLA's slices and fusions): with the Pallas attention (on a GPU by default), the shapes the kernel
-    takes, full RoPE on sliding layers, and both norm weights in the packed vector stack."""
+def _qk_kernel_offsets(cfg: DiffusionGemmaConfig, layout) -> tuple[int, ...] | None:
+    """Where the sliding layers' q and k norm weights lie in their packed vector row, when the sliding layers of a
+    cached pass take kernels/qk_norm_rope (q/k/v norms + RoPE in one launch instead of XLA's slices and fusions):
+    with the Pallas attention (on a GPU by default), full RoPE on sliding layers, shapes the kernel takes, and
+    both weights packed. None otherwise."""
     from orl_jax_kernels.qk_norm_rope.kernel import supported
 
-    names = {name for name, _, _ in layout}
-    return (qwen3.cached_attention_impl(cfg) == "pallas" and packed is not None and {"q_norm", "k_norm"} <= names
-            and cfg.rope_sliding.partial_rotary_factor == 1.0
+    fits = (qwen3.cached_attention_impl(cfg) == "pallas" and cfg.rope_sliding.partial_rotary_factor == 1.0
             and supported(cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim))
+    return vector_offsets(layout, "q_norm", "k_norm") if fits else None
 
 
 def moe_impl(cfg: DiffusionGemmaConfig) -> str:
@@ -280,8 +280,7 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     if cache is not None:  # inference: each layer's vectors (norms, scales) as one slice of a packed array
         (sliding_w, sliding_v, sliding_layout), (full_w, full_v, full_layout) = map(pack_vectors, (sliding_w, full_w))
     take = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False, allow_negative_indices=False)  # noqa
-    qk_kernel_norms = cache is not None and _qk_kernel_fits(cfg, sliding_v, sliding_layout)
-    starts = {name: start for name, start, _ in sliding_layout} if cache is not None else {}
+    norm_offsets = _qk_kernel_offsets(cfg, sliding_layout) if cache is not None else None
 
     def sliding_layer(x, i, w, ck=None, cv=None):
         w = w | {n: StackedWeight(params["sliding"][n], i) for n in stacks}
@@ -309,8 +308,8 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
                 w |= unpack_vectors(take(sliding_v, i), sliding_layout)
             # the cache as layer i of its stacks: the attention kernel may read it in place (Blocks.cache_in_place)
             ck, cv = (StackedWeight(c, i, take(c, i)) for c in (cache.sliding.k, cache.sliding.v))
-            if qk_kernel_norms:  # the q/k norm kernel reads both weights from the packed stack (no slice copies)
-                w["packed_vectors"] = (sliding_v, i, (starts["q_norm"], starts["k_norm"]))
+            if norm_offsets is not None:  # the q/k norm kernel reads both weights from the packed stack (no copies)
+                w["packed_vectors"] = (sliding_v, i, norm_offsets)
             x, kk, vv = sliding_layer(x, i, w, ck, cv)
             if collect_kv:
                 kv = (kv[0].at[i - lo].set(kk), kv[1].at[i - lo].set(vv))

@@ -25,7 +25,7 @@ from orl_jax.config import ModelConfig, kernel_choice
 from orl_jax.model.attention import attention, cache_mask, causal_segments, self_mask
 from orl_jax.model.cache import KVCache
 from orl_jax.model.layers import einsum, fused_gated_mlp, gated_mlp, qk_norm_rope, rms_norm, rope_angles
-from orl_jax.model.streamed import StackedWeight, pack_vectors, unpack_vectors
+from orl_jax.model.streamed import StackedWeight, pack_vectors, unpack_vectors, vector_offsets
 from orl_jax.params import ParamSpec, ones, zeros
 from orl_jax.sharding import constrain
 
@@ -162,7 +162,7 @@ def backbone(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
 
     # cached passes (inference) slice the layer's vectors from one packed array: one copy per layer, not four
     layers, packed, layout = (params["layers"], None, ()) if cache is None else pack_vectors(params["layers"])
-    starts = {name: start for name, start, _ in layout}
+    norm_offsets = vector_offsets(layout, "q_norm", "k_norm")
 
     def body(x, xs):
         (w, row, i), ck, cv = xs
@@ -172,8 +172,8 @@ def backbone(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
             w = layer_in_place(params["layers"], i, w)
         if cache_stacked:
             ck, cv = StackedWeight(cache.k, i, ck), StackedWeight(cache.v, i, cv)
-            if {"q_norm", "k_norm"} <= starts.keys():  # the q/k norm kernel reads them where they lie (no copies)
-                w = w | {"packed_vectors": (packed, i, (starts["q_norm"], starts["k_norm"]))}
+            if norm_offsets is not None:  # the q/k norm kernel reads them where they lie (no copies)
+                w = w | {"packed_vectors": (packed, i, norm_offsets)}
         cache_part = None if ck is None else (ck, cv, cvis)
         x, k, v = _layer(cfg, x, w, cos, sin, self_vis, cache_part)
         return constrain(x, ACTIVATION_AXES), (k, v)

@@ -115,3 +115,10 @@ def pack_vectors(layers: dict) -> tuple[dict, jax.Array | None, tuple[tuple[str,
 def unpack_vectors(row: jax.Array, layout: tuple[tuple[str, int, int], ...]) -> dict:
     """One layer's vectors from its row of pack_vectors' array (static slices)."""
     return {n: row[start:start + size] for n, start, size in layout}
+
+
+def vector_offsets(layout: tuple[tuple[str, int, int], ...], *names: str) -> tuple[int, ...] | None:
+    """Where pack_vectors put each named vector in a packed row (its start), or None unless all of them are there:
+    for kernels that read them in place from the packed stack (kernels/qk_norm_rope)."""
+    starts = {name: start for name, start, _ in layout}
+    return tuple(starts[n] for n in names) if all(n in starts for n in names) else None
