@@ -11,16 +11,10 @@ does the work of every group (benchmarks/ragged_dot_probe.py), hence a kernel.
 
 Semantics: jax.lax.ragged_dot(x, w[layer], group_sizes) with float32 accumulation (reference.py). Rows past the
 last group are 0. Pallas, Triton lowering; interpret mode on CPU for tests.
-
-Gated (`gated=act`, an expert MLP's gate/up product, w = [gate | up] along N = 2F): each program streams the gate
-tile and the matching up tile of its columns and writes act(g) * u [M, F] directly (g and u rounded to x's dtype
-first, as the unfused product hands them over). Against the plain kernel plus XLA's split and activation this saves
-writing and re-reading the [M, 2F] product and one launch per layer.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -39,15 +33,11 @@ def supported(k: int, n: int, blocks: Blocks | None = None) -> bool:
     return blocks is not None and k % blocks.bk == 0 and n % blocks.bn == 0
 
 
-GATES = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
-
-
-def _kernel(layer_ref, off_ref, x_ref, *refs, bk: int, n_chunks: int, bm: int, stacked: bool, gated: str | None):
+def _kernel(layer_ref, off_ref, x_ref, w_ref, o_ref, *, bk: int, n_chunks: int, bm: int, stacked: bool):
     from jax.experimental.pallas import triton as plt
 
-    *w_refs, o_ref = refs  # one weight tile, or the gate tile and the up tile (gated)
     e = pl.program_id(0)
-    bn = o_ref.shape[-1]
+    bn = w_ref.shape[-1]
     layer = layer_ref[0] if stacked else 0
     start, rows = off_ref[e], off_ref[e + 1] - off_ref[e]
 
@@ -55,61 +45,52 @@ def _kernel(layer_ref, off_ref, x_ref, *refs, bk: int, n_chunks: int, bm: int, s
         r0 = start + t * bm
         live = (t * bm + jnp.arange(bm)) < rows  # the group's rows of this tile
 
-        def chunk(j, accs):
+        def chunk(j, acc):
             k0 = pl.multiple_of(j * bk, bk)
             xb = plt.load(x_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)], mask=live[:, None], other=0.0)
-            ws = [w[layer, 0, pl.ds(k0, bk), :] if stacked else w[0, pl.ds(k0, bk), :] for w in w_refs]
-            return tuple(a + jnp.dot(xb, wb, preferred_element_type=jnp.float32) for a, wb in zip(accs, ws))
+            wb = w_ref[layer, 0, pl.ds(k0, bk), :] if stacked else w_ref[0, pl.ds(k0, bk), :]
+            return acc + jnp.dot(xb, wb, preferred_element_type=jnp.float32)
 
-        accs = jax.lax.fori_loop(0, n_chunks, chunk, tuple(jnp.zeros((bm, bn), jnp.float32) for _ in w_refs))
-        y = [a.astype(o_ref.dtype) for a in accs]
-        if gated is not None:  # act(g) * u from the rounded g and u, computed in float32
-            y = [(GATES[gated](y[0].astype(jnp.float32)) * y[1].astype(jnp.float32)).astype(o_ref.dtype)]
-        plt.store(o_ref.at[pl.ds(r0, bm), :], y[0], mask=live[:, None])
+        acc = jax.lax.fori_loop(0, n_chunks, chunk, jnp.zeros((bm, bn), jnp.float32))
+        plt.store(o_ref.at[pl.ds(r0, bm), :], acc.astype(o_ref.dtype), mask=live[:, None])
         return carry
 
     jax.lax.fori_loop(0, (rows + bm - 1) // bm, tile, 0)  # no rows: the expert's weight is not read
 
 
-@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "gated"))
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: jax.Array | None = None,
-                   blocks: Blocks | None = None, interpret: bool = False, gated: str | None = None) -> jax.Array:
+                   blocks: Blocks | None = None, interpret: bool = False) -> jax.Array:
     """x [M, K] (rows sorted by group) times w [E, K, N], or the layer `layer` of a stack w [L, E, K, N], group by
-    group: group_sizes [E] (int, summing to <= M) -> [M, N] in x's dtype. gated ("silu" or "gelu_tanh"): w's N = 2F
-    columns are gate | up, and the result is act(x @ gate) * (x @ up) [M, F]."""
+    group: group_sizes [E] (int, summing to <= M) -> [M, N] in x's dtype."""
     m, k = x.shape
     e, n = w.shape[-3], w.shape[-1]
     stacked = w.ndim == 4
     layer_arr = layer_operand("grouped_matmul", stacked, layer, w.shape)  # stacked: [L, E, K, N]
     if w.shape[-2] != k or group_sizes.shape != (e,):
         raise ValueError(f"grouped_matmul: x {x.shape}, w {w.shape} and group_sizes {group_sizes.shape} do not match")
-    if gated is not None and (gated not in GATES or n % 2):
-        raise ValueError(f"grouped_matmul: gated={gated!r} needs one of {sorted(GATES)} and an even N, got N={n}")
-    n_out = n if gated is None else n // 2
-    blocks = blocks or blocks_for(k, n_out, groups=e)
-    if not supported(k, n_out, blocks):
-        raise ValueError(f"grouped_matmul: K={k}, N={n_out} not supported with {blocks}")
+    blocks = blocks or blocks_for(k, n, groups=e)
+    if not supported(k, n, blocks):
+        raise ValueError(f"grouped_matmul: K={k}, N={n} not supported with {blocks}")
     # Interpret mode clamps a tile's window that leaves the array onto other rows: there x gets BM spare rows.
     # Triton's masked loads and stores touch only the group's rows, so on a GPU x goes in as it lies (the pad was
     # a copy of x per call, ~8 us at DiffusionGemma's gate/up input).
     spare = BM if interpret else 0
     xp = jnp.pad(x, ((0, spare), (0, 0))) if spare else x
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes.astype(jnp.int32))])
-    halves = (0,) if gated is None else (0, n_out // blocks.bn)  # column-tile offsets: the tile, or gate and up
-    w_specs = [pl.BlockSpec((w.shape[0], 1, k, blocks.bn), lambda g, j, h=h: (0, g, 0, j + h)) if stacked
-               else pl.BlockSpec((1, k, blocks.bn), lambda g, j, h=h: (g, 0, j + h)) for h in halves]
+    w_spec = (pl.BlockSpec((w.shape[0], 1, k, blocks.bn), lambda g, j: (0, g, 0, j)) if stacked
+              else pl.BlockSpec((1, k, blocks.bn), lambda g, j: (g, 0, j)))
     out = pl.pallas_call(
-        functools.partial(_kernel, bk=blocks.bk, n_chunks=k // blocks.bk, bm=BM, stacked=stacked, gated=gated),
-        out_shape=jax.ShapeDtypeStruct((m + spare, n_out), x.dtype),
-        grid=(e, n_out // blocks.bn),
+        functools.partial(_kernel, bk=blocks.bk, n_chunks=k // blocks.bk, bm=BM, stacked=stacked),
+        out_shape=jax.ShapeDtypeStruct((m + spare, n), x.dtype),
+        grid=(e, n // blocks.bn),
         in_specs=[pl.BlockSpec((1,), lambda g, j: (0,)),
                   pl.BlockSpec((e + 1,), lambda g, j: (0,)),
                   pl.BlockSpec((m + spare, k), lambda g, j: (0, 0)),
-                  *w_specs],
+                  w_spec],
         out_specs=pl.BlockSpec((m + spare, blocks.bn), lambda g, j: (0, j)),
         interpret=interpret,
-        **triton_params(blocks.num_warps, pipeline_stages(dataclasses.replace(blocks, bn=blocks.bn * len(halves)), BM),
-                        interpret),
-    )(layer_arr, offsets, xp, *[w] * len(halves))
+        **triton_params(blocks.num_warps, pipeline_stages(blocks, BM), interpret),
+    )(layer_arr, offsets, xp, w)
     live = jnp.arange(m) < offsets[-1]  # rows past the last group: never written
     return jnp.where(live[:, None], out[:m] if spare else out, 0)

@@ -42,13 +42,11 @@ def route(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: 
     return w * jnp.take(expert_scale, e).astype(jnp.float32), e.astype(jnp.int32)
 
 
-def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, gated: str | None = None) -> jax.Array:
-    """x [M, K] whose rows come in contiguous groups (sizes [E]) times w [E, K, N]: row r of group e gets x_r @ w_e.
-    gated (an activation name): w holds gate | up along N, the result is act(x_r @ gate_e) * (x_r @ up_e) [M, N / 2]
-    (the grouped kernel computes it in its epilogue: the [M, N] product is never written)."""
+def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
+    """x [M, K] whose rows come in contiguous groups (sizes [E]) times w [E, K, N]: row r of group e gets x_r @ w_e."""
     if hasattr(w, "ragged_dot"):
-        return w.ragged_dot(x, group_sizes, gated)
-    return xla_ragged_dot(x, w, group_sizes, gated)
+        return w.ragged_dot(x, group_sizes)
+    return xla_ragged_dot(x, w, group_sizes)
 
 
 # Up to this many tokens the experts run bucketed: each expert gathers its routed tokens into `capacity` slots and
@@ -168,11 +166,9 @@ def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str) -> jax.Arr
     outputs come back by a gather (each assignment reads its sorted row), weighted and summed over the k choices."""
     t, k = experts.shape
     order, pos, sizes = sort_by_expert(experts, gate_up.shape[0])
-    # Both gathers' indices are in range by construction: "clip" spares the default mode's bounds test and select
-    # on every element (the first gather: 8.25 us per 26B layer in
-    # benchmarks/results/2026-12-01_engine_sampler_passes_h200.md's profile).
-    xs = jnp.take(x, order // k, axis=0, mode="clip")  # [M, D]
-    h = grouped_matmul(xs, gate_up, sizes, gated=act)  # act(gate) * up [M, F]
-    y = grouped_matmul(h, down, sizes)  # [M, D] in sorted order
-    y = jnp.take(y, pos, axis=0, mode="clip").astype(jnp.float32) * weights.reshape(-1, 1)  # (token, choice) order
+    xs = jnp.take(x, order // k, axis=0)  # [M, D]
+    gu = grouped_matmul(xs, gate_up, sizes)  # [M, 2F]
+    g, u = jnp.split(gu, 2, axis=-1)
+    y = grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes)  # [M, D] in sorted order
+    y = jnp.take(y, pos, axis=0).astype(jnp.float32) * weights.reshape(-1, 1)  # [M, D] in (token, choice) order
     return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)  # [T, D]

@@ -20,8 +20,6 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from orl_jax.model.layers import ACTIVATIONS
-
 
 def gemm_dims(spec: str, x_shape, w_shape):
     """(groups E, rows M, contraction K, columns N, output shape) of an einsum `x, w -> out` that is a plain GEMM
@@ -41,14 +39,9 @@ def gemm_dims(spec: str, x_shape, w_shape):
     return (lead or (1,))[0], m, k, n, lead + tuple(x_shape[:-c]) + tuple(w_shape[c:])
 
 
-def xla_ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, gated: str | None = None) -> jax.Array:
-    """XLA's ragged_dot of x [M, K] (rows grouped) with w [E, K, N]: float32 accumulation, x's dtype. gated (an
-    activation name): w holds gate | up along N and the result is act(gate product) * (up product) [M, N / 2]."""
-    y = jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
-    if gated is None:
-        return y
-    g, u = jnp.split(y, 2, axis=-1)
-    return ACTIVATIONS[gated](g) * u
+def xla_ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """XLA's ragged_dot of x [M, K] (rows grouped) with w [E, K, N]: float32 accumulation, x's dtype."""
+    return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 @dataclass(frozen=True)
@@ -68,19 +61,15 @@ class StackedWeight:
     def dtype(self):
         return self.stack.dtype
 
-    def ragged_dot(self, x: jax.Array, group_sizes: jax.Array, gated: str | None = None) -> jax.Array:
-        """moe.grouped_matmul's product (gated: with the expert MLP's activation, as xla_ragged_dot): rows sorted by
-        group times layer `index` of an expert stack [L, E, K, N], through kernels/grouped_gemm reading the stack
-        in place; shapes or dtypes it does not take fall back to XLA's ragged_dot on the slice (a copy, as XLA
-        makes for its own ops)."""
+    def ragged_dot(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """moe.grouped_matmul's product: rows sorted by group times layer `index` of an expert stack [L, E, K, N],
+        through kernels/grouped_gemm reading the stack in place; shapes or dtypes it does not take fall back to
+        XLA's ragged_dot on the slice (a copy, as XLA makes for its own ops)."""
         from orl_jax_kernels.grouped_gemm.kernel import grouped_matmul, supported
 
-        k, n = self.stack.shape[-2:]
-        if (self.stack.ndim == 4 and self.stack.dtype == x.dtype and (gated is None or n % 2 == 0)
-                and supported(k, n if gated is None else n // 2)):
-            return grouped_matmul(x, self.stack, group_sizes, self.index, gated=gated,
-                                  interpret=jax.default_backend() == "cpu")
-        return xla_ragged_dot(x, self.sliced(), group_sizes, gated)
+        if self.stack.ndim == 4 and self.stack.dtype == x.dtype and supported(*self.stack.shape[2:]):
+            return grouped_matmul(x, self.stack, group_sizes, self.index, interpret=jax.default_backend() == "cpu")
+        return xla_ragged_dot(x, self.sliced(), group_sizes)
 
     def einsum(self, spec: str, x: jax.Array) -> jax.Array:
         """x @ stack[index] by the einsum spec."""
