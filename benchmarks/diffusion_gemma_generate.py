@@ -129,7 +129,8 @@ def one_forward(cfg):
     _, cache = jax.jit(diffusion_gemma.prefill, static_argnums=(1, 4))(
         params, cfg, jnp.asarray(prompt), jnp.asarray([args.prompt], jnp.int32), args.prompt + args.new)
     canvas = jnp.asarray(np.random.default_rng(1).integers(0, 200000, (1, args.new)), jnp.int32)
-    f = jax.jit(lambda p, c, k: diffusion_gemma.decode(p, cfg, c, k)[:, :, :8])
+    f = jax.jit(lambda p, c, k: diffusion_gemma.decode(p, cfg, c, k)[:, :, :8],
+                compiler_options=runtime.DG_COMPILER_OPTIONS)  # as generate() compiles DiffusionGemma
     compiled = f.lower(params, canvas, cache).compile()
     mem = compiled.memory_analysis()
     jax.block_until_ready(compiled(params, canvas, cache))

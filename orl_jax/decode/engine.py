@@ -26,12 +26,12 @@ from jax.sharding import Mesh
 
 from orl_jax import params as P
 from orl_jax.checks import int_at_least
-from orl_jax.config import ModelConfig, xla_for_auto
+from orl_jax.config import DiffusionGemmaConfig, ModelConfig, xla_for_auto
 from orl_jax.decode.residual import NoResidual, ORLResidual, RCDResidual, Residual, soft_embed
 from orl_jax.decode.samplers import MaskSampler, Sampler, UniformSampler
 from orl_jax.decode.state import DecodeState, GenerateOutput
 from orl_jax.model.registry import model_module
-from orl_jax.runtime import ENGINE_COMPILER_OPTIONS, xla_flags_set
+from orl_jax.runtime import DG_COMPILER_OPTIONS, ENGINE_COMPILER_OPTIONS, xla_flags_set
 from orl_jax.sharding import named_sharding
 
 MIN_BUCKET = 16
@@ -81,18 +81,21 @@ def _finalize_block(dcfg: DecodeConfig, tokens_block, seq_done):
 
 
 def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeConfig, devices: int) -> GenerateOutput:
-    """Run the compiled loop. Qwen3 / QwenDLM take runtime.ENGINE_COMPILER_OPTIONS (the loop in CUDA graphs) where
-    they were measured on an H200: one device, no streaming, no capture, called from Python (jax.jit's
-    compiler_options apply to top-level programs only), and XLA_FLAGS not setting command buffers itself.
-    Everything else compiles with XLA's defaults: DiffusionGemma (slower with them), a mesh's collectives, the
-    streaming host callback and the capture buffers in the loop (not measured). The graphed program on a GPU also
-    unrolls the layer stack unless cfg.layer_unroll says otherwise (config.py)."""
-    graphed = (isinstance(cfg, ModelConfig) and devices == 1 and not dcfg.stream and not dcfg.capture
-               and "--xla_gpu_enable_command_buffer" not in xla_flags_set()
-               and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, key))))
-    if not graphed:
-        return _run(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
-    return _run_graphed(params, prompt, lengths, key, cfg=graphed_config(cfg, jax.default_backend()), dcfg=dcfg)
+    """Run the compiled loop. Where the options were measured on an H200 (one device, no streaming, no capture,
+    called from Python: jax.jit's compiler_options apply to top-level programs only), Qwen3 / QwenDLM take
+    runtime.ENGINE_COMPILER_OPTIONS (the loop in CUDA graphs) and DiffusionGemma runtime.DG_COMPILER_OPTIONS
+    (concurrent graph branches), each unless XLA_FLAGS sets the same thing itself. Everything else compiles with
+    XLA's defaults: a mesh's collectives, the streaming host callback and the capture buffers in the loop (not
+    measured). The graphed program on a GPU also unrolls the layer stack unless cfg.layer_unroll says otherwise
+    (config.py)."""
+    plain = (devices == 1 and not dcfg.stream and not dcfg.capture
+             and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, key))))
+    if plain and isinstance(cfg, ModelConfig) and "--xla_gpu_enable_command_buffer" not in xla_flags_set():
+        return _run_graphed(params, prompt, lengths, key, cfg=graphed_config(cfg, jax.default_backend()), dcfg=dcfg)
+    if plain and isinstance(cfg, DiffusionGemmaConfig) and (
+            "--xla_gpu_command_buffer_scheduling_mode" not in xla_flags_set()):
+        return _run_concurrent(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
+    return _run(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
 
 
 def graphed_config(cfg: ModelConfig, backend: str) -> ModelConfig:
@@ -204,6 +207,7 @@ def _generate_loop(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: Deco
 
 _run = jax.jit(_generate_loop, static_argnames=("cfg", "dcfg"))
 _run_graphed = jax.jit(_generate_loop, static_argnames=("cfg", "dcfg"), compiler_options=ENGINE_COMPILER_OPTIONS)
+_run_concurrent = jax.jit(_generate_loop, static_argnames=("cfg", "dcfg"), compiler_options=DG_COMPILER_OPTIONS)
 
 
 def _valid_lengths(tokens, dcfg: DecodeConfig):
