@@ -166,11 +166,7 @@ def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str) -> jax.Arr
     outputs come back by a gather (each assignment reads its sorted row), weighted and summed over the k choices."""
     t, k = experts.shape
     order, pos, sizes = sort_by_expert(experts, gate_up.shape[0])
-    # The gather reads x and the row index as arrays: fused into it, XLA recomputed the division and the caller's
-    # RMSNorm for every element of the [T * k, D] copy (8.2 us per 26B layer in an H200 profile:
-    # benchmarks/results/2026-12-01_dg_concurrent_graphs_h200.md).
-    x, rows = jax.lax.optimization_barrier((x, order // k))
-    xs = jnp.take(x, rows, axis=0)  # [M, D]
+    xs = jnp.take(x, order // k, axis=0)  # [M, D]
     gu = grouped_matmul(xs, gate_up, sizes)  # [M, 2F]
     g, u = jnp.split(gu, 2, axis=-1)
     y = grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes)  # [M, D] in sorted order
