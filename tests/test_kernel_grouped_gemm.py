@@ -58,6 +58,17 @@ def test_rejects_mismatched_inputs():
     assert supported(2816, 1408) and supported(704, 2816)  # DiffusionGemma's gate/up and down
 
 
+def test_default_tiles_take_64_row_chunks_unless_a_table_says_otherwise(monkeypatch):
+    from orl_jax_kernels.grouped_gemm.kernel import default_blocks
+    from orl_jax_kernels.small_m_gemm import kernel as small_m
+
+    assert default_blocks(2816, 1408) == Blocks(bn=128, bk=64, splits=1)  # DiffusionGemma's gate/up
+    assert default_blocks(704, 2816).bk == 64 and default_blocks(96, 256).bk == 32  # K's own divisor when smaller
+    tuned = Blocks(bn=128, bk=128, splits=1, num_warps=8)
+    monkeypatch.setitem(small_m.TUNED, (2816, 1408), tuned)
+    assert default_blocks(2816, 1408) == tuned
+
+
 def test_kernel_lowers_to_verified_triton_at_the_expert_shapes(monkeypatch):
     """Pallas -> Triton IR at DiffusionGemma's shapes (2048 routed rows, a stack of 128 experts), no GPU needed."""
     sd = jax.ShapeDtypeStruct

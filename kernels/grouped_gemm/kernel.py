@@ -15,6 +15,7 @@ last group are 0. Pallas, Triton lowering; interpret mode on CPU for tests.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -22,14 +23,28 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from orl_jax_kernels.pallas_args import layer_operand, triton_params
-from orl_jax_kernels.small_m_gemm.kernel import Blocks, blocks_for, pipeline_stages
+from orl_jax_kernels.small_m_gemm.kernel import TUNED, Blocks, blocks_for, pipeline_stages
 
 BM = 64  # rows per tile: a group of <= BM rows reads its weight once (DiffusionGemma: mean 16 rows per expert)
+BK = 64  # contraction rows per chunk unless a tuned table says otherwise
+
+
+def default_blocks(k: int, n: int) -> Blocks | None:
+    """The tiles for (K, N): a loaded table's (small_m_gemm.load_tuned), else the small-M GEMM's for many groups
+    (their `splits` is unused) with chunks of at most BK rows of K. At 4 stages a 128-column program then buffers
+    ~98 KB instead of ~196 KB, so two share an SM and one's pipeline fill hides behind the other's stream: on an H200
+    DiffusionGemma's gate/up (K 2816, 128-row chunks before; its down's K 704 took 64 already) made the 26B forward
+    17.20 against 17.60 / 17.57 ms, its MoE 13.49 against 13.78 / 13.80; 6 stages took 17.41, 64-column tiles
+    18.92 (benchmarks/results/2026-12-01_dg_concurrent_graphs_h200.md)."""
+    if (k, n) in TUNED:
+        return TUNED[(k, n)]
+    blocks = blocks_for(k, n, groups=1 << 20)
+    return dataclasses.replace(blocks, bk=BK) if blocks.bk > BK and k % BK == 0 else blocks
 
 
 def supported(k: int, n: int, blocks: Blocks | None = None) -> bool:
-    """The tiles divide K and N. blocks default to the small-M GEMM's for many groups (their `splits` is unused)."""
-    blocks = blocks or blocks_for(k, n, groups=1 << 20)
+    """The tiles (default_blocks unless given) divide K and N."""
+    blocks = blocks or default_blocks(k, n)
     return blocks is not None and k % blocks.bk == 0 and n % blocks.bn == 0
 
 
@@ -69,7 +84,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: ja
     layer_arr = layer_operand("grouped_matmul", stacked, layer, w.shape)  # stacked: [L, E, K, N]
     if w.shape[-2] != k or group_sizes.shape != (e,):
         raise ValueError(f"grouped_matmul: x {x.shape}, w {w.shape} and group_sizes {group_sizes.shape} do not match")
-    blocks = blocks or blocks_for(k, n, groups=e)
+    blocks = blocks or default_blocks(k, n)
     if not supported(k, n, blocks):
         raise ValueError(f"grouped_matmul: K={k}, N={n} not supported with {blocks}")
     # Interpret mode clamps a tile's window that leaves the array onto other rows: there x gets BM spare rows.
