@@ -33,8 +33,8 @@ DEFAULT_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false", "--xla_gpu_dot_merger
 # conditionals, known-trip-count loops (the layer scan) unrolled inside the graph, and graphs of any size. On an H200
 # (benchmarks/results/2026-11-30_engine_command_buffers_h200x2.md), Qwen3-4B: the engine loop's overhead ~36 -> 17-20
 # us per step, a denoising step -0.06 to -0.14 ms. Not for DiffusionGemma: its forward was 1 ms slower with them (19.19
-# vs 18.16 ms), so its programs keep XLA's defaults; nor where XLA_FLAGS sets --xla_gpu_enable_command_buffer (the
-# user's choice wins). Only GPU backends read them.
+# vs 18.16 ms), so its programs take DG_COMPILER_OPTIONS below; nor where XLA_FLAGS sets
+# --xla_gpu_enable_command_buffer (the user's choice wins). Only GPU backends read them.
 ENGINE_COMPILER_OPTIONS = {
     "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL,DYNAMIC_SLICE_FUSION",
     "xla_gpu_command_buffer_unroll_loops": True,
