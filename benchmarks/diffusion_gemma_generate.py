@@ -37,6 +37,10 @@ ap.add_argument("--profile", action="store_true",
                      " the compiled decoder's HLO goes beside --out (OUT.IMPL.hlo.txt.gz)")
 ap.add_argument("--gemm-table", help="tuned expert GEMM tiles for moe_impl pallas (kernels/small_m_gemm/bench.py "
                                     "or kernels/grouped_gemm/bench.py --table)")
+ap.add_argument("--gemm-sweep", help="a JSON list [{'name':, 'table': [rows as in --gemm-table]}, ...]: only the "
+                                    "decoder forward (moe_impl pallas), timed once per entry in this process, each "
+                                    "traced afresh (an empty table: the kernels' defaults). Example: "
+                                    "benchmarks/dg_expert_tiles_sweep.json")
 ap.add_argument("--cached-attention", choices=["auto", "orl_jax", "pallas", "xla", "cudnn"], default="auto",
                 help="DiffusionGemmaConfig.cached_attention_impl: the einsums, kernels/decode_attention, "
                      "jax.nn.dot_product_attention (xla / cudnn; heads > 256 take the einsums), or auto")
@@ -123,12 +127,13 @@ sampler = UniformSampler(max_denoising_steps=48, t_max=0.8, t_min=0.4, entropy_b
                          confidence=0.0, rng=args.rng)
 
 
-def one_forward(cfg):
-    """ms of one decoder forward over a 256-token canvas after the prompt (cache read only), and the compiled
-    program's temporary bytes (a scanned weight slice copied for a custom call would show here)."""
-    _, cache = jax.jit(diffusion_gemma.prefill, static_argnums=(1, 4))(
-        params, cfg, jnp.asarray(prompt), jnp.asarray([args.prompt], jnp.int32), args.prompt + args.new)
-    canvas = jnp.asarray(np.random.default_rng(1).integers(0, 200000, (1, args.new)), jnp.int32)
+def one_forward(cfg, cache=None):
+    """ms of one decoder forward over a 256-token canvas after the prompt (cache read only; prefilled here unless
+    given), and the compiled program's temporary bytes (a scanned weight slice copied for a custom call would show
+    here)."""
+    if cache is None:
+        cache = prefilled(cfg)
+    canvas = jnp.asarray(np.random.default_rng(1).integers(0, min(200000, cfg.vocab_size), (1, args.new)), jnp.int32)
     f = jax.jit(lambda p, c, k: diffusion_gemma.decode(p, cfg, c, k)[:, :, :8],
                 compiler_options=runtime.DG_COMPILER_OPTIONS)  # as generate() compiles DiffusionGemma
     compiled = f.lower(params, canvas, cache).compile()
@@ -156,6 +161,12 @@ def one_forward(cfg):
         for row in top:
             log(what="profile_kernel", moe_impl=cfg.moe_impl, **row)
     return float(np.median(ts)) * 1e3, getattr(mem, "temp_size_in_bytes", None)
+
+
+def prefilled(cfg):
+    """The cache after the prompt."""
+    return jax.jit(diffusion_gemma.prefill, static_argnums=(1, 4))(
+        params, cfg, jnp.asarray(prompt), jnp.asarray([args.prompt], jnp.int32), args.prompt + args.new)[1]
 
 
 def moe_only(impl):
@@ -187,6 +198,19 @@ def moe_only(impl):
         ts.append(time.perf_counter() - t)
     return float(np.median(ts)) * 1e3 * cfg.num_layers / n
 
+
+if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the isolated bench ranks them otherwise)
+    from orl_jax_kernels.small_m_gemm.kernel import set_tuned
+
+    swept = cfg.replace(moe_impl="pallas")
+    cache = prefilled(swept)  # once, under the kernels' defaults: only the decoder forward is compiled per entry
+    for entry in json.loads(Path(args.gemm_sweep).read_text()):
+        table = set_tuned(entry["table"])
+        jax.clear_caches()  # every kernel wrapper traces again, under this table
+        ms, temp = one_forward(swept, cache)
+        log(what="decode_forward", moe_impl="pallas", gemm_variant=entry["name"], table=str(table), ms=ms,
+            temp_gb=None if temp is None else temp / 1e9)
+    sys.exit(0)
 
 for impl in IMPLS:
     c = cfg.replace(moe_impl=impl)

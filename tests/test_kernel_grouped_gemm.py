@@ -109,3 +109,27 @@ def test_compiled_on_gpu_matches_ragged_dot():
     want = grouped_matmul_reference(x, w[1], sizes).astype(jnp.float32)
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-2
     assert not np.asarray(got[-7:]).any()
+
+
+def test_a_new_table_takes_effect_after_clearing_the_caches():
+    """benchmarks/diffusion_gemma_generate.py --gemm-sweep: set_tuned replaces the table; traces made before keep
+    their tiles until the caches are cleared (the benchmark clears all; here only the kernel's, so the session's
+    other compiled functions stay warm)."""
+    import re
+
+    from orl_jax_kernels.small_m_gemm import kernel as small_m
+
+    x, w, sizes = jnp.ones((16, 128)), jnp.ones((4, 128, 256)), jnp.array([4, 4, 4, 4])
+    grid = lambda: re.findall(r"grid=\(\d+, \d+\)", str(jax.make_jaxpr(  # noqa: E731
+        lambda: grouped_matmul(x, w, sizes, interpret=True))()))
+    saved = dict(small_m.TUNED)
+    try:
+        assert grid() == ["grid=(4, 2)"]  # 128-column tiles
+        small_m.set_tuned([{"k": 128, "n": 256, "blocks": dict(bn=64, bk=64, splits=1, num_warps=4, num_stages=2)}])
+        assert grid() == ["grid=(4, 2)"]  # the cached trace
+        grouped_matmul.clear_cache()
+        assert grid() == ["grid=(4, 4)"]
+    finally:
+        small_m.set_tuned([])
+        small_m.TUNED.update(saved)
+        grouped_matmul.clear_cache()
