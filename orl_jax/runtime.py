@@ -44,9 +44,10 @@ ENGINE_COMPILER_OPTIONS = {
 # generate()'s compiler options for plain DiffusionGemma calls on one device (same conditions as above; not where
 # XLA_FLAGS sets --xla_gpu_command_buffer_scheduling_mode): XLA's default command buffers, whose kernels run in
 # the order of their data dependencies rather than one after the other (CUDA graph branches), so e.g. the dense MLP's
-# GEMMs may overlap the MoE's routing kernels. On an H200 the 26B forward took 17.52 against 17.89 ms and 23.09
-# against 23.43 ms in two calls (benchmarks/results/2026-12-01_dg_concurrent_graphs_h200.md); the same mode left
-# the Qwen3-4B step unchanged (3.48-3.53 ms either way), so Qwen3 keeps ENGINE_COMPILER_OPTIONS alone.
+# GEMMs may overlap the MoE's routing kernels. On an H200 the 26B forward took 17.52 against 17.89 ms, 23.09 against
+# 23.43, and 17.49 against 17.79 / 17.86 in three calls (benchmarks/results/2026-12-01_dg_concurrent_graphs_h200.md);
+# the same mode left the Qwen3-4B step unchanged (3.48-3.53 ms either way), so Qwen3 keeps ENGINE_COMPILER_OPTIONS
+# alone.
 DG_COMPILER_OPTIONS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 
 
