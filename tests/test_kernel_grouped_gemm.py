@@ -32,6 +32,19 @@ def test_matches_ragged_dot_in_interpret_mode(stacked):
     assert np.abs(np.asarray(other) - np.asarray(want)).max() > 1.0
 
 
+def test_given_offsets_replace_the_cumsum_of_the_group_sizes():
+    ks = jax.random.split(jax.random.key(2), 2)
+    sizes = jnp.array([3, 0, BM + 1, 5])
+    x = jax.random.normal(ks[0], (int(sizes.sum()), 128))
+    w = jax.random.normal(ks[1], (4, 128, 128))
+    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes).astype(jnp.int32)])
+    got = grouped_matmul(x, w, sizes, None, BLOCKS, interpret=True, offsets=offsets)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(grouped_matmul(x, w, sizes, None, BLOCKS,
+                                                                             interpret=True)))
+    with pytest.raises(ValueError, match="offsets"):
+        grouped_matmul(x, w, sizes, None, BLOCKS, interpret=True, offsets=offsets[1:])
+
+
 def test_bf16_rows_of_one_expert_and_an_all_empty_call():
     ks = jax.random.split(jax.random.key(1), 2)
     x = jax.random.normal(ks[0], (40, 64), jnp.bfloat16)
@@ -78,7 +91,7 @@ def test_kernel_lowers_to_verified_triton_at_the_expert_shapes(monkeypatch):
                                 sd((128,), jnp.int32), sd((), jnp.int32))
 
 
-def test_moe_pallas_path_equals_the_dense_path():
+def test_moe_pallas_path_equals_the_dense_path(monkeypatch):
     """experts_mlp(impl="pallas"): rows sorted by expert through the kernel (any load: one expert takes half of
     the assignments), equal to every token through every expert."""
     from orl_jax.model import moe
@@ -89,12 +102,17 @@ def test_moe_pallas_path_equals_the_dense_path():
     gate_up, down = jax.random.normal(ks[1], (e, d, 2 * f)) * 0.2, jax.random.normal(ks[2], (e, f, d)) * 0.2
     experts = jnp.stack([jnp.zeros(t, jnp.int32), jnp.arange(t, dtype=jnp.int32) % (e - 1) + 1], axis=1)
     weights = jax.nn.softmax(jax.random.normal(ks[3], (t, k)), axis=-1)
+    from orl_jax_kernels.grouped_gemm import kernel as grouped
+
+    offsets, real = [], grouped.grouped_matmul
+    monkeypatch.setattr(grouped, "grouped_matmul", lambda *a, **kw: offsets.append(kw.get("offsets")) or real(*a, **kw))
     got = jax.jit(moe.experts_mlp, static_argnums=(5, 6))(x, weights, experts, gate_up, down, "gelu_tanh", "pallas")
     want = moe.dense_experts_mlp(x, weights, experts, gate_up, down, "gelu_tanh")
+    assert len(offsets) == 2 and all(o is not None for o in offsets)  # from the sort kernel, not recomputed
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
     jaxpr = str(jax.make_jaxpr(lambda: moe.experts_mlp(x, weights, experts, gate_up, down, "gelu_tanh",
                                                        "pallas"))())
-    assert "pallas_call" in jaxpr and "ragged_dot" not in jaxpr
+    assert jaxpr.count("pallas_call") == 3 and "ragged_dot" not in jaxpr  # kernels/expert_sort, gate/up, down
 
 
 @pytest.mark.gpu

@@ -75,9 +75,11 @@ def _kernel(layer_ref, off_ref, x_ref, w_ref, o_ref, *, bk: int, n_chunks: int, 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: jax.Array | None = None,
-                   blocks: Blocks | None = None, interpret: bool = False) -> jax.Array:
+                   blocks: Blocks | None = None, interpret: bool = False,
+                   offsets: jax.Array | None = None) -> jax.Array:
     """x [M, K] (rows sorted by group) times w [E, K, N], or the layer `layer` of a stack w [L, E, K, N], group by
-    group: group_sizes [E] (int, summing to <= M) -> [M, N] in x's dtype."""
+    group: group_sizes [E] (int, summing to <= M) -> [M, N] in x's dtype. offsets [E + 1]: the groups' first rows
+    and their end, when the caller has them (kernels/expert_sort returns them); else computed from group_sizes."""
     m, k = x.shape
     e, n = w.shape[-3], w.shape[-1]
     stacked = w.ndim == 4
@@ -92,7 +94,10 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: ja
     # a copy of x per call, ~8 us at DiffusionGemma's gate/up input).
     spare = BM if interpret else 0
     xp = jnp.pad(x, ((0, spare), (0, 0))) if spare else x
-    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes.astype(jnp.int32))])
+    if offsets is None:
+        offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes.astype(jnp.int32))])
+    elif offsets.shape != (e + 1,):
+        raise ValueError(f"grouped_matmul: offsets {offsets.shape} for {e} groups, expected ({e + 1},)")
     w_spec = (pl.BlockSpec((w.shape[0], 1, k, blocks.bn), lambda g, j: (0, g, 0, j)) if stacked
               else pl.BlockSpec((1, k, blocks.bn), lambda g, j: (g, 0, j)))
     out = pl.pallas_call(

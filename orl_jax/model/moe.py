@@ -42,10 +42,11 @@ def route(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: 
     return w * jnp.take(expert_scale, e).astype(jnp.float32), e.astype(jnp.int32)
 
 
-def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
-    """x [M, K] whose rows come in contiguous groups (sizes [E]) times w [E, K, N]: row r of group e gets x_r @ w_e."""
+def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, offsets: jax.Array | None = None) -> jax.Array:
+    """x [M, K] whose rows come in contiguous groups (sizes [E]) times w [E, K, N]: row r of group e gets x_r @ w_e.
+    offsets [E + 1] (the groups' first rows, then their end), when known, spare the grouped kernel their cumsum."""
     if hasattr(w, "ragged_dot"):
-        return w.ragged_dot(x, group_sizes)
+        return w.ragged_dot(x, group_sizes, offsets)
     return xla_ragged_dot(x, w, group_sizes)
 
 
@@ -74,7 +75,7 @@ def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up, d
     buckets). See the module docstring."""
     t, k = experts.shape
     if impl == "pallas":  # expert stacks as StackedWeight: their ragged_dot is the grouped kernel
-        return grouped_experts_mlp(x, weights, experts, as_stacked(gate_up), as_stacked(down), act)
+        return grouped_experts_mlp(x, weights, experts, as_stacked(gate_up), as_stacked(down), act, sort_kernel=True)
     if t > BUCKETED_MAX_TOKENS:
         return grouped_experts_mlp(x, weights, experts, gate_up, down, act)
     c = capacity(t, k, gate_up.shape[0])
@@ -161,14 +162,24 @@ def sort_by_expert(experts: jax.Array, num_experts: int):
     return order, pos, sizes
 
 
-def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str) -> jax.Array:
+def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False) -> jax.Array:
     """Rows sorted by expert and multiplied group by group (`grouped_matmul`): work proportional to T * k. The
-    outputs come back by a gather (each assignment reads its sorted row), weighted and summed over the k choices."""
+    outputs come back by a gather (each assignment reads its sorted row), weighted and summed over the k choices.
+    sort_kernel: sort with kernels/expert_sort (one launch, and the group offsets the grouped kernel needs) up to its
+    MAX_ASSIGNMENTS, instead of sort_by_expert's XLA fusions."""
+    from orl_jax_kernels.expert_sort.kernel import MAX_ASSIGNMENTS, expert_sort
+
     t, k = experts.shape
-    order, pos, sizes = sort_by_expert(experts, gate_up.shape[0])
+    num_experts = gate_up.shape[0]
+    offsets = None
+    if sort_kernel and t * k <= MAX_ASSIGNMENTS:
+        order, pos, offsets = expert_sort(experts.reshape(-1), num_experts, interpret=jax.default_backend() == "cpu")
+        sizes = offsets[1:] - offsets[:-1]
+    else:
+        order, pos, sizes = sort_by_expert(experts, num_experts)
     xs = jnp.take(x, order // k, axis=0)  # [M, D]
-    gu = grouped_matmul(xs, gate_up, sizes)  # [M, 2F]
+    gu = grouped_matmul(xs, gate_up, sizes, offsets)  # [M, 2F]
     g, u = jnp.split(gu, 2, axis=-1)
-    y = grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes)  # [M, D] in sorted order
+    y = grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes, offsets)  # [M, D] in sorted order
     y = jnp.take(y, pos, axis=0).astype(jnp.float32) * weights.reshape(-1, 1)  # [M, D] in (token, choice) order
     return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)  # [T, D]

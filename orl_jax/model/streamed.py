@@ -61,14 +61,16 @@ class StackedWeight:
     def dtype(self):
         return self.stack.dtype
 
-    def ragged_dot(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    def ragged_dot(self, x: jax.Array, group_sizes: jax.Array, offsets: jax.Array | None = None) -> jax.Array:
         """moe.grouped_matmul's product: rows sorted by group times layer `index` of an expert stack [L, E, K, N],
-        through kernels/grouped_gemm reading the stack in place; shapes or dtypes it does not take fall back to
-        XLA's ragged_dot on the slice (a copy, as XLA makes for its own ops)."""
+        through kernels/grouped_gemm reading the stack in place (offsets: the groups' row offsets [E + 1] if the
+        caller has them); shapes or dtypes it does not take fall back to XLA's ragged_dot on the slice (a copy, as
+        XLA makes for its own ops)."""
         from orl_jax_kernels.grouped_gemm.kernel import grouped_matmul, supported
 
         if self.stack.ndim == 4 and self.stack.dtype == x.dtype and supported(*self.stack.shape[2:]):
-            return grouped_matmul(x, self.stack, group_sizes, self.index, interpret=jax.default_backend() == "cpu")
+            return grouped_matmul(x, self.stack, group_sizes, self.index, interpret=jax.default_backend() == "cpu",
+                                  offsets=offsets)
         return xla_ragged_dot(x, self.sliced(), group_sizes)
 
     def einsum(self, spec: str, x: jax.Array) -> jax.Array:
