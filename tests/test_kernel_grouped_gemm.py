@@ -104,6 +104,7 @@ def test_moe_pallas_path_equals_the_dense_path(monkeypatch):
     weights = jax.nn.softmax(jax.random.normal(ks[3], (t, k)), axis=-1)
     from orl_jax_kernels.grouped_gemm import kernel as grouped
 
+    monkeypatch.setattr(moe, "SORT_KERNEL", True)  # the expert sort kernel (off by default until timed)
     offsets, real = [], grouped.grouped_matmul
     monkeypatch.setattr(grouped, "grouped_matmul", lambda *a, **kw: offsets.append(kw.get("offsets")) or real(*a, **kw))
     got = jax.jit(moe.experts_mlp, static_argnums=(5, 6))(x, weights, experts, gate_up, down, "gelu_tanh", "pallas")
@@ -113,6 +114,9 @@ def test_moe_pallas_path_equals_the_dense_path(monkeypatch):
     jaxpr = str(jax.make_jaxpr(lambda: moe.experts_mlp(x, weights, experts, gate_up, down, "gelu_tanh",
                                                        "pallas"))())
     assert jaxpr.count("pallas_call") == 3 and "ragged_dot" not in jaxpr  # kernels/expert_sort, gate/up, down
+    monkeypatch.setattr(moe, "SORT_KERNEL", False)  # the default: sort_by_expert's XLA path, the same result
+    default = jax.jit(moe.experts_mlp, static_argnums=(5, 6))(x, weights, experts, gate_up, down, "gelu_tanh", "pallas")
+    np.testing.assert_array_equal(np.asarray(default), np.asarray(got))
 
 
 @pytest.mark.gpu

@@ -75,7 +75,8 @@ def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up, d
     buckets). See the module docstring."""
     t, k = experts.shape
     if impl == "pallas":  # expert stacks as StackedWeight: their ragged_dot is the grouped kernel
-        return grouped_experts_mlp(x, weights, experts, as_stacked(gate_up), as_stacked(down), act, sort_kernel=True)
+        return grouped_experts_mlp(x, weights, experts, as_stacked(gate_up), as_stacked(down), act,
+                                   sort_kernel=SORT_KERNEL)
     if t > BUCKETED_MAX_TOKENS:
         return grouped_experts_mlp(x, weights, experts, gate_up, down, act)
     c = capacity(t, k, gate_up.shape[0])
@@ -126,6 +127,11 @@ def dense_experts_mlp(x, weights, experts, gate_up, down, act: str) -> jax.Array
     h = (ACTIVATIONS[act](g) * u).astype(jnp.float32) * w[..., None]  # [T, E, F]
     return einsum("tef,efd->td", h.astype(x.dtype), down)  # [T, D]
 
+
+# The pallas path sorts with kernels/expert_sort (one launch instead of ~6 XLA fusions and the offsets' cumsum, ~13
+# us per 26B layer) when True. Exact in the CPU tests; off until an H200 A/B times it
+# (`benchmarks/diffusion_gemma_generate.py --sort-kernel`, kernels/NOTES.md). Read at trace time.
+SORT_KERNEL = False
 
 # Above this many one-hot entries (assignments x experts) sort_by_expert sorts instead of counting: training passes
 # (tens of thousands of assignments) would otherwise build one-hot tables of hundreds of MB.
