@@ -173,12 +173,14 @@ def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kerne
     outputs come back by a gather (each assignment reads its sorted row), weighted and summed over the k choices.
     sort_kernel: sort with kernels/expert_sort (one launch, and the group offsets the grouped kernel needs) up to its
     MAX_ASSIGNMENTS, instead of sort_by_expert's XLA fusions."""
-    from orl_jax_kernels.expert_sort.kernel import MAX_ASSIGNMENTS, expert_sort
-
     t, k = experts.shape
     num_experts = gate_up.shape[0]
     offsets = None
-    if sort_kernel and t * k <= MAX_ASSIGNMENTS:
+    if sort_kernel:
+        from orl_jax_kernels.expert_sort.kernel import MAX_ASSIGNMENTS, expert_sort
+
+        sort_kernel = t * k <= MAX_ASSIGNMENTS
+    if sort_kernel:
         order, pos, offsets = expert_sort(experts.reshape(-1), num_experts, interpret=jax.default_backend() == "cpu")
         sizes = offsets[1:] - offsets[:-1]
     else:
