@@ -117,6 +117,13 @@ def test_moe_pallas_path_equals_the_dense_path(monkeypatch):
     monkeypatch.setattr(moe, "SORT_KERNEL", False)  # the default: sort_by_expert's XLA path, the same result
     default = jax.jit(moe.experts_mlp, static_argnums=(5, 6))(x, weights, experts, gate_up, down, "gelu_tanh", "pallas")
     np.testing.assert_array_equal(np.asarray(default), np.asarray(got))
+    from orl_jax_kernels.expert_sort import kernel as sort
+
+    monkeypatch.setattr(moe, "SORT_KERNEL", True)
+    monkeypatch.setattr(sort, "MAX_ASSIGNMENTS", t * k - 1)  # more assignments than the kernel takes: XLA sorts
+    jaxpr = str(jax.make_jaxpr(lambda: moe.experts_mlp(x, weights, experts, gate_up, down, "gelu_tanh",
+                                                       "pallas"))())
+    assert jaxpr.count("pallas_call") == 2
 
 
 @pytest.mark.gpu
