@@ -168,23 +168,26 @@ def sort_by_expert(experts: jax.Array, num_experts: int):
     return order, pos, sizes
 
 
+def _sorted_rows(experts: jax.Array, num_experts: int, kernel: bool):
+    """sort_by_expert's (order, pos, sizes) and the group offsets [E + 1]: from kernels/expert_sort when `kernel` and
+    the assignments fit it (MAX_ASSIGNMENTS), else from XLA (offsets None: the grouped kernel derives them)."""
+    if kernel:
+        from orl_jax_kernels.expert_sort.kernel import MAX_ASSIGNMENTS, expert_sort
+
+        if experts.size <= MAX_ASSIGNMENTS:
+            order, pos, offsets = expert_sort(experts.reshape(-1), num_experts,
+                                              interpret=jax.default_backend() == "cpu")
+            return order, pos, offsets[1:] - offsets[:-1], offsets
+    return (*sort_by_expert(experts, num_experts), None)
+
+
 def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False) -> jax.Array:
     """Rows sorted by expert and multiplied group by group (`grouped_matmul`): work proportional to T * k. The
     outputs come back by a gather (each assignment reads its sorted row), weighted and summed over the k choices.
     sort_kernel: sort with kernels/expert_sort (one launch, and the group offsets the grouped kernel needs) up to its
     MAX_ASSIGNMENTS, instead of sort_by_expert's XLA fusions."""
     t, k = experts.shape
-    num_experts = gate_up.shape[0]
-    offsets = None
-    if sort_kernel:
-        from orl_jax_kernels.expert_sort.kernel import MAX_ASSIGNMENTS, expert_sort
-
-        sort_kernel = t * k <= MAX_ASSIGNMENTS
-    if sort_kernel:
-        order, pos, offsets = expert_sort(experts.reshape(-1), num_experts, interpret=jax.default_backend() == "cpu")
-        sizes = offsets[1:] - offsets[:-1]
-    else:
-        order, pos, sizes = sort_by_expert(experts, num_experts)
+    order, pos, sizes, offsets = _sorted_rows(experts, gate_up.shape[0], sort_kernel)
     xs = jnp.take(x, order // k, axis=0)  # [M, D]
     gu = grouped_matmul(xs, gate_up, sizes, offsets)  # [M, 2F]
     g, u = jnp.split(gu, 2, axis=-1)
