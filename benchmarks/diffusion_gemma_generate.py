@@ -46,8 +46,9 @@ ap.add_argument("--cached-attention", choices=["auto", "orl_jax", "pallas", "xla
                      "jax.nn.dot_product_attention (xla / cudnn; heads > 256 take the einsums), or auto")
 ap.add_argument("--attention-table", help="tuned attention blocks for --cached-attention pallas "
                                          "(kernels/decode_attention/bench.py --table)")
-ap.add_argument("--sort-kernel", action="store_true",
-                help="moe.SORT_KERNEL: the pallas path sorts with kernels/expert_sort (off by default until timed)")
+ap.add_argument("--xla-sort", action="store_true",
+                help="moe.SORT_KERNEL = False: the pallas path sorts with XLA (moe.sort_by_expert) instead of "
+                     "kernels/expert_sort")
 ap.add_argument("--capacity-factor", type=int,
                 help="moe.CAPACITY_FACTOR (slots per expert / mean load; overflow takes further rounds)")
 args = ap.parse_args()
@@ -88,11 +89,11 @@ if args.capacity_factor is not None:
 
     moe.CAPACITY_FACTOR = args.capacity_factor  # read by moe.capacity at trace time
     log(what="capacity_factor", value=args.capacity_factor)
-if args.sort_kernel:
+if args.xla_sort:
     from orl_jax.model import moe
 
-    moe.SORT_KERNEL = True  # read by moe.experts_mlp at trace time
-    log(what="sort_kernel", value=True)
+    moe.SORT_KERNEL = False  # read by moe.experts_mlp at trace time
+    log(what="sort_kernel", value=False)
 load_tables(log, gemm=args.gemm_table, attention=args.attention_table)
 cfg = DG_PRESETS[args.preset].replace(dtype="bfloat16", cached_attention_impl=args.cached_attention)
 specs = diffusion_gemma.param_specs(cfg)

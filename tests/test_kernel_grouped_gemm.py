@@ -71,12 +71,14 @@ def test_rejects_mismatched_inputs():
     assert supported(2816, 1408) and supported(704, 2816)  # DiffusionGemma's gate/up and down
 
 
-def test_default_tiles_take_64_row_chunks_unless_a_table_says_otherwise(monkeypatch):
+def test_default_tiles_take_64_row_chunks_and_long_k_2_stages_unless_a_table_says_otherwise(monkeypatch):
     from orl_jax_kernels.grouped_gemm.kernel import default_blocks
     from orl_jax_kernels.small_m_gemm import kernel as small_m
 
-    assert default_blocks(2816, 1408) == Blocks(bn=128, bk=64, splits=1)  # DiffusionGemma's gate/up
-    assert default_blocks(704, 2816).bk == 64 and default_blocks(96, 256).bk == 32  # K's own divisor when smaller
+    assert default_blocks(2816, 1408) == Blocks(bn=128, bk=64, splits=1, num_stages=2)  # DiffusionGemma's gate/up
+    down = default_blocks(704, 2816)  # 11 chunks: the small-M rule's stages
+    assert down.bk == 64 and down.num_stages == Blocks(bn=128, bk=64, splits=1).num_stages
+    assert default_blocks(96, 256).bk == 32  # K's own divisor when smaller
     tuned = Blocks(bn=128, bk=128, splits=1, num_warps=8)
     monkeypatch.setitem(small_m.TUNED, (2816, 1408), tuned)
     assert default_blocks(2816, 1408) == tuned
@@ -104,7 +106,7 @@ def test_moe_pallas_path_equals_the_dense_path(monkeypatch):
     weights = jax.nn.softmax(jax.random.normal(ks[3], (t, k)), axis=-1)
     from orl_jax_kernels.grouped_gemm import kernel as grouped
 
-    monkeypatch.setattr(moe, "SORT_KERNEL", True)  # the expert sort kernel (off by default until timed)
+    monkeypatch.setattr(moe, "SORT_KERNEL", True)  # the expert sort kernel (the default)
     offsets, real = [], grouped.grouped_matmul
     monkeypatch.setattr(grouped, "grouped_matmul", lambda *a, **kw: offsets.append(kw.get("offsets")) or real(*a, **kw))
     got = jax.jit(moe.experts_mlp, static_argnums=(5, 6))(x, weights, experts, gate_up, down, "gelu_tanh", "pallas")
@@ -114,7 +116,7 @@ def test_moe_pallas_path_equals_the_dense_path(monkeypatch):
     jaxpr = str(jax.make_jaxpr(lambda: moe.experts_mlp(x, weights, experts, gate_up, down, "gelu_tanh",
                                                        "pallas"))())
     assert jaxpr.count("pallas_call") == 3 and "ragged_dot" not in jaxpr  # kernels/expert_sort, gate/up, down
-    monkeypatch.setattr(moe, "SORT_KERNEL", False)  # the default: sort_by_expert's XLA path, the same result
+    monkeypatch.setattr(moe, "SORT_KERNEL", False)  # sort_by_expert's XLA path: the same result
     default = jax.jit(moe.experts_mlp, static_argnums=(5, 6))(x, weights, experts, gate_up, down, "gelu_tanh", "pallas")
     np.testing.assert_array_equal(np.asarray(default), np.asarray(got))
     from orl_jax_kernels.expert_sort import kernel as sort

@@ -27,19 +27,25 @@ from orl_jax_kernels.small_m_gemm.kernel import TUNED, Blocks, blocks_for, pipel
 
 BM = 64  # rows per tile: a group of <= BM rows reads its weight once (DiffusionGemma: mean 16 rows per expert)
 BK = 64  # contraction rows per chunk unless a tuned table says otherwise
+LONG_K = 32  # from this many chunks of K, 2 pipeline stages (default_blocks)
 
 
 def default_blocks(k: int, n: int) -> Blocks | None:
     """The tiles for (K, N): a loaded table's (small_m_gemm.load_tuned), else the small-M GEMM's for many groups
-    (their `splits` is unused) with chunks of at most BK rows of K. At 4 stages a 128-column program then buffers
-    ~98 KB instead of ~196 KB, so two share an SM and one's pipeline fill hides behind the other's stream: on an H200
-    DiffusionGemma's gate/up (K 2816, 128-row chunks before; its down's K 704 took 64 already) made the 26B forward
-    17.20 against 17.60 / 17.57 ms, its MoE 13.49 against 13.78 / 13.80; 6 stages took 17.41, 64-column tiles
-    18.92 (benchmarks/results/2026-12-01_dg_concurrent_graphs_h200.md)."""
+    (their `splits` is unused) with chunks of at most BK rows of K, and at 2 pipeline stages when K takes at least
+    LONG_K chunks. On an H200, DiffusionGemma's gate/up (K 2816: 44 chunks):
+    - 128-row chunks at 4 stages buffer ~196 KB, one program per SM: the 26B forward 17.60 / 17.57 ms;
+    - 64-row chunks at 4 stages, two or three programs per SM: 17.20 (benchmarks/results/
+      2026-12-01_dg_concurrent_graphs_h200.md); in a later call 17.03 / 17.07 / 17.11, against 16.74 / 16.81 at 3
+      stages and **16.66 / 16.67 at 2** (more programs resident, each with less prefetch; 32-row chunks at 3
+      stages 16.70: benchmarks/results/2026-12-01_dg_sort_kernel_stages_h200.md).
+    Down (K 704: 11 chunks) keeps 4 stages: 3 or 2 were not faster there."""
     if (k, n) in TUNED:
         return TUNED[(k, n)]
     blocks = blocks_for(k, n, groups=1 << 20)
-    return dataclasses.replace(blocks, bk=BK) if blocks.bk > BK and k % BK == 0 else blocks
+    if blocks.bk > BK and k % BK == 0:
+        blocks = dataclasses.replace(blocks, bk=BK)
+    return dataclasses.replace(blocks, num_stages=2) if k // blocks.bk >= LONG_K else blocks
 
 
 def supported(k: int, n: int, blocks: Blocks | None = None) -> bool:

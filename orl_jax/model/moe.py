@@ -129,9 +129,10 @@ def dense_experts_mlp(x, weights, experts, gate_up, down, act: str) -> jax.Array
 
 
 # The pallas path sorts with kernels/expert_sort (one launch instead of ~6 XLA fusions and the offsets' cumsum, ~13
-# us per 26B layer) when True. Exact in the CPU tests; off until an H200 A/B times it
-# (`benchmarks/diffusion_gemma_generate.py --sort-kernel`, kernels/NOTES.md). Read at trace time.
-SORT_KERNEL = False
+# us per 26B layer) when True: on an H200 the 26B forward took 17.17 / 17.16 ms against 17.33 / 17.33 with XLA's
+# sort, alternating, same tokens (benchmarks/results/2026-12-01_dg_sort_kernel_stages_h200.md). False: XLA's
+# sort_by_expert (`benchmarks/diffusion_gemma_generate.py --xla-sort`). Read at trace time.
+SORT_KERNEL = True
 
 # Above this many one-hot entries (assignments x experts) sort_by_expert sorts instead of counting: training passes
 # (tens of thousands of assignments) would otherwise build one-hot tables of hundreds of MB.
