@@ -49,6 +49,7 @@ ap.add_argument("--attention-table", help="tuned attention blocks for --cached-a
 ap.add_argument("--xla-sort", action="store_true",
                 help="moe.SORT_KERNEL = False: the pallas path sorts with XLA (moe.sort_by_expert) instead of "
                      "kernels/expert_sort")
+ap.add_argument("--grouped-bm", type=int, help="kernels/grouped_gemm BM: rows per tile (a power of two >= 16)")
 ap.add_argument("--capacity-factor", type=int,
                 help="moe.CAPACITY_FACTOR (slots per expert / mean load; overflow takes further rounds)")
 args = ap.parse_args()
@@ -94,6 +95,11 @@ if args.xla_sort:
 
     moe.SORT_KERNEL = False  # read by moe.experts_mlp at trace time
     log(what="sort_kernel", value=False)
+if args.grouped_bm is not None:
+    from orl_jax_kernels.grouped_gemm import kernel as grouped_kernel
+
+    grouped_kernel.BM = args.grouped_bm  # read by grouped_matmul at trace time (validated there)
+    log(what="grouped_bm", value=args.grouped_bm)
 load_tables(log, gemm=args.gemm_table, attention=args.attention_table)
 cfg = DG_PRESETS[args.preset].replace(dtype="bfloat16", cached_attention_impl=args.cached_attention)
 specs = diffusion_gemma.param_specs(cfg)

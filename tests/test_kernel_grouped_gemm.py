@@ -14,16 +14,16 @@ from orl_jax_kernels.small_m_gemm.kernel import Blocks
 BLOCKS = Blocks(bn=128, bk=64, splits=1)
 
 
-@pytest.mark.parametrize("stacked", [False, True])
-def test_matches_ragged_dot_in_interpret_mode(stacked):
+@pytest.mark.parametrize("stacked,bm", [(False, BM), (True, BM), (True, 32)])
+def test_matches_ragged_dot_in_interpret_mode(stacked, bm):
     ks = jax.random.split(jax.random.key(0), 2)
     e, k, n = 6, 128, 256
-    sizes = jnp.array([0, BM + 6, 3, 0, BM, 1])  # a group over BM rows (two tiles), exactly BM, empty groups
+    sizes = jnp.array([0, bm + 6, 3, 0, bm, 1])  # a group over bm rows (two tiles), exactly bm, empty groups
     m = int(sizes.sum()) + 5  # rows past the last group
     x = jax.random.normal(ks[0], (m, k))
     w = jax.random.normal(ks[1], (2, e, k, n))
-    got = (grouped_matmul(x, w, sizes, jnp.int32(1), BLOCKS, interpret=True) if stacked
-           else grouped_matmul(x, w[1], sizes, None, BLOCKS, interpret=True))
+    got = (grouped_matmul(x, w, sizes, jnp.int32(1), BLOCKS, interpret=True, bm=bm) if stacked
+           else grouped_matmul(x, w[1], sizes, None, BLOCKS, interpret=True, bm=bm))
     want = grouped_matmul_reference(x, w[1], sizes)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
     assert not np.asarray(got[-5:]).any()  # rows past the groups are 0
@@ -65,6 +65,8 @@ def test_rejects_mismatched_inputs():
         grouped_matmul(x, w, jnp.ones(3, jnp.int32), None, BLOCKS, interpret=True)
     with pytest.raises(ValueError, match="do not match"):
         grouped_matmul(x, w, jnp.ones(4, jnp.int32), jnp.int32(0), BLOCKS, interpret=True)
+    with pytest.raises(ValueError, match="bm must be"):
+        grouped_matmul(x, w, jnp.ones(3, jnp.int32), jnp.int32(0), BLOCKS, interpret=True, bm=48)
     with pytest.raises(ValueError, match="not supported"):
         grouped_matmul(jnp.ones((8, 100)), jnp.ones((3, 100, 128)), jnp.ones(3, jnp.int32), None, BLOCKS,
                        interpret=True)
@@ -87,8 +89,8 @@ def test_default_tiles_take_64_row_chunks_and_long_k_2_stages_unless_a_table_say
 def test_kernel_lowers_to_verified_triton_at_the_expert_shapes(monkeypatch):
     """Pallas -> Triton IR at DiffusionGemma's shapes (2048 routed rows, a stack of 128 experts), no GPU needed."""
     sd = jax.ShapeDtypeStruct
-    for k, n in ((2816, 1408), (704, 2816)):
-        verified_triton_modules(monkeypatch, lambda x, w, s, i: grouped_matmul(x, w, s, i),
+    for k, n, bm in ((2816, 1408, BM), (704, 2816, BM), (2816, 1408, 32)):
+        verified_triton_modules(monkeypatch, lambda x, w, s, i: grouped_matmul(x, w, s, i, bm=bm),
                                 sd((2048, k), jnp.bfloat16), sd((25, 128, k, n), jnp.bfloat16),
                                 sd((128,), jnp.int32), sd((), jnp.int32))
 

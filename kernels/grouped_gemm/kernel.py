@@ -25,7 +25,8 @@ from jax.experimental import pallas as pl
 from orl_jax_kernels.pallas_args import layer_operand, triton_params
 from orl_jax_kernels.small_m_gemm.kernel import TUNED, Blocks, blocks_for, pipeline_stages
 
-BM = 64  # rows per tile: a group of <= BM rows reads its weight once (DiffusionGemma: mean 16 rows per expert)
+BM = 64  # rows per tile: a group of <= BM rows reads its weight once (DiffusionGemma: mean 16 rows per expert).
+# Read at trace time when grouped_matmul gets no `bm` (benchmarks/diffusion_gemma_generate.py --grouped-bm sets it).
 BK = 64  # contraction rows per chunk unless a tuned table says otherwise
 LONG_K = 32  # from this many chunks of K, 2 pipeline stages (default_blocks)
 
@@ -79,26 +80,30 @@ def _kernel(layer_ref, off_ref, x_ref, w_ref, o_ref, *, bk: int, n_chunks: int, 
     jax.lax.fori_loop(0, (rows + bm - 1) // bm, tile, 0)  # no rows: the expert's weight is not read
 
 
-@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "bm"))
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: jax.Array | None = None,
                    blocks: Blocks | None = None, interpret: bool = False,
-                   offsets: jax.Array | None = None) -> jax.Array:
+                   offsets: jax.Array | None = None, bm: int | None = None) -> jax.Array:
     """x [M, K] (rows sorted by group) times w [E, K, N], or the layer `layer` of a stack w [L, E, K, N], group by
     group: group_sizes [E] (int, summing to <= M) -> [M, N] in x's dtype. offsets [E + 1]: the groups' first rows
-    and their end, when the caller has them (kernels/expert_sort returns them); else computed from group_sizes."""
+    and their end, when the caller has them (kernels/expert_sort returns them); else computed from group_sizes.
+    bm: rows per tile (a power of two >= 16), BM unless given."""
     m, k = x.shape
     e, n = w.shape[-3], w.shape[-1]
     stacked = w.ndim == 4
     layer_arr = layer_operand("grouped_matmul", stacked, layer, w.shape)  # stacked: [L, E, K, N]
     if w.shape[-2] != k or group_sizes.shape != (e,):
         raise ValueError(f"grouped_matmul: x {x.shape}, w {w.shape} and group_sizes {group_sizes.shape} do not match")
+    bm = BM if bm is None else bm
+    if bm < 16 or bm & (bm - 1):
+        raise ValueError(f"grouped_matmul: bm must be a power of two >= 16, got {bm}")
     blocks = blocks or default_blocks(k, n)
     if not supported(k, n, blocks):
         raise ValueError(f"grouped_matmul: K={k}, N={n} not supported with {blocks}")
-    # Interpret mode clamps a tile's window that leaves the array onto other rows: there x gets BM spare rows.
+    # Interpret mode clamps a tile's window that leaves the array onto other rows: there x gets bm spare rows.
     # Triton's masked loads and stores touch only the group's rows, so on a GPU x goes in as it lies (the pad was
     # a copy of x per call, ~8 us at DiffusionGemma's gate/up input).
-    spare = BM if interpret else 0
+    spare = bm if interpret else 0
     xp = jnp.pad(x, ((0, spare), (0, 0))) if spare else x
     if offsets is None:
         offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes.astype(jnp.int32))])
@@ -107,7 +112,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: ja
     w_spec = (pl.BlockSpec((w.shape[0], 1, k, blocks.bn), lambda g, j: (0, g, 0, j)) if stacked
               else pl.BlockSpec((1, k, blocks.bn), lambda g, j: (g, 0, j)))
     out = pl.pallas_call(
-        functools.partial(_kernel, bk=blocks.bk, n_chunks=k // blocks.bk, bm=BM, stacked=stacked),
+        functools.partial(_kernel, bk=blocks.bk, n_chunks=k // blocks.bk, bm=bm, stacked=stacked),
         out_shape=jax.ShapeDtypeStruct((m + spare, n), x.dtype),
         grid=(e, n // blocks.bn),
         in_specs=[pl.BlockSpec((1,), lambda g, j: (0,)),
@@ -116,7 +121,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: ja
                   w_spec],
         out_specs=pl.BlockSpec((m + spare, blocks.bn), lambda g, j: (0, j)),
         interpret=interpret,
-        **triton_params(blocks.num_warps, pipeline_stages(blocks, BM), interpret),
+        **triton_params(blocks.num_warps, pipeline_stages(blocks, bm), interpret),
     )(layer_arr, offsets, xp, w)
     live = jnp.arange(m) < offsets[-1]  # rows past the last group: never written
     return jnp.where(live[:, None], out[:m] if spare else out, 0)
