@@ -90,7 +90,7 @@ def test_kernel_lowers_to_verified_triton_at_the_expert_shapes(monkeypatch):
     """Pallas -> Triton IR at DiffusionGemma's shapes (2048 routed rows, a stack of 128 experts), no GPU needed."""
     sd = jax.ShapeDtypeStruct
     for k, n, bm in ((2816, 1408, BM), (704, 2816, BM), (2816, 1408, 32)):
-        verified_triton_modules(monkeypatch, lambda x, w, s, i: grouped_matmul(x, w, s, i, bm=bm),
+        verified_triton_modules(monkeypatch, lambda x, w, s, i, bm=bm: grouped_matmul(x, w, s, i, bm=bm),
                                 sd((2048, k), jnp.bfloat16), sd((25, 128, k, n), jnp.bfloat16),
                                 sd((128,), jnp.int32), sd((), jnp.int32))
 
