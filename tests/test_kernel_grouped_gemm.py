@@ -14,8 +14,13 @@ from orl_jax_kernels.small_m_gemm.kernel import Blocks
 BLOCKS = Blocks(bn=128, bk=64, splits=1)
 
 
-@pytest.mark.parametrize("stacked,bm", [(False, BM), (True, BM), (True, 32)])
-def test_matches_ragged_dot_in_interpret_mode(stacked, bm):
+@pytest.mark.parametrize("stacked,bm,columns_inner", [(False, BM, False), (True, BM, False), (True, 32, False),
+                                                      (True, BM, True)])
+def test_matches_ragged_dot_in_interpret_mode(stacked, bm, columns_inner, monkeypatch):
+    from orl_jax_kernels.grouped_gemm import kernel
+
+    monkeypatch.setattr(kernel, "COLUMNS_INNER", columns_inner)
+    jax.clear_caches()  # the program order is read at trace time
     ks = jax.random.split(jax.random.key(0), 2)
     e, k, n = 6, 128, 256
     sizes = jnp.array([0, bm + 6, 3, 0, bm, 1])  # a group over bm rows (two tiles), exactly bm, empty groups

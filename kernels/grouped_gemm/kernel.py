@@ -28,6 +28,10 @@ from orl_jax_kernels.small_m_gemm.kernel import TUNED, Blocks, blocks_for, pipel
 BM = 64  # rows per tile: a group of <= BM rows reads its weight once (DiffusionGemma: mean 16 rows per expert).
 # Read at trace time when grouped_matmul gets no `bm` (benchmarks/diffusion_gemma_generate.py --grouped-bm sets it).
 BK = 64  # contraction rows per chunk unless a tuned table says otherwise
+# Program order: False launches (expert, column tile) with the expert varying fastest (programs running together
+# read the same columns of different experts); True puts one expert's column tiles next to each other (they read
+# adjacent 256-byte pieces of the same weight rows). Read at trace time (diffusion_gemma_generate.py --columns-inner).
+COLUMNS_INNER = False
 LONG_K = 32  # from this many chunks of K, 2 pipeline stages (default_blocks)
 
 
@@ -55,10 +59,11 @@ def supported(k: int, n: int, blocks: Blocks | None = None) -> bool:
     return blocks is not None and k % blocks.bk == 0 and n % blocks.bn == 0
 
 
-def _kernel(layer_ref, off_ref, x_ref, w_ref, o_ref, *, bk: int, n_chunks: int, bm: int, stacked: bool):
+def _kernel(layer_ref, off_ref, x_ref, w_ref, o_ref, *, bk: int, n_chunks: int, bm: int, stacked: bool,
+            expert_axis: int):
     from jax.experimental.pallas import triton as plt
 
-    e = pl.program_id(0)
+    e = pl.program_id(expert_axis)
     bn = w_ref.shape[-1]
     layer = layer_ref[0] if stacked else 0
     start, rows = off_ref[e], off_ref[e + 1] - off_ref[e]
@@ -109,17 +114,21 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: ja
         offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes.astype(jnp.int32))])
     elif offsets.shape != (e + 1,):
         raise ValueError(f"grouped_matmul: offsets {offsets.shape} for {e} groups, expected ({e + 1},)")
-    w_spec = (pl.BlockSpec((w.shape[0], 1, k, blocks.bn), lambda g, j: (0, g, 0, j)) if stacked
-              else pl.BlockSpec((1, k, blocks.bn), lambda g, j: (g, 0, j)))
+    inner = COLUMNS_INNER
+    grid = (n // blocks.bn, e) if inner else (e, n // blocks.bn)
+    ge = (lambda f: lambda j, g: f(g, j)) if inner else (lambda f: f)  # index maps in (expert, column) terms
+    w_spec = (pl.BlockSpec((w.shape[0], 1, k, blocks.bn), ge(lambda g, j: (0, g, 0, j))) if stacked
+              else pl.BlockSpec((1, k, blocks.bn), ge(lambda g, j: (g, 0, j))))
     out = pl.pallas_call(
-        functools.partial(_kernel, bk=blocks.bk, n_chunks=k // blocks.bk, bm=bm, stacked=stacked),
+        functools.partial(_kernel, bk=blocks.bk, n_chunks=k // blocks.bk, bm=bm, stacked=stacked,
+                          expert_axis=1 if inner else 0),
         out_shape=jax.ShapeDtypeStruct((m + spare, n), x.dtype),
-        grid=(e, n // blocks.bn),
-        in_specs=[pl.BlockSpec((1,), lambda g, j: (0,)),
-                  pl.BlockSpec((e + 1,), lambda g, j: (0,)),
-                  pl.BlockSpec((m + spare, k), lambda g, j: (0, 0)),
+        grid=grid,
+        in_specs=[pl.BlockSpec((1,), ge(lambda g, j: (0,))),
+                  pl.BlockSpec((e + 1,), ge(lambda g, j: (0,))),
+                  pl.BlockSpec((m + spare, k), ge(lambda g, j: (0, 0))),
                   w_spec],
-        out_specs=pl.BlockSpec((m + spare, blocks.bn), lambda g, j: (0, j)),
+        out_specs=pl.BlockSpec((m + spare, blocks.bn), ge(lambda g, j: (0, j))),
         interpret=interpret,
         **triton_params(blocks.num_warps, pipeline_stages(blocks, bm), interpret),
     )(layer_arr, offsets, xp, w)
