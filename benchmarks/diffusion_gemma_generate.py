@@ -50,8 +50,9 @@ ap.add_argument("--xla-sort", action="store_true",
                 help="moe.SORT_KERNEL = False: the pallas path sorts with XLA (moe.sort_by_expert) instead of "
                      "kernels/expert_sort")
 ap.add_argument("--grouped-bm", type=int, help="kernels/grouped_gemm BM: rows per tile (a power of two >= 16)")
-ap.add_argument("--columns-inner", action="store_true",
-                help="kernels/grouped_gemm COLUMNS_INNER: one expert's column tiles launched next to each other")
+ap.add_argument("--experts-inner", action="store_true",
+                help="kernels/grouped_gemm COLUMNS_INNER = False: the expert varies fastest in the program order "
+                     "(before session 17)")
 ap.add_argument("--capacity-factor", type=int,
                 help="moe.CAPACITY_FACTOR (slots per expert / mean load; overflow takes further rounds)")
 args = ap.parse_args()
@@ -102,11 +103,11 @@ if args.grouped_bm is not None:
 
     grouped_kernel.BM = args.grouped_bm  # read by grouped_matmul at trace time (validated there)
     log(what="grouped_bm", value=args.grouped_bm)
-if args.columns_inner:
+if args.experts_inner:
     from orl_jax_kernels.grouped_gemm import kernel as grouped_kernel
 
-    grouped_kernel.COLUMNS_INNER = True  # read by grouped_matmul at trace time
-    log(what="columns_inner", value=True)
+    grouped_kernel.COLUMNS_INNER = False  # read by grouped_matmul at trace time
+    log(what="columns_inner", value=False)
 load_tables(log, gemm=args.gemm_table, attention=args.attention_table)
 cfg = DG_PRESETS[args.preset].replace(dtype="bfloat16", cached_attention_impl=args.cached_attention)
 specs = diffusion_gemma.param_specs(cfg)

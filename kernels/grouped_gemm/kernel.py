@@ -28,10 +28,13 @@ from orl_jax_kernels.small_m_gemm.kernel import TUNED, Blocks, blocks_for, pipel
 BM = 64  # rows per tile: a group of <= BM rows reads its weight once (DiffusionGemma: mean 16 rows per expert).
 # Read at trace time when grouped_matmul gets no `bm` (benchmarks/diffusion_gemma_generate.py --grouped-bm sets it).
 BK = 64  # contraction rows per chunk unless a tuned table says otherwise
-# Program order: False launches (expert, column tile) with the expert varying fastest (programs running together
-# read the same columns of different experts); True puts one expert's column tiles next to each other (they read
-# adjacent 256-byte pieces of the same weight rows). Read at trace time (diffusion_gemma_generate.py --columns-inner).
-COLUMNS_INNER = False
+# Program order. True (the default): one expert's column tiles are launched next to each other, so programs running
+# together read adjacent 256-byte pieces of the same weight rows. False: the expert varies fastest (programs running
+# together read the same columns of different experts, 2816 x 1408 x 2 bytes apart at DiffusionGemma's gate/up). On
+# an H200 the 26B forward took 16.07 / 16.06 ms with True against 16.60 with False, bracketed in one call, same
+# tokens (benchmarks/results/2026-12-01_dg_sort_kernel_stages_h200.md). Read at trace time
+# (benchmarks/diffusion_gemma_generate.py --experts-inner sets False).
+COLUMNS_INNER = True
 LONG_K = 32  # from this many chunks of K, 2 pipeline stages (default_blocks)
 
 
