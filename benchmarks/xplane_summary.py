@@ -53,7 +53,9 @@ def summarize(trace_dir: str, steps: int, top: int = 25, plane_prefix: str = "/d
 
 def summarize_events(ev: list[tuple[str, str, int, int]], steps: int, top: int = 25) -> dict:
     """Per step: span (first start to last end), busy time (union of the kernels' intervals: overlapping streams
-    count once), kernel count; the `top` (kernel, hlo op) pairs by total time. Kernels replayed inside XLA's
+    count once), kernel count; the `top` (kernel, hlo op) pairs by total time, each with its time alone on the GPU
+    (`alone_us_per_step`: no other kernel running; with concurrent command-buffer branches, the rest of its time
+    overlapped others, e.g. a compute-bound GEMM under a bandwidth-bound one). Kernels replayed inside XLA's
     command buffers (CUDA graphs) carry the buffer's name, not their op's: they count by kernel name alone, so a
     kernel that several loops launch (one command buffer each) adds up to one row."""
     ev = sorted(ev, key=lambda e: e[2])
@@ -64,13 +66,28 @@ def summarize_events(ev: list[tuple[str, str, int, int]], steps: int, top: int =
         elif s + d > end:
             busy, end = busy + s + d - end, s + d
     span = max(s + d for _, _, s, d in ev) - ev[0][2]
+    key = [(name[:80], "command_buffer" if op.startswith("command_buffer") else op[:60]) for name, op, _, _ in ev]
     by = collections.defaultdict(lambda: [0, 0])
-    for name, op, _, d in ev:
-        k = by[(name[:80], "command_buffer" if op.startswith("command_buffer") else op[:60])]
-        k[0] += 1
-        k[1] += d
+    for k, (_, _, _, d) in zip(key, ev):
+        by[k][0] += 1
+        by[k][1] += d
+    alone = _alone_time(ev, key)
     rows = sorted(by.items(), key=lambda kv: -kv[1][1])[:top]
     return {"kernels_per_step": len(ev) / steps, "span_ms_per_step": span / steps / 1e6,
             "busy_ms_per_step": busy / steps / 1e6, "idle_pct": 100 * (1 - busy / span),
             "top": [{"kernel": n, "hlo_op": op, "calls_per_step": c / steps, "us_per_call": t / c / 1e3,
-                     "us_per_step": t / steps / 1e3} for (n, op), (c, t) in rows]}
+                     "us_per_step": t / steps / 1e3, "alone_us_per_step": alone[(n, op)] / steps / 1e3}
+                    for (n, op), (c, t) in rows]}
+
+
+def _alone_time(ev: list[tuple[str, str, int, int]], key: list) -> dict:
+    """Per key, the ns during which one of its events ran and no other event did (a sweep over interval ends)."""
+    points = sorted([(s + d, 0, i) for i, (_, _, s, d) in enumerate(ev)] + [(s, 1, i) for i, (_, _, s, _) in
+                                                                         enumerate(ev)])  # ends before starts
+    alone, active, last = collections.defaultdict(int), set(), None
+    for t, starts, i in points:
+        if len(active) == 1 and last is not None:
+            alone[key[next(iter(active))]] += t - last
+        (active.add if starts else active.discard)(i)
+        last = t
+    return alone

@@ -31,3 +31,13 @@ def test_kernels_in_several_command_buffers_add_up():
     assert rows[("gemm", "command_buffer")]["calls_per_step"] == 2
     assert rows[("gemm", "command_buffer")]["us_per_step"] == 40 / 1e3
     assert rows[("gemm", "fusion.1")]["calls_per_step"] == 1
+
+
+def test_time_alone_excludes_what_overlaps_other_kernels():
+    # gemm [0, 100) overlaps fusion [50, 150): 50 ns alone each; copy [220, 240) inside gemm [200, 300): gemm alone
+    # 80 there, copy never alone; back-to-back kernels [400, 410) and [410, 420) are each alone
+    ev = [("gemm", "dot.1", 0, 100), ("fusion", "add.2", 50, 100), ("gemm", "dot.1", 200, 100),
+          ("copy", "copy.3", 220, 20), ("a", "x", 400, 10), ("b", "y", 410, 10)]
+    rows = {r["kernel"]: r for r in summarize_events(ev, steps=1, top=5)["top"]}
+    assert {k: r["alone_us_per_step"] * 1e3 for k, r in rows.items()} == pytest.approx(
+        {"gemm": 130, "fusion": 50, "copy": 0, "a": 10, "b": 10})
