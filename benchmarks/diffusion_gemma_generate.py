@@ -53,6 +53,8 @@ ap.add_argument("--grouped-bm", type=int, help="kernels/grouped_gemm BM: rows pe
 ap.add_argument("--experts-inner", action="store_true",
                 help="kernels/grouped_gemm COLUMNS_INNER = False: the expert varies fastest in the program order "
                      "(before session 17)")
+ap.add_argument("--split-k", default="",
+                help="diffusion_gemma.SPLIT_K, e.g. o=4,gate_up=2,down=3: the dense GEMMs as batched split-K products")
 ap.add_argument("--capacity-factor", type=int,
                 help="moe.CAPACITY_FACTOR (slots per expert / mean load; overflow takes further rounds)")
 args = ap.parse_args()
@@ -108,6 +110,17 @@ if args.experts_inner:
 
     grouped_kernel.COLUMNS_INNER = False  # read by grouped_matmul at trace time
     log(what="columns_inner", value=False)
+if args.split_k:
+    from orl_jax.model import diffusion_gemma as dg_model
+
+    try:
+        split_k = {name: int(n) for name, n in (item.split("=") for item in args.split_k.split(","))}
+    except ValueError:
+        ap.error(f"--split-k: expected NAME=INT,..., got {args.split_k!r}")
+    if unknown := sorted(set(split_k) - {"o", "gate_up", "down"}) or [n for n in split_k.values() if n < 1]:
+        ap.error(f"--split-k: names must be o, gate_up, down with splits >= 1; got {unknown}")
+    dg_model.SPLIT_K.update(split_k)  # read by diffusion_gemma._layer at trace time
+    log(what="split_k", value=split_k)
 load_tables(log, gemm=args.gemm_table, attention=args.attention_table)
 cfg = DG_PRESETS[args.preset].replace(dtype="bfloat16", cached_attention_impl=args.cached_attention)
 specs = diffusion_gemma.param_specs(cfg)

@@ -23,6 +23,22 @@ def einsum(spec: str, x: jax.Array, w) -> jax.Array:
     return jnp.einsum(spec, x, w.astype(x.dtype))
 
 
+def split_k_matmul(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
+    """x [..., K] @ w [K, N] -> [..., N] as `splits` GEMMs over K's slices, one batched product, the float32
+    partial sums added after it. For GEMMs with few output tiles and a long K (DiffusionGemma's M = 256
+    projections: cuBLAS takes 96 x 64 tiles, one wave of 132 programs, each looping over all of K): the batch
+    gives `splits` x the programs, each looping over K / splits. Equal to x @ w up to float32 summation order."""
+    *lead, k = x.shape
+    if splits < 1 or k % splits:
+        raise ValueError(f"split_k_matmul: splits={splits} must be >= 1 and divide K={k}")
+    if splits == 1:
+        return jnp.einsum("...k,kn->...n", x, w.astype(x.dtype))
+    xs = jnp.moveaxis(x.reshape(-1, splits, k // splits), 1, 0)  # [S, M, K / S]
+    ws = w.astype(x.dtype).reshape(splits, k // splits, w.shape[-1])  # [S, K / S, N]: a free reshape
+    y = jnp.einsum("smk,skn->smn", xs, ws, preferred_element_type=jnp.float32)
+    return jnp.sum(y, axis=0).astype(x.dtype).reshape(*lead, w.shape[-1])
+
+
 def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
     """cos, sin of shape [B, L, H] (the two halves repeated, HF's rotate_half layout), in float32."""
     return rope_angles_inv_freq(positions, rope_inv_freq(head_dim, theta))
@@ -64,11 +80,17 @@ def gated_mlp(x: jax.Array, gate, up, down, act: str = "silu") -> jax.Array:
     return einsum("blf,fd->bld", ACTIVATIONS[act](g) * u, down)  # [B, L, D]
 
 
-def fused_gated_mlp(x: jax.Array, gate_up, down, act: str = "silu") -> jax.Array:
+def fused_gated_mlp(x: jax.Array, gate_up, down, act: str = "silu", split_k: tuple[int, int] = (1, 1)) -> jax.Array:
     """gated_mlp with gate and up stored as one [D, 2, F] weight: one GEMM streams both (XLA would otherwise
-    concatenate two separate weights on every call to merge the dots)."""
-    gu = einsum("bld,dtf->bltf", x, gate_up)  # [B, L, 2, F]
-    return einsum("blf,fd->bld", ACTIVATIONS[act](gu[:, :, 0]) * gu[:, :, 1], down)  # [B, L, D]
+    concatenate two separate weights on every call to merge the dots). split_k: (gate/up, down) splits of K for
+    split_k_matmul (plain arrays only)."""
+    if split_k[0] > 1:
+        b, l, _ = x.shape
+        gu = split_k_matmul(x, gate_up.reshape(gate_up.shape[0], -1), split_k[0]).reshape(b, l, 2, -1)
+    else:
+        gu = einsum("bld,dtf->bltf", x, gate_up)  # [B, L, 2, F]
+    h = ACTIVATIONS[act](gu[:, :, 0]) * gu[:, :, 1]
+    return split_k_matmul(h, down, split_k[1]) if split_k[1] > 1 else einsum("blf,fd->bld", h, down)  # [B, L, D]
 
 
 def rms_norm_fp32(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
