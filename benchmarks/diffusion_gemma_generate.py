@@ -68,7 +68,7 @@ runtime.configure(os.path.expanduser("~/.cache/orl_jax/xla"))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_io import digest, load_tables  # noqa: E402
+from bench_io import digest, load_tables, parse_split_k  # noqa: E402
 
 from orl_jax import params as P  # noqa: E402
 from orl_jax.config import DG_PRESETS  # noqa: E402
@@ -114,13 +114,10 @@ if args.split_k:
     from orl_jax.model import diffusion_gemma as dg_model
 
     try:
-        split_k = {name: int(n) for name, n in (item.split("=") for item in args.split_k.split(","))}
-    except ValueError:
-        ap.error(f"--split-k: expected NAME=INT,..., got {args.split_k!r}")
-    if unknown := sorted(set(split_k) - {"o", "gate_up", "down"}) or [n for n in split_k.values() if n < 1]:
-        ap.error(f"--split-k: names must be o, gate_up, down with splits >= 1; got {unknown}")
-    dg_model.SPLIT_K.update(split_k)  # read by diffusion_gemma._layer at trace time
-    log(what="split_k", value=split_k)
+        dg_model.SPLIT_K.update(parse_split_k(args.split_k, ("o", "gate_up", "down")))  # read at trace time
+    except ValueError as e:
+        ap.error(str(e))
+    log(what="split_k", value=dg_model.SPLIT_K)
 load_tables(log, gemm=args.gemm_table, attention=args.attention_table)
 cfg = DG_PRESETS[args.preset].replace(dtype="bfloat16", cached_attention_impl=args.cached_attention)
 specs = diffusion_gemma.param_specs(cfg)

@@ -18,7 +18,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench_io import digest, load_tables  # noqa: E402
+from bench_io import digest, load_tables, parse_split_k  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
 from orl_jax import runtime  # noqa: E402
@@ -50,6 +50,8 @@ ap.add_argument("--plain-compile", action="store_true",
 ap.add_argument("--gemm-table", help="tuned small-M GEMM blocks (kernels/small_m_gemm/bench.py --table)")
 ap.add_argument("--rng", choices=["threefry", "rbg", "inverse_cdf"], default="inverse_cdf",
                 help="the canvas-256 uniform sampler's draw (samplers.categorical)")
+ap.add_argument("--split-k", default="",
+                help="qwen3.SPLIT_K, e.g. o=4,qkv=2: cached passes' projections as batched split-K products")
 ap.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
                 help="one more XLA option for the step loops (with the engine's), e.g. xla_gpu_enable_triton_gemm=true")
 args = ap.parse_args()
@@ -114,6 +116,12 @@ if args.attention_blocks == "dataclass":
     from orl_jax_kernels.decode_attention import kernel as attention_kernel
 
     attention_kernel.blocks_for = lambda *shape: attention_kernel.Blocks()  # read by model/attention.py at trace time
+if args.split_k:
+    try:
+        qwen3.SPLIT_K.update(parse_split_k(args.split_k, ("qkv", "o", "gate_up", "down")))  # read at trace time
+    except ValueError as e:
+        ap.error(str(e))
+    log(what="split_k", value=qwen3.SPLIT_K)
 load_tables(log, gemm=args.gemm_table, attention=args.attention_table)
 specs = qwen3.param_specs(cfg)
 MESH = None if args.tensor == 1 else make_mesh(data=1, fsdp=1, tensor=args.tensor,

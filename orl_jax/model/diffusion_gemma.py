@@ -57,6 +57,7 @@ from orl_jax.model.attention import attention, causal_segments, full_segments, s
 from orl_jax.model.cache import HybridKVCache, KVCache
 from orl_jax.model.layers import (
     apply_rope,
+    contract,
     einsum,
     fused_gated_mlp,
     gated_mlp,
@@ -64,7 +65,6 @@ from orl_jax.model.layers import (
     rope_angles_inv_freq,
     rope_inv_freq,
     soft_cap,
-    split_k_matmul,
 )
 from orl_jax.model.moe import experts_mlp, route
 from orl_jax.model.streamed import StackedWeight, pack_vectors, unpack_vectors, vector_offsets
@@ -195,9 +195,9 @@ def soft_embed(params: dict, cfg: DiffusionGemmaConfig, probs: jax.Array) -> jax
 
 # --- the layer stack ---------------------------------------------------------------------------------------------
 
-# Split-K for the dense GEMMs of a layer (layers.split_k_matmul), by weight name: "o", "gate_up", "down" -> splits
-# of K. Empty (off) until timed on a GPU (benchmarks/diffusion_gemma_generate.py --split-k o=4,down=3). Read at
-# trace time.
+# Split-K for the dense GEMMs of cached passes (the decoder's canvas: M = 256 rows per batch row), by weight name:
+# "o", "gate_up", "down" -> splits of K (layers.split_k_matmul). Empty (off) until timed on a GPU
+# (benchmarks/diffusion_gemma_generate.py --split-k o=4,down=3). Read at trace time.
 SPLIT_K: dict[str, int] = {}
 
 
@@ -221,15 +221,12 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
     impl = "orl_jax" if cache_part is None else qwen3.cached_attention_impl(cfg)
-    attn = attention(q, parts, impl, scale=1.0)  # [B, L, N, H]
-    if SPLIT_K.get("o", 1) > 1:
-        attn = split_k_matmul(attn.reshape(b, l, -1), w["o"].reshape(-1, d), SPLIT_K["o"])
-    else:
-        attn = einsum("blnh,nhd->bld", attn, w["o"])
+    split = SPLIT_K if cache_part is not None else {}
+    attn = contract("blnh,nhd->bld", attention(q, parts, impl, scale=1.0), w["o"], 2, split.get("o", 1))
     x = x + rms_norm_fp32(attn, w["post_attn_norm"], eps)
 
     mlp = fused_gated_mlp(rms_norm_fp32(x, w["mlp_norm"], eps), w["gate_up"], w["down"], ACT,
-                          (SPLIT_K.get("gate_up", 1), SPLIT_K.get("down", 1)))
+                          (split.get("gate_up", 1), split.get("down", 1)))
     flat = x.reshape(b * l, d)  # [T, D]
     weights, experts = route(flat, w["router_scale"], w["router"], w["expert_scale"], cfg.top_k_experts, eps)
     moe = experts_mlp(rms_norm_fp32(flat, w["moe_norm"], eps), weights, experts, w["experts_gate_up"],

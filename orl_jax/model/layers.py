@@ -6,6 +6,8 @@ weight is multiplied: a quantized weight type plugs in here (the model code neve
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -37,6 +39,17 @@ def split_k_matmul(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
     ws = w.astype(x.dtype).reshape(splits, k // splits, w.shape[-1])  # [S, K / S, N]: a free reshape
     y = jnp.einsum("smk,skn->smn", xs, ws, preferred_element_type=jnp.float32)
     return jnp.sum(y, axis=0).astype(x.dtype).reshape(*lead, w.shape[-1])
+
+
+def contract(spec: str, x: jax.Array, w, contracted: int, splits: int = 1) -> jax.Array:
+    """einsum(spec, x, w) for specs that contract x's last `contracted` dims with w's first ones (every projection
+    here), with K split `splits` ways by split_k_matmul when > 1 (a StackedWeight gives its layer's slice)."""
+    if splits == 1:
+        return einsum(spec, x, w)
+    w = w.sliced() if hasattr(w, "sliced") else w
+    lead, rest = x.shape[:x.ndim - contracted], w.shape[contracted:]
+    y = split_k_matmul(x.reshape(*lead, -1), w.reshape(-1, math.prod(rest)), splits)
+    return y.reshape(*lead, *rest)
 
 
 def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -82,15 +95,10 @@ def gated_mlp(x: jax.Array, gate, up, down, act: str = "silu") -> jax.Array:
 
 def fused_gated_mlp(x: jax.Array, gate_up, down, act: str = "silu", split_k: tuple[int, int] = (1, 1)) -> jax.Array:
     """gated_mlp with gate and up stored as one [D, 2, F] weight: one GEMM streams both (XLA would otherwise
-    concatenate two separate weights on every call to merge the dots). split_k: (gate/up, down) splits of K for
-    split_k_matmul (plain arrays only)."""
-    if split_k[0] > 1:
-        b, l, _ = x.shape
-        gu = split_k_matmul(x, gate_up.reshape(gate_up.shape[0], -1), split_k[0]).reshape(b, l, 2, -1)
-    else:
-        gu = einsum("bld,dtf->bltf", x, gate_up)  # [B, L, 2, F]
-    h = ACTIVATIONS[act](gu[:, :, 0]) * gu[:, :, 1]
-    return split_k_matmul(h, down, split_k[1]) if split_k[1] > 1 else einsum("blf,fd->bld", h, down)  # [B, L, D]
+    concatenate two separate weights on every call to merge the dots). split_k: (gate/up, down) splits of K
+    (`contract`)."""
+    gu = contract("bld,dtf->bltf", x, gate_up, 1, split_k[0])  # [B, L, 2, F]
+    return contract("blf,fd->bld", ACTIVATIONS[act](gu[:, :, 0]) * gu[:, :, 1], down, 1, split_k[1])  # [B, L, D]
 
 
 def rms_norm_fp32(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
