@@ -37,7 +37,8 @@ ap.add_argument("--profile", action="store_true",
                      " the compiled decoder's HLO goes beside --out (OUT.IMPL.hlo.txt.gz)")
 ap.add_argument("--gemm-table", help="tuned expert GEMM tiles for moe_impl pallas (kernels/small_m_gemm/bench.py "
                                     "or kernels/grouped_gemm/bench.py --table)")
-ap.add_argument("--gemm-sweep", help="a JSON list [{'name':, 'table': [rows as in --gemm-table]}, ...]: only the "
+ap.add_argument("--gemm-sweep", help="a JSON list [{'name':, 'table': [rows as in --gemm-table], 'split_k': "
+                                    "'o=4,...' (optional, as --split-k)}, ...]: only the "
                                     "decoder forward (moe_impl pallas), timed once per entry in this process, each "
                                     "traced afresh (an empty table: the kernels' defaults). Example: "
                                     "benchmarks/dg_expert_tiles_sweep.json")
@@ -111,13 +112,11 @@ if args.experts_inner:
     grouped_kernel.COLUMNS_INNER = False  # read by grouped_matmul at trace time
     log(what="columns_inner", value=False)
 if args.split_k:
-    from orl_jax.model import diffusion_gemma as dg_model
-
     try:
-        dg_model.SPLIT_K.update(parse_split_k(args.split_k, ("o", "gate_up", "down")))  # read at trace time
+        diffusion_gemma.SPLIT_K.update(parse_split_k(args.split_k, ("o", "gate_up", "down")))  # read at trace time
     except ValueError as e:
         ap.error(str(e))
-    log(what="split_k", value=dg_model.SPLIT_K)
+    log(what="split_k", value=diffusion_gemma.SPLIT_K)
 load_tables(log, gemm=args.gemm_table, attention=args.attention_table)
 cfg = DG_PRESETS[args.preset].replace(dtype="bfloat16", cached_attention_impl=args.cached_attention)
 specs = diffusion_gemma.param_specs(cfg)
@@ -236,12 +235,15 @@ if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the is
 
     swept = cfg.replace(moe_impl="pallas")
     cache = prefilled(swept)  # once, under the kernels' defaults: only the decoder forward is compiled per entry
+    base_split = dict(diffusion_gemma.SPLIT_K)
     for entry in json.loads(Path(args.gemm_sweep).read_text()):
-        table = set_tuned(entry["table"])
-        jax.clear_caches()  # every kernel wrapper traces again, under this table
+        table = set_tuned(entry.get("table", []))
+        diffusion_gemma.SPLIT_K.clear()
+        diffusion_gemma.SPLIT_K.update(base_split | parse_split_k(entry.get("split_k", ""), ("o", "gate_up", "down")))
+        jax.clear_caches()  # every kernel wrapper and the forward trace again, under this table and split
         ms, temp = one_forward(swept, cache)
-        log(what="decode_forward", moe_impl="pallas", gemm_variant=entry["name"], table=str(table), ms=ms,
-            temp_gb=None if temp is None else temp / 1e9)
+        log(what="decode_forward", moe_impl="pallas", gemm_variant=entry["name"], table=str(table),
+            split_k=dict(diffusion_gemma.SPLIT_K), ms=ms, temp_gb=None if temp is None else temp / 1e9)
     sys.exit(0)
 
 for impl in IMPLS:
