@@ -52,6 +52,8 @@ ap.add_argument("--rng", choices=["threefry", "rbg", "inverse_cdf"], default="in
                 help="the canvas-256 uniform sampler's draw (samplers.categorical)")
 ap.add_argument("--split-k", default="",
                 help="qwen3.SPLIT_K, e.g. o=4,qkv=2: cached passes' projections as batched split-K products")
+ap.add_argument("--split-k-sweep", help="phase step: variants separated by '|', each as --split-k ('' = none), timed "
+                                        "in turn in this process (while loop only; the loop-overhead probe once)")
 ap.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
                 help="one more XLA option for the step loops (with the engine's), e.g. xla_gpu_enable_triton_gemm=true")
 args = ap.parse_args()
@@ -164,11 +166,11 @@ def step_loop(sampler, c, sstate):
     return jax.jit(run, static_argnames="fixed", compiler_options=LOOP_OPTIONS)
 
 
-def step_phase(params, bw):
+def step_phase(params, bw, modes=("while", "fori"), overhead=True):
     for L in map(int, args.blocks.split(",")):
         sampler, c, cache, canvas, sstate = step_inputs(L)
         f = step_loop(sampler, c, sstate)
-        for mode in ("while", "fori"):
+        for mode in modes:
             t = time.perf_counter()
             res = jax.block_until_ready(f(params, cache, canvas, 16, jax.random.key(3), mode == "fori"))
             compile_s = time.perf_counter() - t
@@ -176,9 +178,10 @@ def step_phase(params, bw):
             flops = 2 * (nbytes / 2) * L
             roof = max(nbytes / bw, flops / 790e12)
             log(what="denoise_step", block=L, loop=mode, ms_per_forward=per * 1e3, roofline_ms=roof * 1e3,
-                pct_of_roofline=100 * roof / per, compile_s=compile_s, canvas_sha=digest(res[1]))
+                pct_of_roofline=100 * roof / per, compile_s=compile_s, canvas_sha=digest(res[1]),
+                split_k=dict(qwen3.SPLIT_K))
 
-    if MESH is not None:
+    if MESH is not None or not overhead:
         return
     # loop overhead: a tiny body (one [32,4096]x[4096,4096] matmul) in a dynamic while_loop vs a fori_loop
     w = jax.random.normal(jax.random.key(0), (4096, 4096), jnp.bfloat16) * 0.01
@@ -253,7 +256,14 @@ t = time.perf_counter()
 params = P.init(specs, jax.random.key(0), MESH)
 jax.block_until_ready(params)
 log(what="init", params_gb=nbytes / 1e9, seconds=time.perf_counter() - t)
-if args.phase == "step":
+if args.phase == "step" and args.split_k_sweep is not None:
+    base_split = dict(qwen3.SPLIT_K)
+    for i, variant in enumerate(args.split_k_sweep.split("|")):
+        qwen3.SPLIT_K.clear()
+        qwen3.SPLIT_K.update(base_split | parse_split_k(variant, ("qkv", "o", "gate_up", "down")))
+        jax.clear_caches()  # the step traces again under this split
+        step_phase(params, bw, modes=("while",), overhead=i == 0)
+elif args.phase == "step":
     step_phase(params, bw)
 elif args.phase == "breakdown":
     breakdown_phase(params)
