@@ -172,6 +172,10 @@ def test_split_k_matmul_rejects_splits_that_do_not_divide_k():
     for bad in (0, 5):
         with pytest.raises(ValueError, match=f"splits={bad}"):
             split_k_matmul(x, w, bad)
+    from orl_jax.model.layers import contract
+
+    with pytest.raises(TypeError, match="array weight"):
+        contract("mk,kn->mn", x, np.ones((12, 5)), 1, 3)  # a weight type of its own (not an array) cannot split
 
 
 @pytest.mark.parametrize("self_cond", [False, True], ids=["no-sc", "sc"])

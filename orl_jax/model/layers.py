@@ -47,6 +47,8 @@ def contract(spec: str, x: jax.Array, w, contracted: int, splits: int = 1) -> ja
     if splits == 1:
         return einsum(spec, x, w)
     w = w.sliced() if hasattr(w, "sliced") else w
+    if not isinstance(w, jax.Array):
+        raise TypeError(f"contract: split-K needs an array weight (or a StackedWeight), got {type(w).__name__}")
     lead, rest = x.shape[:x.ndim - contracted], w.shape[contracted:]
     y = split_k_matmul(x.reshape(*lead, -1), w.reshape(-1, math.prod(rest)), splits)
     return y.reshape(*lead, *rest)
