@@ -54,6 +54,8 @@ ap.add_argument("--grouped-bm", type=int, help="kernels/grouped_gemm BM: rows pe
 ap.add_argument("--experts-inner", action="store_true",
                 help="kernels/grouped_gemm COLUMNS_INNER = False: the expert varies fastest in the program order "
                      "(before session 17)")
+ap.add_argument("--dense-with-experts", action="store_true",
+                help="diffusion_gemma.DENSE_WITH_EXPERTS: the dense MLP released only once the MoE's rows are sorted")
 ap.add_argument("--split-k", default="",
                 help="diffusion_gemma.SPLIT_K, e.g. o=4,gate_up=2,down=3: the dense GEMMs as batched split-K products")
 ap.add_argument("--capacity-factor", type=int,
@@ -111,6 +113,9 @@ if args.experts_inner:
 
     grouped_kernel.COLUMNS_INNER = False  # read by grouped_matmul at trace time
     log(what="columns_inner", value=False)
+if args.dense_with_experts:
+    diffusion_gemma.DENSE_WITH_EXPERTS = True  # read by diffusion_gemma._layer at trace time
+    log(what="dense_with_experts", value=True)
 if args.split_k:
     try:
         diffusion_gemma.SPLIT_K.update(parse_split_k(args.split_k, ("o", "gate_up", "down")))  # read at trace time

@@ -164,6 +164,29 @@ def test_split_k_dense_gemms_equal_the_plain_decoder(dg_ours, monkeypatch):
     assert not re.findall(r"f32\[\d+,22,\d+\] = dot_general", prefill)
 
 
+def test_dense_mlp_released_with_the_sorted_rows_changes_no_value(dg_ours, monkeypatch):
+    """diffusion_gemma.DENSE_WITH_EXPERTS: in the pallas MoE's cached passes the dense MLP's input passes one
+    optimization barrier with the sorted rows; the decoder's logits stay the same. Other MoE paths refuse it."""
+    from orl_jax.model import moe
+
+    cfg, params = dg_ours
+    cfg = cfg.replace(moe_impl="pallas")
+    prompt, canvas = jnp.asarray(_tokens((2, 11), 5)), jnp.asarray(_tokens((2, cfg.block_length), 6))
+    _, cache = jax.jit(dg.prefill, static_argnums=(1, 4))(params, cfg, prompt, jnp.asarray([11, 7], jnp.int32), 19)
+    want = np.asarray(jax.jit(dg.decode, static_argnums=(1,))(params, cfg, canvas, cache))
+    barriers = lambda: str(jax.make_jaxpr(lambda c: dg.decode(params, cfg, c, cache))(canvas)).count(  # noqa: E731
+        "optimization_barrier")
+    before = barriers()
+    monkeypatch.setattr(dg, "DENSE_WITH_EXPERTS", True)
+    got = np.asarray(jax.jit(dg.decode, static_argnums=(1,))(params, cfg, canvas, cache))  # traced afresh
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+    assert barriers() - before == 2 * cfg.num_groups  # each group's sliding loop body and its full layer
+    x, e = jnp.ones((4, 8)), jnp.zeros((4, 2), jnp.int32)
+    with pytest.raises(ValueError, match="release is for impl 'pallas'"):
+        moe.experts_mlp(x, jnp.ones((4, 2)), e, jnp.ones((3, 8, 6)), jnp.ones((3, 3, 8)), "gelu_tanh", "bucketed",
+                        release=x)
+
+
 def test_split_k_matmul_rejects_splits_that_do_not_divide_k():
     from orl_jax.model.layers import split_k_matmul
 

@@ -195,6 +195,12 @@ def soft_embed(params: dict, cfg: DiffusionGemmaConfig, probs: jax.Array) -> jax
 
 # --- the layer stack ---------------------------------------------------------------------------------------------
 
+# True: in cached passes with the pallas MoE the dense MLP's input is released only once the MoE's rows are sorted
+# (moe.experts_mlp's `release`), so its compute-bound GEMMs run beside the bandwidth-bound expert kernels instead
+# of beside the routing (concurrent command-buffer branches: runtime.DG_COMPILER_OPTIONS). Values unchanged. Off
+# until timed (benchmarks/diffusion_gemma_generate.py --dense-with-experts). Read at trace time.
+DENSE_WITH_EXPERTS = False
+
 # Split-K for the dense GEMMs of cached passes (the decoder's canvas: M = 256 rows per batch row), by weight name:
 # "o", "gate_up", "down" -> splits of K (layers.split_k_matmul). Empty (off) until timed on a GPU
 # (benchmarks/diffusion_gemma_generate.py --split-k o=4,down=3). Read at trace time.
@@ -225,12 +231,18 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     attn = contract("blnh,nhd->bld", attention(q, parts, impl, scale=1.0), w["o"], 2, split.get("o", 1))
     x = x + rms_norm_fp32(attn, w["post_attn_norm"], eps)
 
-    mlp = fused_gated_mlp(rms_norm_fp32(x, w["mlp_norm"], eps), w["gate_up"], w["down"], ACT,
-                          (split.get("gate_up", 1), split.get("down", 1)))
+    mlp_in = rms_norm_fp32(x, w["mlp_norm"], eps)
     flat = x.reshape(b * l, d)  # [T, D]
     weights, experts = route(flat, w["router_scale"], w["router"], w["expert_scale"], cfg.top_k_experts, eps)
-    moe = experts_mlp(rms_norm_fp32(flat, w["moe_norm"], eps), weights, experts, w["experts_gate_up"],
-                      w["experts_down"], ACT, moe_impl(cfg)).reshape(b, l, d)  # [B, L, D]
+    moe_in = rms_norm_fp32(flat, w["moe_norm"], eps)
+    kind = moe_impl(cfg)
+    if DENSE_WITH_EXPERTS and kind == "pallas" and cache_part is not None:  # the dense MLP waits for the sorted rows
+        moe, mlp_in = experts_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT, kind,
+                                  release=mlp_in)
+    else:
+        moe = experts_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT, kind)
+    moe = moe.reshape(b, l, d)  # [B, L, D]
+    mlp = fused_gated_mlp(mlp_in, w["gate_up"], w["down"], ACT, (split.get("gate_up", 1), split.get("down", 1)))
     ffw = rms_norm_fp32(mlp, w["post_mlp_norm"], eps) + rms_norm_fp32(moe, w["post_moe_norm"], eps)
     x = (x + rms_norm_fp32(ffw, w["post_ffw_norm"], eps)) * w[scalar][0]
     return x, k, v

@@ -69,14 +69,19 @@ def capacity(tokens: int, top_k: int, num_experts: int) -> int:
 
 
 def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up, down, act: str,
-                impl: str = "bucketed") -> jax.Array:
+                impl: str = "bucketed", release=None):
     """sum_j weights[t, j] * MLP_{experts[t, j]}(x_t). x [T, D]; gate_up [E, D, 2F] (gate | up); down [E, F, D].
     impl (decode sizes): "bucketed", "dense" or "pallas" (the sorted rows through kernels/grouped_gemm, any T, no
-    buckets). See the module docstring."""
+    buckets). See the module docstring.
+    release (impl "pallas" only): arrays handed back, with the output, only once the sorted rows exist (an
+    optimization barrier): a caller's independent work made to start with the expert GEMMs instead of beside the
+    routing. Returns (out, released) then."""
     t, k = experts.shape
     if impl == "pallas":  # expert stacks as StackedWeight: their ragged_dot is the grouped kernel
         return grouped_experts_mlp(x, weights, experts, as_stacked(gate_up), as_stacked(down), act,
-                                   sort_kernel=SORT_KERNEL)
+                                   sort_kernel=SORT_KERNEL, release=release)
+    if release is not None:
+        raise ValueError(f"experts_mlp: release is for impl 'pallas', got impl={impl!r}")
     if t > BUCKETED_MAX_TOKENS:
         return grouped_experts_mlp(x, weights, experts, gate_up, down, act)
     c = capacity(t, k, gate_up.shape[0])
@@ -182,16 +187,19 @@ def _sorted_rows(experts: jax.Array, num_experts: int, kernel: bool):
     return (*sort_by_expert(experts, num_experts), None)
 
 
-def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False) -> jax.Array:
+def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False, release=None):
     """Rows sorted by expert and multiplied group by group (`grouped_matmul`): work proportional to T * k. The
     outputs come back by a gather (each assignment reads its sorted row), weighted and summed over the k choices.
     sort_kernel: sort with kernels/expert_sort (one launch, and the group offsets the grouped kernel needs) up to its
-    MAX_ASSIGNMENTS, instead of sort_by_expert's XLA fusions."""
+    MAX_ASSIGNMENTS, instead of sort_by_expert's XLA fusions. release: as in experts_mlp."""
     t, k = experts.shape
     order, pos, sizes, offsets = _sorted_rows(experts, gate_up.shape[0], sort_kernel)
     xs = jnp.take(x, order // k, axis=0)  # [M, D]
+    if release is not None:
+        xs, release = jax.lax.optimization_barrier((xs, release))
     gu = grouped_matmul(xs, gate_up, sizes, offsets)  # [M, 2F]
     g, u = jnp.split(gu, 2, axis=-1)
     y = grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes, offsets)  # [M, D] in sorted order
     y = jnp.take(y, pos, axis=0).astype(jnp.float32) * weights.reshape(-1, 1)  # [M, D] in (token, choice) order
-    return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)  # [T, D]
+    out = jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)  # [T, D]
+    return out if release is None else (out, release)
