@@ -38,7 +38,8 @@ ap.add_argument("--profile", action="store_true",
 ap.add_argument("--gemm-table", help="tuned expert GEMM tiles for moe_impl pallas (kernels/small_m_gemm/bench.py "
                                     "or kernels/grouped_gemm/bench.py --table)")
 ap.add_argument("--gemm-sweep", help="a JSON list [{'name':, 'table': [rows as in --gemm-table], 'split_k': "
-                                    "'o=4,...' (optional, as --split-k)}, ...]: only the "
+                                    "'o=4,...' (as --split-k), 'dense_with_experts': bool}, ...] (all but the name "
+                                    "optional): only the "
                                     "decoder forward (moe_impl pallas), timed once per entry in this process, each "
                                     "traced afresh (an empty table: the kernels' defaults). Example: "
                                     "benchmarks/dg_expert_tiles_sweep.json")
@@ -245,10 +246,12 @@ if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the is
         table = set_tuned(entry.get("table", []))
         diffusion_gemma.SPLIT_K.clear()
         diffusion_gemma.SPLIT_K.update(base_split | parse_split_k(entry.get("split_k", ""), ("o", "gate_up", "down")))
+        diffusion_gemma.DENSE_WITH_EXPERTS = entry.get("dense_with_experts", args.dense_with_experts)
         jax.clear_caches()  # every kernel wrapper and the forward trace again, under this table and split
         ms, temp = one_forward(swept, cache)
         log(what="decode_forward", moe_impl="pallas", gemm_variant=entry["name"], table=str(table),
-            split_k=dict(diffusion_gemma.SPLIT_K), ms=ms, temp_gb=None if temp is None else temp / 1e9)
+            split_k=dict(diffusion_gemma.SPLIT_K), dense_with_experts=diffusion_gemma.DENSE_WITH_EXPERTS, ms=ms,
+            temp_gb=None if temp is None else temp / 1e9)
     sys.exit(0)
 
 for impl in IMPLS:
