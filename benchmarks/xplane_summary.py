@@ -53,7 +53,8 @@ def summarize(trace_dir: str, steps: int, top: int = 25, plane_prefix: str = "/d
 
 def summarize_events(ev: list[tuple[str, str, int, int]], steps: int, top: int = 25) -> dict:
     """Per step: span (first start to last end), busy time (union of the kernels' intervals: overlapping streams
-    count once), kernel count; the `top` (kernel, hlo op) pairs by total time, each with its time alone on the GPU
+    count once), kernel count; the `top` (kernel, hlo op) pairs by total time, each with its call durations' p10 /
+    p50 / p90 and its time alone on the GPU
     (`alone_us_per_step`: no other kernel running; with concurrent command-buffer branches, the rest of its time
     overlapped others, e.g. a compute-bound GEMM under a bandwidth-bound one). Kernels replayed inside XLA's
     command buffers (CUDA graphs) carry the buffer's name, not their op's: they count by kernel name alone, so a
@@ -68,16 +69,27 @@ def summarize_events(ev: list[tuple[str, str, int, int]], steps: int, top: int =
     span = max(s + d for _, _, s, d in ev) - ev[0][2]
     key = [(name[:80], "command_buffer" if op.startswith("command_buffer") else op[:60]) for name, op, _, _ in ev]
     by = collections.defaultdict(lambda: [0, 0])
+    durations = collections.defaultdict(list)
     for k, (_, _, _, d) in zip(key, ev):
         by[k][0] += 1
         by[k][1] += d
+        durations[k].append(d)
     alone = _alone_time(ev, key)
     rows = sorted(by.items(), key=lambda kv: -kv[1][1])[:top]
     return {"kernels_per_step": len(ev) / steps, "span_ms_per_step": span / steps / 1e6,
             "busy_ms_per_step": busy / steps / 1e6, "idle_pct": 100 * (1 - busy / span),
             "top": [{"kernel": n, "hlo_op": op, "calls_per_step": c / steps, "us_per_call": t / c / 1e3,
-                     "us_per_step": t / steps / 1e3, "alone_us_per_step": alone[(n, op)] / steps / 1e3}
+                     "us_per_step": t / steps / 1e3, "alone_us_per_step": alone[(n, op)] / steps / 1e3,
+                     **_percentiles(durations[(n, op)])}
                     for (n, op), (c, t) in rows]}
+
+
+def _percentiles(durations: list[int]) -> dict:
+    """p10 / p50 / p90 of one kernel's call durations in us: a kernel name that several GEMM shapes share (cuBLAS
+    picks the same tiles for o and down) shows up as a spread."""
+    d = sorted(durations)
+    at = lambda q: d[min(len(d) - 1, int(q * len(d)))] / 1e3  # noqa: E731
+    return {"us_p10": at(0.1), "us_p50": at(0.5), "us_p90": at(0.9)}
 
 
 def _alone_time(ev: list[tuple[str, str, int, int]], key: list) -> dict:

@@ -41,3 +41,11 @@ def test_time_alone_excludes_what_overlaps_other_kernels():
     rows = {r["kernel"]: r for r in summarize_events(ev, steps=1, top=5)["top"]}
     assert {k: r["alone_us_per_step"] * 1e3 for k, r in rows.items()} == pytest.approx(
         {"gemm": 130, "fusion": 50, "copy": 0, "a": 10, "b": 10})
+
+
+def test_call_duration_percentiles_show_two_shapes_under_one_name():
+    # one cuBLAS kernel name for two GEMMs: 5 calls of 7 us and 5 of 19 us, back to back
+    ev = [("gemm", "command_buffer_1", i * 100_000, 7_000 if i % 2 else 19_000) for i in range(10)]
+    row = summarize_events(ev, steps=1)["top"][0]
+    assert row["us_per_call"] == pytest.approx(13.0)
+    assert (row["us_p10"], row["us_p50"], row["us_p90"]) == (7.0, 19.0, 19.0)
