@@ -38,8 +38,8 @@ ap.add_argument("--profile", action="store_true",
 ap.add_argument("--gemm-table", help="tuned expert GEMM tiles for moe_impl pallas (kernels/small_m_gemm/bench.py "
                                     "or kernels/grouped_gemm/bench.py --table)")
 ap.add_argument("--gemm-sweep", help="a JSON list [{'name':, 'table': [rows as in --gemm-table], 'split_k': "
-                                    "'o=4,...' (as --split-k), 'dense_with_experts': bool}, ...] (all but the name "
-                                    "optional): only the "
+                                    "'o=4,...' (as --split-k), 'dense_with_experts': bool, 'router_kernel': bool}, "
+                                    "...] (all but the name optional): only the "
                                     "decoder forward (moe_impl pallas), timed once per entry in this process, each "
                                     "traced afresh (an empty table: the kernels' defaults). Example: "
                                     "benchmarks/dg_expert_tiles_sweep.json")
@@ -55,6 +55,8 @@ ap.add_argument("--grouped-bm", type=int, help="kernels/grouped_gemm BM: rows pe
 ap.add_argument("--experts-inner", action="store_true",
                 help="kernels/grouped_gemm COLUMNS_INNER = False: the expert varies fastest in the program order "
                      "(before session 17)")
+ap.add_argument("--router-kernel", action="store_true",
+                help="diffusion_gemma.ROUTER_KERNEL: route with kernels/router_topk (one launch per layer)")
 ap.add_argument("--dense-with-experts", action="store_true",
                 help="diffusion_gemma.DENSE_WITH_EXPERTS: the dense MLP released only once the MoE's rows are sorted")
 ap.add_argument("--split-k", default="",
@@ -114,6 +116,9 @@ if args.experts_inner:
 
     grouped_kernel.COLUMNS_INNER = False  # read by grouped_matmul at trace time
     log(what="columns_inner", value=False)
+if args.router_kernel:
+    diffusion_gemma.ROUTER_KERNEL = True  # read by diffusion_gemma's layer loop at trace time
+    log(what="router_kernel", value=True)
 if args.dense_with_experts:
     diffusion_gemma.DENSE_WITH_EXPERTS = True  # read by diffusion_gemma._layer at trace time
     log(what="dense_with_experts", value=True)
@@ -247,10 +252,12 @@ if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the is
         diffusion_gemma.SPLIT_K.clear()
         diffusion_gemma.SPLIT_K.update(base_split | parse_split_k(entry.get("split_k", ""), ("o", "gate_up", "down")))
         diffusion_gemma.DENSE_WITH_EXPERTS = entry.get("dense_with_experts", args.dense_with_experts)
+        diffusion_gemma.ROUTER_KERNEL = entry.get("router_kernel", args.router_kernel)
         jax.clear_caches()  # every kernel wrapper and the forward trace again, under this table and split
         ms, temp = one_forward(swept, cache)
         log(what="decode_forward", moe_impl="pallas", gemm_variant=entry["name"], table=str(table),
-            split_k=dict(diffusion_gemma.SPLIT_K), dense_with_experts=diffusion_gemma.DENSE_WITH_EXPERTS, ms=ms,
+            split_k=dict(diffusion_gemma.SPLIT_K), dense_with_experts=diffusion_gemma.DENSE_WITH_EXPERTS,
+            router_kernel=diffusion_gemma.ROUTER_KERNEL, ms=ms,
             temp_gb=None if temp is None else temp / 1e9)
     sys.exit(0)
 

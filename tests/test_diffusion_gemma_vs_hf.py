@@ -187,6 +187,25 @@ def test_dense_mlp_released_with_the_sorted_rows_changes_no_value(dg_ours, monke
                         release=x)
 
 
+def test_router_kernel_in_cached_passes_equals_moe_route(dg_ours, monkeypatch):
+    """diffusion_gemma.ROUTER_KERNEL: cached passes of the pallas MoE route with kernels/router_topk, the router and
+    its two scales read in place from the stacks; the decoder's logits stay those of moe.route. A top-k that is no
+    power of two (the tiny preset's 3) falls back to moe.route."""
+    cfg, params = dg_ours
+    cfg = cfg.replace(moe_impl="pallas", top_k_experts=2)
+    prompt, canvas = jnp.asarray(_tokens((2, 11), 5)), jnp.asarray(_tokens((2, cfg.block_length), 6))
+    _, cache = jax.jit(dg.prefill, static_argnums=(1, 4))(params, cfg, prompt, jnp.asarray([11, 7], jnp.int32), 19)
+    calls = lambda c: str(jax.make_jaxpr(lambda x: dg.decode(params, c, x, cache))(canvas)).count(  # noqa: E731
+        "name=route_stacked")
+    want = np.asarray(jax.jit(dg.decode, static_argnums=(1,))(params, cfg, canvas, cache))
+    assert calls(cfg) == 0
+    monkeypatch.setattr(dg, "ROUTER_KERNEL", True)
+    got = np.asarray(jax.jit(dg.decode, static_argnums=(1,))(params, cfg, canvas, cache))  # traced afresh
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    assert calls(cfg) == 2 * cfg.num_groups  # each group's sliding loop body and its full layer
+    assert calls(cfg.replace(top_k_experts=3)) == 0
+
+
 def test_split_k_matmul_rejects_splits_that_do_not_divide_k():
     from orl_jax.model.layers import split_k_matmul
 

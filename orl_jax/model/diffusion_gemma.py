@@ -195,6 +195,11 @@ def soft_embed(params: dict, cfg: DiffusionGemmaConfig, probs: jax.Array) -> jax
 
 # --- the layer stack ---------------------------------------------------------------------------------------------
 
+# True: cached passes of the pallas MoE route with kernels/router_topk (RMSNorm, router GEMM, softmax, top-k and
+# the scales in one launch, the router and its scales read in place) instead of ~5 XLA launches per layer. Off
+# until timed (benchmarks/diffusion_gemma_generate.py --router-kernel). Read at trace time.
+ROUTER_KERNEL = False
+
 # True: in cached passes with the pallas MoE the dense MLP's input is released only once the MoE's rows are sorted
 # (moe.experts_mlp's `release`), so its compute-bound GEMMs run beside the bandwidth-bound expert kernels instead
 # of beside the routing (concurrent command-buffer branches: runtime.DG_COMPILER_OPTIONS). Values unchanged. Off
@@ -233,7 +238,7 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
 
     mlp_in = rms_norm_fp32(x, w["mlp_norm"], eps)
     flat = x.reshape(b * l, d)  # [T, D]
-    weights, experts = route(flat, w["router_scale"], w["router"], w["expert_scale"], cfg.top_k_experts, eps)
+    weights, experts = _route(cfg, flat, w)
     moe_in = rms_norm_fp32(flat, w["moe_norm"], eps)
     kind = moe_impl(cfg)
     if DENSE_WITH_EXPERTS and kind == "pallas" and cache_part is not None:  # the dense MLP waits for the sorted rows
@@ -246,6 +251,21 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     ffw = rms_norm_fp32(mlp, w["post_mlp_norm"], eps) + rms_norm_fp32(moe, w["post_moe_norm"], eps)
     x = (x + rms_norm_fp32(ffw, w["post_ffw_norm"], eps)) * w[scalar][0]
     return x, k, v
+
+
+def _route(cfg: DiffusionGemmaConfig, flat, w):
+    """moe.route, or kernels/router_topk where the layer loop handed the router stack and its packed scales over
+    (ROUTER_KERNEL, cached passes of the pallas MoE) and the shapes fit it."""
+    from orl_jax_kernels.router_topk import kernel as router_kernel
+
+    k, eps = cfg.top_k_experts, cfg.rms_norm_eps
+    router = w["router"]
+    if "router_vectors" in w and router_kernel.supported(*flat.shape, router.shape[-1], k):
+        vectors, index, offsets = w["router_vectors"]
+        return router_kernel.route_stacked(flat, router.stack, router.index, vectors, index, offsets, k, eps,
+                                           interpret=jax.default_backend() == "cpu")
+    return route(flat, w["router_scale"], router.sliced() if isinstance(router, StackedWeight) else router,
+                 w["expert_scale"], k, eps)
 
 
 def _qk_kernel_offsets(cfg: DiffusionGemmaConfig, layout) -> tuple[int, ...] | None:
@@ -294,6 +314,8 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     # (training, `forward`) need reverse-mode autodiff, which while_loop lacks: they scan each group's slice of the
     # stacks, copies included. The pallas moe_impl's grouped kernel reads the expert stacks in place (StackedWeight).
     stacks = EXPERT_WEIGHTS if moe_impl(cfg) == "pallas" else ()
+    router_kernel = ROUTER_KERNEL and cache is not None and moe_impl(cfg) == "pallas"
+    stacks += ("router",) if router_kernel else ()  # kernels/router_topk reads it in place
     sliding_w = {n: a for n, a in params["sliding"].items() if n not in stacks}
     full_w = {n: a for n, a in params["full"].items() if n not in stacks}
     if cache is not None and qwen3.cached_attention_impl(cfg) == "pallas":  # the kernel reads int8 masks
@@ -302,6 +324,8 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
         (sliding_w, sliding_v, sliding_layout), (full_w, full_v, full_layout) = map(pack_vectors, (sliding_w, full_w))
     take = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False, allow_negative_indices=False)  # noqa
     norm_offsets = _qk_kernel_offsets(cfg, sliding_layout) if cache is not None else None
+    router_offsets = [vector_offsets(layout, "router_scale", "expert_scale") if router_kernel else None
+                      for layout in ((sliding_layout, full_layout) if cache is not None else ((), ()))]
 
     def sliding_layer(x, i, w, ck=None, cv=None):
         w = w | {n: StackedWeight(params["sliding"][n], i) for n in stacks}
@@ -331,6 +355,8 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
             ck, cv = (StackedWeight(c, i, take(c, i)) for c in (cache.sliding.k, cache.sliding.v))
             if norm_offsets is not None:  # the q/k norm kernel reads both weights from the packed stack (no copies)
                 w["packed_vectors"] = (sliding_v, i, norm_offsets)
+            if router_offsets[0] is not None:  # and the router kernel its two scales
+                w["router_vectors"] = (sliding_v, i, router_offsets[0])
             x, kk, vv = sliding_layer(x, i, w, ck, cv)
             if collect_kv:
                 kv = (kv[0].at[i - lo].set(kk), kv[1].at[i - lo].set(vv))
@@ -345,6 +371,8 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
         if cache is not None:
             if full_v is not None:
                 w |= unpack_vectors(full_v[g], full_layout)
+            if router_offsets[1] is not None:
+                w["router_vectors"] = (full_v, jnp.int32(g), router_offsets[1])
             ck, cv = (StackedWeight(c, jnp.int32(g), c[g]) for c in (cache.full.k, cache.full.v))
             part = (ck, cv, vis["cache_" + FULL])
         return _layer(cfg, x, w, rope_f, vis[FULL], part, scalar)
