@@ -39,7 +39,7 @@ ap.add_argument("--gemm-table", help="tuned expert GEMM tiles for moe_impl palla
                                     "or kernels/grouped_gemm/bench.py --table)")
 ap.add_argument("--gemm-sweep", help="a JSON list [{'name':, 'table': [rows as in --gemm-table], 'split_k': "
                                     "'o=4,...' (as --split-k), 'dense_with_experts': bool, 'router_kernel': bool}, "
-                                    "...] (all but the name optional): only the "
+                                    "...] (all but the name optional; missing ones take the flags'): only the "
                                     "decoder forward (moe_impl pallas), timed once per entry in this process, each "
                                     "traced afresh (an empty table: the kernels' defaults). Example: "
                                     "benchmarks/dg_expert_tiles_sweep.json")
@@ -106,28 +106,32 @@ if args.xla_sort:
 
     moe.SORT_KERNEL = False  # read by moe.experts_mlp at trace time
     log(what="sort_kernel", value=False)
-if args.grouped_bm is not None:
+if args.grouped_bm is not None or args.experts_inner:
     from orl_jax_kernels.grouped_gemm import kernel as grouped_kernel
 
-    grouped_kernel.BM = args.grouped_bm  # read by grouped_matmul at trace time (validated there)
-    log(what="grouped_bm", value=args.grouped_bm)
-if args.experts_inner:
-    from orl_jax_kernels.grouped_gemm import kernel as grouped_kernel
+    if args.grouped_bm is not None:
+        grouped_kernel.BM = args.grouped_bm  # read by grouped_matmul at trace time (validated there)
+        log(what="grouped_bm", value=args.grouped_bm)
+    if args.experts_inner:
+        grouped_kernel.COLUMNS_INNER = False  # read by grouped_matmul at trace time
+        log(what="columns_inner", value=False)
+SPLIT_NAMES = ("o", "gate_up", "down")
 
-    grouped_kernel.COLUMNS_INNER = False  # read by grouped_matmul at trace time
-    log(what="columns_inner", value=False)
-if args.router_kernel:
-    diffusion_gemma.ROUTER_KERNEL = True  # read by diffusion_gemma's layer loop at trace time
-    log(what="router_kernel", value=True)
-if args.dense_with_experts:
-    diffusion_gemma.DENSE_WITH_EXPERTS = True  # read by diffusion_gemma._layer at trace time
-    log(what="dense_with_experts", value=True)
-if args.split_k:
-    try:
-        diffusion_gemma.SPLIT_K.update(parse_split_k(args.split_k, ("o", "gate_up", "down")))  # read at trace time
-    except ValueError as e:
-        ap.error(str(e))
-    log(what="split_k", value=diffusion_gemma.SPLIT_K)
+
+def set_variant(split_k: str, dense_with_experts: bool, router_kernel: bool) -> dict:
+    """diffusion_gemma's trace-time switches for the next trace (flags, or a --gemm-sweep entry); what they are."""
+    diffusion_gemma.SPLIT_K.clear()
+    diffusion_gemma.SPLIT_K.update(parse_split_k(split_k, SPLIT_NAMES))
+    diffusion_gemma.DENSE_WITH_EXPERTS, diffusion_gemma.ROUTER_KERNEL = dense_with_experts, router_kernel
+    return dict(split_k=dict(diffusion_gemma.SPLIT_K), dense_with_experts=dense_with_experts,
+                router_kernel=router_kernel)
+
+
+try:
+    variant = set_variant(args.split_k, args.dense_with_experts, args.router_kernel)
+except ValueError as e:
+    ap.error(str(e))
+log(what="variant", **variant)
 load_tables(log, gemm=args.gemm_table, attention=args.attention_table)
 cfg = DG_PRESETS[args.preset].replace(dtype="bfloat16", cached_attention_impl=args.cached_attention)
 specs = diffusion_gemma.param_specs(cfg)
@@ -246,18 +250,14 @@ if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the is
 
     swept = cfg.replace(moe_impl="pallas")
     cache = prefilled(swept)  # once, under the kernels' defaults: only the decoder forward is compiled per entry
-    base_split = dict(diffusion_gemma.SPLIT_K)
     for entry in json.loads(Path(args.gemm_sweep).read_text()):
         table = set_tuned(entry.get("table", []))
-        diffusion_gemma.SPLIT_K.clear()
-        diffusion_gemma.SPLIT_K.update(base_split | parse_split_k(entry.get("split_k", ""), ("o", "gate_up", "down")))
-        diffusion_gemma.DENSE_WITH_EXPERTS = entry.get("dense_with_experts", args.dense_with_experts)
-        diffusion_gemma.ROUTER_KERNEL = entry.get("router_kernel", args.router_kernel)
-        jax.clear_caches()  # every kernel wrapper and the forward trace again, under this table and split
+        variant = set_variant(entry.get("split_k", args.split_k),
+                              entry.get("dense_with_experts", args.dense_with_experts),
+                              entry.get("router_kernel", args.router_kernel))
+        jax.clear_caches()  # every kernel wrapper and the forward trace again, under this table and variant
         ms, temp = one_forward(swept, cache)
-        log(what="decode_forward", moe_impl="pallas", gemm_variant=entry["name"], table=str(table),
-            split_k=dict(diffusion_gemma.SPLIT_K), dense_with_experts=diffusion_gemma.DENSE_WITH_EXPERTS,
-            router_kernel=diffusion_gemma.ROUTER_KERNEL, ms=ms,
+        log(what="decode_forward", moe_impl="pallas", gemm_variant=entry["name"], table=str(table), **variant, ms=ms,
             temp_gb=None if temp is None else temp / 1e9)
     sys.exit(0)
 

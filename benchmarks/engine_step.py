@@ -118,11 +118,14 @@ if args.attention_blocks == "dataclass":
     from orl_jax_kernels.decode_attention import kernel as attention_kernel
 
     attention_kernel.blocks_for = lambda *shape: attention_kernel.Blocks()  # read by model/attention.py at trace time
+SPLIT_NAMES = ("qkv", "o", "gate_up", "down")
+try:  # every variant checked before anything compiles
+    qwen3.SPLIT_K.update(parse_split_k(args.split_k, SPLIT_NAMES))  # read at trace time
+    SWEEP = [parse_split_k(v, SPLIT_NAMES) for v in args.split_k_sweep.split("|")] \
+        if args.split_k_sweep is not None else None
+except ValueError as e:
+    ap.error(str(e))
 if args.split_k:
-    try:
-        qwen3.SPLIT_K.update(parse_split_k(args.split_k, ("qkv", "o", "gate_up", "down")))  # read at trace time
-    except ValueError as e:
-        ap.error(str(e))
     log(what="split_k", value=qwen3.SPLIT_K)
 load_tables(log, gemm=args.gemm_table, attention=args.attention_table)
 specs = qwen3.param_specs(cfg)
@@ -256,11 +259,11 @@ t = time.perf_counter()
 params = P.init(specs, jax.random.key(0), MESH)
 jax.block_until_ready(params)
 log(what="init", params_gb=nbytes / 1e9, seconds=time.perf_counter() - t)
-if args.phase == "step" and args.split_k_sweep is not None:
+if args.phase == "step" and SWEEP is not None:
     base_split = dict(qwen3.SPLIT_K)
-    for i, variant in enumerate(args.split_k_sweep.split("|")):
+    for i, variant in enumerate(SWEEP):
         qwen3.SPLIT_K.clear()
-        qwen3.SPLIT_K.update(base_split | parse_split_k(variant, ("qkv", "o", "gate_up", "down")))
+        qwen3.SPLIT_K.update(base_split | variant)
         jax.clear_caches()  # the step traces again under this split
         step_phase(params, bw, modes=("while",), overhead=i == 0)
 elif args.phase == "step":

@@ -241,11 +241,11 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     weights, experts = _route(cfg, flat, w)
     moe_in = rms_norm_fp32(flat, w["moe_norm"], eps)
     kind = moe_impl(cfg)
-    if DENSE_WITH_EXPERTS and kind == "pallas" and cache_part is not None:  # the dense MLP waits for the sorted rows
-        moe, mlp_in = experts_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT, kind,
-                                  release=mlp_in)
-    else:
-        moe = experts_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT, kind)
+    hold = DENSE_WITH_EXPERTS and kind == "pallas" and cache_part is not None  # the dense MLP waits for sorted rows
+    moe = experts_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT, kind,
+                      release=mlp_in if hold else None)
+    if hold:
+        moe, mlp_in = moe
     moe = moe.reshape(b, l, d)  # [B, L, D]
     mlp = fused_gated_mlp(mlp_in, w["gate_up"], w["down"], ACT, (split.get("gate_up", 1), split.get("down", 1)))
     ffw = rms_norm_fp32(mlp, w["post_mlp_norm"], eps) + rms_norm_fp32(moe, w["post_moe_norm"], eps)
@@ -324,8 +324,9 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
         (sliding_w, sliding_v, sliding_layout), (full_w, full_v, full_layout) = map(pack_vectors, (sliding_w, full_w))
     take = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False, allow_negative_indices=False)  # noqa
     norm_offsets = _qk_kernel_offsets(cfg, sliding_layout) if cache is not None else None
-    router_offsets = [vector_offsets(layout, "router_scale", "expert_scale") if router_kernel else None
-                      for layout in ((sliding_layout, full_layout) if cache is not None else ((), ()))]
+    router_offsets = [None, None]  # where the router kernel finds its two scales in the packed rows
+    if router_kernel:  # implies a cache, so the layouts exist
+        router_offsets = [vector_offsets(lay, "router_scale", "expert_scale") for lay in (sliding_layout, full_layout)]
 
     def sliding_layer(x, i, w, ck=None, cv=None):
         w = w | {n: StackedWeight(params["sliding"][n], i) for n in stacks}

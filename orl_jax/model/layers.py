@@ -33,8 +33,6 @@ def split_k_matmul(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
     *lead, k = x.shape
     if splits < 1 or k % splits:
         raise ValueError(f"split_k_matmul: splits={splits} must be >= 1 and divide K={k}")
-    if splits == 1:
-        return jnp.einsum("...k,kn->...n", x, w.astype(x.dtype))
     xs = jnp.moveaxis(x.reshape(-1, splits, k // splits), 1, 0)  # [S, M, K / S]
     ws = w.astype(x.dtype).reshape(splits, k // splits, w.shape[-1])  # [S, K / S, N]: a free reshape
     y = jnp.einsum("smk,skn->smn", xs, ws, preferred_element_type=jnp.float32)
