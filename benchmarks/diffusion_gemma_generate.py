@@ -37,9 +37,10 @@ ap.add_argument("--profile", action="store_true",
                      " the compiled decoder's HLO goes beside --out (OUT.IMPL.hlo.txt.gz)")
 ap.add_argument("--gemm-table", help="tuned expert GEMM tiles for moe_impl pallas (kernels/small_m_gemm/bench.py "
                                     "or kernels/grouped_gemm/bench.py --table)")
-ap.add_argument("--gemm-sweep", help="a JSON list [{'name':, 'table': [rows as in --gemm-table], 'split_k': "
-                                    "'o=4,...' (as --split-k), 'dense_with_experts': bool, 'router_kernel': bool}, "
-                                    "...] (all but the name optional; missing ones take the flags'): only the "
+ap.add_argument("--gemm-sweep", help="a JSON list [{'name':, 'table': [rows as in --gemm-table], "
+                                    "'attention_table': [rows as in --attention-table], 'gather_in_kernel': bool, "
+                                    "'glu_in_kernel': bool}, ...] (all but the name optional; missing ones take "
+                                    "the flags'): only the "
                                     "decoder forward (moe_impl pallas), timed once per entry in this process, each "
                                     "traced afresh (an empty table: the kernels' defaults). Example: "
                                     "benchmarks/dg_expert_tiles_sweep.json")
@@ -55,12 +56,10 @@ ap.add_argument("--grouped-bm", type=int, help="kernels/grouped_gemm BM: rows pe
 ap.add_argument("--experts-inner", action="store_true",
                 help="kernels/grouped_gemm COLUMNS_INNER = False: the expert varies fastest in the program order "
                      "(before session 17)")
-ap.add_argument("--router-kernel", action="store_true",
-                help="diffusion_gemma.ROUTER_KERNEL: route with kernels/router_topk (one launch per layer)")
-ap.add_argument("--dense-with-experts", action="store_true",
-                help="diffusion_gemma.DENSE_WITH_EXPERTS: the dense MLP released only once the MoE's rows are sorted")
-ap.add_argument("--split-k", default="",
-                help="diffusion_gemma.SPLIT_K, e.g. o=4,gate_up=2,down=3: the dense GEMMs as batched split-K products")
+ap.add_argument("--sorted-copy", action="store_true",
+                help="moe.GATHER_IN_KERNEL = False: XLA writes the sorted copy of the MoE input for the gate/up kernel")
+ap.add_argument("--xla-activation", action="store_true",
+                help="moe.GLU_IN_KERNEL = False: gelu(gate) * up by XLA after the gate/up kernel, not in it")
 ap.add_argument("--capacity-factor", type=int,
                 help="moe.CAPACITY_FACTOR (slots per expert / mean load; overflow takes further rounds)")
 args = ap.parse_args()
@@ -74,13 +73,13 @@ runtime.configure(os.path.expanduser("~/.cache/orl_jax/xla"))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_io import digest, load_tables, parse_split_k  # noqa: E402
+from bench_io import digest, load_tables  # noqa: E402
 
 from orl_jax import params as P  # noqa: E402
 from orl_jax.config import DG_PRESETS  # noqa: E402
 from orl_jax.decode.engine import generate  # noqa: E402
 from orl_jax.decode.samplers import UniformSampler  # noqa: E402
-from orl_jax.model import diffusion_gemma  # noqa: E402
+from orl_jax.model import diffusion_gemma, moe  # noqa: E402
 from orl_jax.sharding import make_mesh  # noqa: E402
 
 T0 = time.perf_counter()
@@ -97,13 +96,9 @@ def log(**kw):
 
 
 if args.capacity_factor is not None:
-    from orl_jax.model import moe
-
     moe.CAPACITY_FACTOR = args.capacity_factor  # read by moe.capacity at trace time
     log(what="capacity_factor", value=args.capacity_factor)
 if args.xla_sort:
-    from orl_jax.model import moe
-
     moe.SORT_KERNEL = False  # read by moe.experts_mlp at trace time
     log(what="sort_kernel", value=False)
 if args.grouped_bm is not None or args.experts_inner:
@@ -115,23 +110,15 @@ if args.grouped_bm is not None or args.experts_inner:
     if args.experts_inner:
         grouped_kernel.COLUMNS_INNER = False  # read by grouped_matmul at trace time
         log(what="columns_inner", value=False)
-SPLIT_NAMES = ("o", "gate_up", "down")
 
 
-def set_variant(split_k: str, dense_with_experts: bool, router_kernel: bool) -> dict:
-    """diffusion_gemma's trace-time switches for the next trace (flags, or a --gemm-sweep entry); what they are."""
-    diffusion_gemma.SPLIT_K.clear()
-    diffusion_gemma.SPLIT_K.update(parse_split_k(split_k, SPLIT_NAMES))
-    diffusion_gemma.DENSE_WITH_EXPERTS, diffusion_gemma.ROUTER_KERNEL = dense_with_experts, router_kernel
-    return dict(split_k=dict(diffusion_gemma.SPLIT_K), dense_with_experts=dense_with_experts,
-                router_kernel=router_kernel)
+def set_variant(gather_in_kernel: bool, glu_in_kernel: bool) -> dict:
+    """moe's trace-time switches for the next trace (flags, or a --gemm-sweep entry); what they are."""
+    moe.GATHER_IN_KERNEL, moe.GLU_IN_KERNEL = gather_in_kernel, glu_in_kernel
+    return dict(gather_in_kernel=gather_in_kernel, glu_in_kernel=glu_in_kernel)
 
 
-try:
-    variant = set_variant(args.split_k, args.dense_with_experts, args.router_kernel)
-except ValueError as e:
-    ap.error(str(e))
-log(what="variant", **variant)
+log(what="variant", **set_variant(not args.sorted_copy, not args.xla_activation))
 load_tables(log, gemm=args.gemm_table, attention=args.attention_table)
 cfg = DG_PRESETS[args.preset].replace(dtype="bfloat16", cached_attention_impl=args.cached_attention)
 specs = diffusion_gemma.param_specs(cfg)
@@ -250,15 +237,18 @@ if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the is
 
     swept = cfg.replace(moe_impl="pallas")
     cache = prefilled(swept)  # once, under the kernels' defaults: only the decoder forward is compiled per entry
+    from orl_jax_kernels.decode_attention import kernel as attention_kernel
+
+    attention_rows = json.loads(Path(args.attention_table).read_text()) if args.attention_table else []
     for entry in json.loads(Path(args.gemm_sweep).read_text()):
         table = set_tuned(entry.get("table", []))
-        variant = set_variant(entry.get("split_k", args.split_k),
-                              entry.get("dense_with_experts", args.dense_with_experts),
-                              entry.get("router_kernel", args.router_kernel))
-        jax.clear_caches()  # every kernel wrapper and the forward trace again, under this table and variant
+        attention = attention_kernel.set_tuned(entry.get("attention_table", attention_rows))
+        variant = set_variant(entry.get("gather_in_kernel", not args.sorted_copy),
+                              entry.get("glu_in_kernel", not args.xla_activation))
+        jax.clear_caches()  # every kernel wrapper and the forward trace again, under these tables and switches
         ms, temp = one_forward(swept, cache)
-        log(what="decode_forward", moe_impl="pallas", gemm_variant=entry["name"], table=str(table), **variant, ms=ms,
-            temp_gb=None if temp is None else temp / 1e9)
+        log(what="decode_forward", moe_impl="pallas", gemm_variant=entry["name"], table=str(table),
+            attention_table=str(attention), **variant, ms=ms, temp_gb=None if temp is None else temp / 1e9)
     sys.exit(0)
 
 for impl in IMPLS:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 import unittest.mock as um
 
 import jax
@@ -145,28 +144,11 @@ def _hf_row(model, prompt, canvases, scs, blocks):
     return out
 
 
-def test_split_k_dense_gemms_equal_the_plain_decoder(dg_ours, monkeypatch):
-    """diffusion_gemma.SPLIT_K (o, gate/up and down of cached passes as batched split-K products,
-    layers.split_k_matmul): the decoder's logits equal the plain decoder's (which matches transformers above), and
-    the traced decoder holds the batched products; prefill (no cache part) keeps plain GEMMs."""
-    cfg, params = dg_ours
-    prompt, canvas = jnp.asarray(_tokens((2, 11), 5)), jnp.asarray(_tokens((2, cfg.block_length), 6))
-    _, cache = _prefill(params, cfg, prompt, jnp.asarray([11, 7], jnp.int32), 11 + cfg.block_length)
-    want = np.asarray(_decode(params, cfg, canvas, cache))
-    monkeypatch.setattr(dg, "SPLIT_K", {"o": 4, "gate_up": 2, "down": 3})
-    got = np.asarray(jax.jit(dg.decode, static_argnums=(1,))(params, cfg, canvas, cache))  # traced afresh
-    assert np.abs(want).max() > 1.0
-    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
-    jaxpr = str(jax.make_jaxpr(lambda c: dg.decode(params, cfg, c, cache))(canvas))
-    batched = re.findall(r"f32\[(\d+),16,\d+\] = dot_general", jaxpr)  # [S, B * L, N] partial sums
-    assert sorted(set(batched)) == ["2", "3", "4"], batched  # gate/up, down, o
-    prefill = str(jax.make_jaxpr(lambda p: dg.prefill(params, cfg, p, jnp.asarray([11, 7], jnp.int32), 19))(prompt))
-    assert not re.findall(r"f32\[\d+,22,\d+\] = dot_general", prefill)
-
-
-def test_dense_mlp_released_with_the_sorted_rows_changes_no_value(dg_ours, monkeypatch):
-    """diffusion_gemma.DENSE_WITH_EXPERTS: in the pallas MoE's cached passes the dense MLP's input passes one
-    optimization barrier with the sorted rows; the decoder's logits stay the same. Other MoE paths refuse it."""
+@pytest.mark.parametrize("gather,glu", [(False, False), (True, False), (False, True)])
+def test_expert_kernel_gather_and_activation_change_no_logit(dg_ours, gather, glu, monkeypatch):
+    """moe.GATHER_IN_KERNEL / GLU_IN_KERNEL (both on by default): the pallas MoE's gate/up kernel reads each sorted
+    row from its token's row and applies gelu(gate) * up to its float32 sums. In fp32 the decoder's logits equal
+    those with the sorted copy of x and XLA's activation (each switch off in turn)."""
     from orl_jax.model import moe
 
     cfg, params = dg_ours
@@ -174,36 +156,11 @@ def test_dense_mlp_released_with_the_sorted_rows_changes_no_value(dg_ours, monke
     prompt, canvas = jnp.asarray(_tokens((2, 11), 5)), jnp.asarray(_tokens((2, cfg.block_length), 6))
     _, cache = jax.jit(dg.prefill, static_argnums=(1, 4))(params, cfg, prompt, jnp.asarray([11, 7], jnp.int32), 19)
     want = np.asarray(jax.jit(dg.decode, static_argnums=(1,))(params, cfg, canvas, cache))
-    barriers = lambda: str(jax.make_jaxpr(lambda c: dg.decode(params, cfg, c, cache))(canvas)).count(  # noqa: E731
-        "optimization_barrier")
-    before = barriers()
-    monkeypatch.setattr(dg, "DENSE_WITH_EXPERTS", True)
+    monkeypatch.setattr(moe, "GATHER_IN_KERNEL", gather)
+    monkeypatch.setattr(moe, "GLU_IN_KERNEL", glu)
     got = np.asarray(jax.jit(dg.decode, static_argnums=(1,))(params, cfg, canvas, cache))  # traced afresh
-    np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
-    assert barriers() - before == 2 * cfg.num_groups  # each group's sliding loop body and its full layer
-    x, e = jnp.ones((4, 8)), jnp.zeros((4, 2), jnp.int32)
-    with pytest.raises(ValueError, match="release is for impl 'pallas'"):
-        moe.experts_mlp(x, jnp.ones((4, 2)), e, jnp.ones((3, 8, 6)), jnp.ones((3, 3, 8)), "gelu_tanh", "bucketed",
-                        release=x)
-
-
-def test_router_kernel_in_cached_passes_equals_moe_route(dg_ours, monkeypatch):
-    """diffusion_gemma.ROUTER_KERNEL: cached passes of the pallas MoE route with kernels/router_topk, the router and
-    its two scales read in place from the stacks; the decoder's logits stay those of moe.route. A top-k that is no
-    power of two (the tiny preset's 3) falls back to moe.route."""
-    cfg, params = dg_ours
-    cfg = cfg.replace(moe_impl="pallas", top_k_experts=2)
-    prompt, canvas = jnp.asarray(_tokens((2, 11), 5)), jnp.asarray(_tokens((2, cfg.block_length), 6))
-    _, cache = jax.jit(dg.prefill, static_argnums=(1, 4))(params, cfg, prompt, jnp.asarray([11, 7], jnp.int32), 19)
-    calls = lambda c: str(jax.make_jaxpr(lambda x: dg.decode(params, c, x, cache))(canvas)).count(  # noqa: E731
-        "name=route_stacked")
-    want = np.asarray(jax.jit(dg.decode, static_argnums=(1,))(params, cfg, canvas, cache))
-    assert calls(cfg) == 0
-    monkeypatch.setattr(dg, "ROUTER_KERNEL", True)
-    got = np.asarray(jax.jit(dg.decode, static_argnums=(1,))(params, cfg, canvas, cache))  # traced afresh
-    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-    assert calls(cfg) == 2 * cfg.num_groups  # each group's sliding loop body and its full layer
-    assert calls(cfg.replace(top_k_experts=3)) == 0
+    assert np.abs(want).max() > 1.0
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
 
 
 def test_split_k_matmul_rejects_splits_that_do_not_divide_k():

@@ -37,6 +37,46 @@ def test_matches_ragged_dot_in_interpret_mode(stacked, bm, columns_inner, monkey
     assert np.abs(np.asarray(other) - np.asarray(want)).max() > 1.0
 
 
+def _gated_reference(x, w, sizes, act):
+    gu = grouped_matmul_reference(x, w, sizes)
+    g, u = jnp.split(gu, 2, axis=-1)
+    return act(g) * u
+
+
+@pytest.mark.parametrize("stacked,columns_inner", [(False, True), (True, True), (True, False)])
+def test_gathered_rows_and_gated_halves_in_interpret_mode(stacked, columns_inner, monkeypatch):
+    """rows: each sorted row read from its source row of x (any number of rows, repeats); glu: act(gate) * up on
+    the float32 sums, [M, N / 2]; each alone and both, against ragged_dot on the gathered rows."""
+    from orl_jax_kernels.grouped_gemm import kernel
+
+    monkeypatch.setattr(kernel, "COLUMNS_INNER", columns_inner)
+    jax.clear_caches()
+    ks = jax.random.split(jax.random.key(4), 3)
+    e, k, n, t = 5, 128, 256, 23
+    sizes = jnp.array([BM + 3, 0, 7, 1, 12])
+    m = int(sizes.sum()) + 4  # rows past the last group
+    x = jax.random.normal(ks[0], (t, k))
+    rows = jax.random.randint(ks[1], (m,), 0, t, jnp.int32)  # tokens repeat, as the top-k choices do
+    w = jax.random.normal(ks[2], (2, e, k, n)) * 0.1
+    layer, one = (jnp.int32(1), w) if stacked else (None, w[1])
+    act = jax.nn.silu
+    xs = jnp.take(x, rows, axis=0)
+    gathered = grouped_matmul(x, one, sizes, layer, BLOCKS, interpret=True, rows=rows)
+    np.testing.assert_allclose(np.asarray(gathered), np.asarray(grouped_matmul_reference(xs, w[1], sizes)),
+                               rtol=1e-5, atol=1e-4)
+    want = _gated_reference(xs, w[1], sizes, act)
+    gated = grouped_matmul(xs, one, sizes, layer, BLOCKS, interpret=True, glu=act)
+    both = grouped_matmul(x, one, sizes, layer, BLOCKS, interpret=True, rows=rows, glu=act)
+    assert gated.shape == both.shape == (m, n // 2)
+    for got in (gated, both):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+        assert not np.asarray(got[-4:]).any()
+    # the check can fail: another activation, or up and gate swapped, gives other values
+    assert np.abs(np.asarray(both) - np.asarray(_gated_reference(xs, w[1], sizes, jax.nn.gelu))).max() > 1e-2
+    with pytest.raises(ValueError, match="rows must be"):
+        grouped_matmul(x, one, sizes, layer, BLOCKS, interpret=True, rows=rows.astype(jnp.float32))
+
+
 def test_given_offsets_replace_the_cumsum_of_the_group_sizes():
     ks = jax.random.split(jax.random.key(2), 2)
     sizes = jnp.array([3, 0, BM + 1, 5])
@@ -98,6 +138,11 @@ def test_kernel_lowers_to_verified_triton_at_the_expert_shapes(monkeypatch):
         verified_triton_modules(monkeypatch, lambda x, w, s, i, bm=bm: grouped_matmul(x, w, s, i, bm=bm),
                                 sd((2048, k), jnp.bfloat16), sd((25, 128, k, n), jnp.bfloat16),
                                 sd((128,), jnp.int32), sd((), jnp.int32))
+    # gate/up as the MoE calls it: the 256 tokens' rows gathered in the kernel, gelu(gate) * up in its epilogue
+    gelu = lambda v: jax.nn.gelu(v, approximate=True)  # noqa: E731
+    verified_triton_modules(monkeypatch, lambda x, w, s, i, r: grouped_matmul(x, w, s, i, rows=r, glu=gelu),
+                            sd((256, 2816), jnp.bfloat16), sd((25, 128, 2816, 1408), jnp.bfloat16),
+                            sd((128,), jnp.int32), sd((), jnp.int32), sd((2048,), jnp.int32))
 
 
 def test_moe_pallas_path_equals_the_dense_path(monkeypatch):
@@ -145,6 +190,24 @@ def test_compiled_on_gpu_matches_ragged_dot():
     w = (jax.random.normal(ks[1], (2, 8, 704, 2816), jnp.float32) * 0.05).astype(jnp.bfloat16)
     got = grouped_matmul(x, w, sizes, jnp.int32(1)).astype(jnp.float32)
     want = grouped_matmul_reference(x, w[1], sizes).astype(jnp.float32)
+    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-2
+    assert not np.asarray(got[-7:]).any()
+
+
+@pytest.mark.gpu
+def test_compiled_on_gpu_gathers_rows_and_gates_at_the_gate_up_shape():
+    """Triton-compiled at DiffusionGemma's gate/up (K 2816, 2 x 704 columns), bf16: 256 tokens' rows gathered by
+    the kernel, gelu(gate) * up on the float32 sums, against ragged_dot on the gathered rows."""
+    ks = jax.random.split(jax.random.key(8), 3)
+    sizes = jnp.array([0, 3, BM + 40, 16, 0, 1, 64, 20], jnp.int32)
+    m = int(sizes.sum()) + 7
+    x = jax.random.normal(ks[0], (256, 2816), jnp.bfloat16)
+    rows = jax.random.randint(ks[1], (m,), 0, 256, jnp.int32)
+    w = (jax.random.normal(ks[2], (2, 8, 2816, 1408), jnp.float32) * 0.05).astype(jnp.bfloat16)
+    gelu = lambda v: jax.nn.gelu(v, approximate=True)  # noqa: E731
+    got = grouped_matmul(x, w, sizes, jnp.int32(1), rows=rows, glu=gelu).astype(jnp.float32)
+    want = _gated_reference(jnp.take(x, rows, axis=0).astype(jnp.float32), w[1].astype(jnp.float32), sizes, gelu)
+    assert got.shape == (m, 704)
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-2
     assert not np.asarray(got[-7:]).any()
 

@@ -75,7 +75,15 @@ def load_tuned(path) -> dict[tuple[int, int, int, int], Blocks]:
     import json
     from pathlib import Path
 
-    for row in json.loads(Path(path).read_text()):
+    return set_tuned(json.loads(Path(path).read_text()), replace=False)
+
+
+def set_tuned(rows, replace: bool = True) -> dict[tuple[int, int, int, int], Blocks]:
+    """TUNED from table rows as load_tuned reads them (replace: drop the entries there were). Traces made before
+    keep their blocks: jax.clear_caches() makes the next call trace again."""
+    if replace:
+        TUNED.clear()
+    for row in rows:
         TUNED[(int(row["l"]), int(row["s"]), int(row["h"]), int(row["g"]))] = Blocks(**row["blocks"])
     return TUNED
 

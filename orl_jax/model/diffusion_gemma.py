@@ -57,7 +57,6 @@ from orl_jax.model.attention import attention, causal_segments, full_segments, s
 from orl_jax.model.cache import HybridKVCache, KVCache
 from orl_jax.model.layers import (
     apply_rope,
-    contract,
     einsum,
     fused_gated_mlp,
     gated_mlp,
@@ -195,23 +194,6 @@ def soft_embed(params: dict, cfg: DiffusionGemmaConfig, probs: jax.Array) -> jax
 
 # --- the layer stack ---------------------------------------------------------------------------------------------
 
-# True: cached passes of the pallas MoE route with kernels/router_topk (RMSNorm, router GEMM, softmax, top-k and
-# the scales in one launch, the router and its scales read in place) instead of ~5 XLA launches per layer. Off
-# until timed (benchmarks/diffusion_gemma_generate.py --router-kernel). Read at trace time.
-ROUTER_KERNEL = False
-
-# True: in cached passes with the pallas MoE the dense MLP's input is released only once the MoE's rows are sorted
-# (moe.experts_mlp's `release`), so its compute-bound GEMMs run beside the bandwidth-bound expert kernels instead
-# of beside the routing (concurrent command-buffer branches: runtime.DG_COMPILER_OPTIONS). Values unchanged. Off
-# until timed (benchmarks/diffusion_gemma_generate.py --dense-with-experts). Read at trace time.
-DENSE_WITH_EXPERTS = False
-
-# Split-K for the dense GEMMs of cached passes (the decoder's canvas: M = 256 rows per batch row), by weight name:
-# "o", "gate_up", "down" -> splits of K (layers.split_k_matmul). Empty (off) until timed on a GPU
-# (benchmarks/diffusion_gemma_generate.py --split-k o=4,down=3). Read at trace time.
-SPLIT_K: dict[str, int] = {}
-
-
 def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: str):
     eps = cfg.rms_norm_eps
     b, l, d = x.shape
@@ -232,40 +214,19 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
     impl = "orl_jax" if cache_part is None else qwen3.cached_attention_impl(cfg)
-    split = SPLIT_K if cache_part is not None else {}
-    attn = contract("blnh,nhd->bld", attention(q, parts, impl, scale=1.0), w["o"], 2, split.get("o", 1))
+    attn = einsum("blnh,nhd->bld", attention(q, parts, impl, scale=1.0), w["o"])
     x = x + rms_norm_fp32(attn, w["post_attn_norm"], eps)
 
     mlp_in = rms_norm_fp32(x, w["mlp_norm"], eps)
     flat = x.reshape(b * l, d)  # [T, D]
-    weights, experts = _route(cfg, flat, w)
+    weights, experts = route(flat, w["router_scale"], w["router"], w["expert_scale"], cfg.top_k_experts, eps)
     moe_in = rms_norm_fp32(flat, w["moe_norm"], eps)
-    kind = moe_impl(cfg)
-    hold = DENSE_WITH_EXPERTS and kind == "pallas" and cache_part is not None  # the dense MLP waits for sorted rows
-    moe = experts_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT, kind,
-                      release=mlp_in if hold else None)
-    if hold:
-        moe, mlp_in = moe
+    moe = experts_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT, moe_impl(cfg))
     moe = moe.reshape(b, l, d)  # [B, L, D]
-    mlp = fused_gated_mlp(mlp_in, w["gate_up"], w["down"], ACT, (split.get("gate_up", 1), split.get("down", 1)))
+    mlp = fused_gated_mlp(mlp_in, w["gate_up"], w["down"], ACT)
     ffw = rms_norm_fp32(mlp, w["post_mlp_norm"], eps) + rms_norm_fp32(moe, w["post_moe_norm"], eps)
     x = (x + rms_norm_fp32(ffw, w["post_ffw_norm"], eps)) * w[scalar][0]
     return x, k, v
-
-
-def _route(cfg: DiffusionGemmaConfig, flat, w):
-    """moe.route, or kernels/router_topk where the layer loop handed the router stack and its packed scales over
-    (ROUTER_KERNEL, cached passes of the pallas MoE) and the shapes fit it."""
-    from orl_jax_kernels.router_topk import kernel as router_kernel
-
-    k, eps = cfg.top_k_experts, cfg.rms_norm_eps
-    router = w["router"]
-    if "router_vectors" in w and router_kernel.supported(*flat.shape, router.shape[-1], k):
-        vectors, index, offsets = w["router_vectors"]
-        return router_kernel.route_stacked(flat, router.stack, router.index, vectors, index, offsets, k, eps,
-                                           interpret=jax.default_backend() == "cpu")
-    return route(flat, w["router_scale"], router.sliced() if isinstance(router, StackedWeight) else router,
-                 w["expert_scale"], k, eps)
 
 
 def _qk_kernel_offsets(cfg: DiffusionGemmaConfig, layout) -> tuple[int, ...] | None:
@@ -314,8 +275,6 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     # (training, `forward`) need reverse-mode autodiff, which while_loop lacks: they scan each group's slice of the
     # stacks, copies included. The pallas moe_impl's grouped kernel reads the expert stacks in place (StackedWeight).
     stacks = EXPERT_WEIGHTS if moe_impl(cfg) == "pallas" else ()
-    router_kernel = ROUTER_KERNEL and cache is not None and moe_impl(cfg) == "pallas"
-    stacks += ("router",) if router_kernel else ()  # kernels/router_topk reads it in place
     sliding_w = {n: a for n, a in params["sliding"].items() if n not in stacks}
     full_w = {n: a for n, a in params["full"].items() if n not in stacks}
     if cache is not None and qwen3.cached_attention_impl(cfg) == "pallas":  # the kernel reads int8 masks
@@ -324,9 +283,6 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
         (sliding_w, sliding_v, sliding_layout), (full_w, full_v, full_layout) = map(pack_vectors, (sliding_w, full_w))
     take = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False, allow_negative_indices=False)  # noqa
     norm_offsets = _qk_kernel_offsets(cfg, sliding_layout) if cache is not None else None
-    router_offsets = [None, None]  # where the router kernel finds its two scales in the packed rows
-    if router_kernel:  # implies a cache, so the layouts exist
-        router_offsets = [vector_offsets(lay, "router_scale", "expert_scale") for lay in (sliding_layout, full_layout)]
 
     def sliding_layer(x, i, w, ck=None, cv=None):
         w = w | {n: StackedWeight(params["sliding"][n], i) for n in stacks}
@@ -356,8 +312,6 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
             ck, cv = (StackedWeight(c, i, take(c, i)) for c in (cache.sliding.k, cache.sliding.v))
             if norm_offsets is not None:  # the q/k norm kernel reads both weights from the packed stack (no copies)
                 w["packed_vectors"] = (sliding_v, i, norm_offsets)
-            if router_offsets[0] is not None:  # and the router kernel its two scales
-                w["router_vectors"] = (sliding_v, i, router_offsets[0])
             x, kk, vv = sliding_layer(x, i, w, ck, cv)
             if collect_kv:
                 kv = (kv[0].at[i - lo].set(kk), kv[1].at[i - lo].set(vv))
@@ -372,8 +326,6 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
         if cache is not None:
             if full_v is not None:
                 w |= unpack_vectors(full_v[g], full_layout)
-            if router_offsets[1] is not None:
-                w["router_vectors"] = (full_v, jnp.int32(g), router_offsets[1])
             ck, cv = (StackedWeight(c, jnp.int32(g), c[g]) for c in (cache.full.k, cache.full.v))
             part = (ck, cv, vis["cache_" + FULL])
         return _layer(cfg, x, w, rope_f, vis[FULL], part, scalar)

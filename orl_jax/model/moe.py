@@ -42,12 +42,15 @@ def route(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: 
     return w * jnp.take(expert_scale, e).astype(jnp.float32), e.astype(jnp.int32)
 
 
-def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, offsets: jax.Array | None = None) -> jax.Array:
+def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, offsets: jax.Array | None = None,
+                   rows: jax.Array | None = None, glu=None) -> jax.Array:
     """x [M, K] whose rows come in contiguous groups (sizes [E]) times w [E, K, N]: row r of group e gets x_r @ w_e.
-    offsets [E + 1] (the groups' first rows, then their end), when known, spare the grouped kernel their cumsum."""
+    offsets [E + 1] (the groups' first rows, then their end), when known, spare the grouped kernel their cumsum.
+    rows [M]: sorted row r is x[rows[r]] (x then has any number of rows). glu (an activation): w's columns are
+    [gate | up] and the result is glu(x @ gate) * (x @ up), [M, N / 2]."""
     if hasattr(w, "ragged_dot"):
-        return w.ragged_dot(x, group_sizes, offsets)
-    return xla_ragged_dot(x, w, group_sizes)
+        return w.ragged_dot(x, group_sizes, offsets, rows=rows, glu=glu)
+    return xla_ragged_dot(x, w, group_sizes, rows=rows, glu=glu)
 
 
 # Up to this many tokens the experts run bucketed: each expert gathers its routed tokens into `capacity` slots and
@@ -69,19 +72,14 @@ def capacity(tokens: int, top_k: int, num_experts: int) -> int:
 
 
 def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up, down, act: str,
-                impl: str = "bucketed", release=None):
+                impl: str = "bucketed"):
     """sum_j weights[t, j] * MLP_{experts[t, j]}(x_t). x [T, D]; gate_up [E, D, 2F] (gate | up); down [E, F, D].
     impl (decode sizes): "bucketed", "dense" or "pallas" (the sorted rows through kernels/grouped_gemm, any T, no
-    buckets). See the module docstring.
-    release (impl "pallas" only): arrays handed back, with the output, only once the sorted rows exist (an
-    optimization barrier): a caller's independent work made to start with the expert GEMMs instead of beside the
-    routing. Returns (out, released) then."""
+    buckets). See the module docstring."""
     t, k = experts.shape
     if impl == "pallas":  # expert stacks as StackedWeight: their ragged_dot is the grouped kernel
         return grouped_experts_mlp(x, weights, experts, as_stacked(gate_up), as_stacked(down), act,
-                                   sort_kernel=SORT_KERNEL, release=release)
-    if release is not None:
-        raise ValueError(f"experts_mlp: release is for impl 'pallas', got impl={impl!r}")
+                                   sort_kernel=SORT_KERNEL)
     if t > BUCKETED_MAX_TOKENS:
         return grouped_experts_mlp(x, weights, experts, gate_up, down, act)
     c = capacity(t, k, gate_up.shape[0])
@@ -187,19 +185,29 @@ def _sorted_rows(experts: jax.Array, num_experts: int, kernel: bool):
     return (*sort_by_expert(experts, num_experts), None)
 
 
-def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False, release=None):
+# The pallas path's gate/up kernel gathers each sorted row from its token's row of x in its loads (GATHER_IN_KERNEL;
+# else XLA writes the sorted copy of x first, ~8.6 us per 26B layer) and applies the activation to its float32 sums
+# before writing (GLU_IN_KERNEL; else XLA reads [M, 2F] back for act(gate) * up, ~4.1 us per layer, and the gate/up
+# outputs are rounded to x's dtype before the activation). Read at trace time;
+# benchmarks/diffusion_gemma_generate.py --gemm-sweep entries set them.
+GATHER_IN_KERNEL = True
+GLU_IN_KERNEL = True
+
+
+def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False):
     """Rows sorted by expert and multiplied group by group (`grouped_matmul`): work proportional to T * k. The
     outputs come back by a gather (each assignment reads its sorted row), weighted and summed over the k choices.
     sort_kernel: sort with kernels/expert_sort (one launch, and the group offsets the grouped kernel needs) up to its
-    MAX_ASSIGNMENTS, instead of sort_by_expert's XLA fusions. release: as in experts_mlp."""
+    MAX_ASSIGNMENTS, instead of sort_by_expert's XLA fusions."""
     t, k = experts.shape
     order, pos, sizes, offsets = _sorted_rows(experts, gate_up.shape[0], sort_kernel)
-    xs = jnp.take(x, order // k, axis=0)  # [M, D]
-    if release is not None:
-        xs, release = jax.lax.optimization_barrier((xs, release))
-    gu = grouped_matmul(xs, gate_up, sizes, offsets)  # [M, 2F]
-    g, u = jnp.split(gu, 2, axis=-1)
-    y = grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes, offsets)  # [M, D] in sorted order
+    tokens = order // k  # [M]: the token of each sorted row
+    xs, rows = (x, tokens) if GATHER_IN_KERNEL else (jnp.take(x, tokens, axis=0), None)
+    if GLU_IN_KERNEL:
+        h = grouped_matmul(xs, gate_up, sizes, offsets, rows=rows, glu=ACTIVATIONS[act])  # [M, F]
+    else:
+        g, u = jnp.split(grouped_matmul(xs, gate_up, sizes, offsets, rows=rows), 2, axis=-1)  # [M, F] each
+        h = ACTIVATIONS[act](g) * u
+    y = grouped_matmul(h, down, sizes, offsets)  # [M, D] in sorted order
     y = jnp.take(y, pos, axis=0).astype(jnp.float32) * weights.reshape(-1, 1)  # [M, D] in (token, choice) order
-    out = jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)  # [T, D]
-    return out if release is None else (out, release)
+    return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)  # [T, D]
