@@ -39,7 +39,7 @@ ap.add_argument("--gemm-table", help="tuned expert GEMM tiles for moe_impl palla
                                     "or kernels/grouped_gemm/bench.py --table)")
 ap.add_argument("--gemm-sweep", help="a JSON list [{'name':, 'table': [rows as in --gemm-table], "
                                     "'attention_table': [rows as in --attention-table], 'gather_in_kernel': bool, "
-                                    "'glu_in_kernel': bool}, ...] (all but the name optional; missing ones take "
+                                    "'act_in_down': bool}, ...] (all but the name optional; missing ones take "
                                     "the flags'): only the "
                                     "decoder forward (moe_impl pallas), timed once per entry in this process, each "
                                     "traced afresh (an empty table: the kernels' defaults). Example: "
@@ -59,7 +59,7 @@ ap.add_argument("--experts-inner", action="store_true",
 ap.add_argument("--sorted-copy", action="store_true",
                 help="moe.GATHER_IN_KERNEL = False: XLA writes the sorted copy of the MoE input for the gate/up kernel")
 ap.add_argument("--xla-activation", action="store_true",
-                help="moe.GLU_IN_KERNEL = False: gelu(gate) * up by XLA after the gate/up kernel, not in it")
+                help="moe.ACT_IN_DOWN = False: gelu(gate) * up by XLA between the expert kernels, not in down's loads")
 ap.add_argument("--capacity-factor", type=int,
                 help="moe.CAPACITY_FACTOR (slots per expert / mean load; overflow takes further rounds)")
 args = ap.parse_args()
@@ -112,10 +112,10 @@ if args.grouped_bm is not None or args.experts_inner:
         log(what="columns_inner", value=False)
 
 
-def set_variant(gather_in_kernel: bool, glu_in_kernel: bool) -> dict:
+def set_variant(gather_in_kernel: bool, act_in_down: bool) -> dict:
     """moe's trace-time switches for the next trace (flags, or a --gemm-sweep entry); what they are."""
-    moe.GATHER_IN_KERNEL, moe.GLU_IN_KERNEL = gather_in_kernel, glu_in_kernel
-    return dict(gather_in_kernel=gather_in_kernel, glu_in_kernel=glu_in_kernel)
+    moe.GATHER_IN_KERNEL, moe.ACT_IN_DOWN = gather_in_kernel, act_in_down
+    return dict(gather_in_kernel=gather_in_kernel, act_in_down=act_in_down)
 
 
 log(what="variant", **set_variant(not args.sorted_copy, not args.xla_activation))
@@ -244,7 +244,7 @@ if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the is
         table = set_tuned(entry.get("table", []))
         attention = attention_kernel.set_tuned(entry.get("attention_table", attention_rows))
         variant = set_variant(entry.get("gather_in_kernel", not args.sorted_copy),
-                              entry.get("glu_in_kernel", not args.xla_activation))
+                              entry.get("act_in_down", not args.xla_activation))
         jax.clear_caches()  # every kernel wrapper and the forward trace again, under these tables and switches
         ms, temp = one_forward(swept, cache)
         log(what="decode_forward", moe_impl="pallas", gemm_variant=entry["name"], table=str(table),

@@ -144,11 +144,11 @@ def _hf_row(model, prompt, canvases, scs, blocks):
     return out
 
 
-@pytest.mark.parametrize("gather,glu", [(False, False), (True, False), (False, True)])
-def test_expert_kernel_gather_and_activation_change_no_logit(dg_ours, gather, glu, monkeypatch):
-    """moe.GATHER_IN_KERNEL / GLU_IN_KERNEL (both on by default): the pallas MoE's gate/up kernel reads each sorted
-    row from its token's row and applies gelu(gate) * up to its float32 sums. In fp32 the decoder's logits equal
-    those with the sorted copy of x and XLA's activation (each switch off in turn)."""
+@pytest.mark.parametrize("gather,act", [(False, False), (True, False), (False, True)])
+def test_expert_kernel_gather_and_activation_change_no_logit(dg_ours, gather, act, monkeypatch):
+    """moe.GATHER_IN_KERNEL / ACT_IN_DOWN (both on by default): the pallas MoE's gate/up kernel reads each sorted
+    row from its token's row, and its down kernel takes gelu(gate) * up as it loads. In fp32 the decoder's logits
+    equal those with the sorted copy of x and XLA's activation (each switch off in turn)."""
     from orl_jax.model import moe
 
     cfg, params = dg_ours
@@ -157,7 +157,7 @@ def test_expert_kernel_gather_and_activation_change_no_logit(dg_ours, gather, gl
     _, cache = jax.jit(dg.prefill, static_argnums=(1, 4))(params, cfg, prompt, jnp.asarray([11, 7], jnp.int32), 19)
     want = np.asarray(jax.jit(dg.decode, static_argnums=(1,))(params, cfg, canvas, cache))
     monkeypatch.setattr(moe, "GATHER_IN_KERNEL", gather)
-    monkeypatch.setattr(moe, "GLU_IN_KERNEL", glu)
+    monkeypatch.setattr(moe, "ACT_IN_DOWN", act)
     got = np.asarray(jax.jit(dg.decode, static_argnums=(1,))(params, cfg, canvas, cache))  # traced afresh
     assert np.abs(want).max() > 1.0
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)

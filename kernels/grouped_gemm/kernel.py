@@ -62,17 +62,15 @@ def supported(k: int, n: int, blocks: Blocks | None = None) -> bool:
     return blocks is not None and k % blocks.bk == 0 and n % blocks.bn == 0
 
 
-def _kernel(layer_ref, off_ref, rows_ref, x_ref, w_ref, wu_ref, o_ref, *, bk: int, n_chunks: int, bm: int,
-            stacked: bool, expert_axis: int, glu):
+def _kernel(layer_ref, off_ref, rows_ref, x_ref, w_ref, o_ref, *, bk: int, n_chunks: int, bm: int, stacked: bool,
+            expert_axis: int, act):
     from jax.experimental.pallas import triton as plt
 
     e = pl.program_id(expert_axis)
     bn = w_ref.shape[-1]
+    k = n_chunks * bk
     layer = layer_ref[0] if stacked else 0
     start, rows = off_ref[e], off_ref[e + 1] - off_ref[e]
-
-    def weight(ref, k0):
-        return ref[layer, 0, pl.ds(k0, bk), :] if stacked else ref[0, pl.ds(k0, bk), :]
 
     def tile(t, carry):
         r0 = start + t * bm
@@ -80,56 +78,54 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, w_ref, wu_ref, o_ref, *, bk: in
         # the tile's rows of x: sorted rows in place, or gathered by their source row
         ids = None if rows_ref is None else plt.load(rows_ref.at[pl.ds(r0, bm)], mask=live, other=0)
 
-        def chunk(j, accs):
-            k0 = pl.multiple_of(j * bk, bk)
-            xs = (x_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)] if ids is None  # arrays on both axes: interpret mode
-                  else x_ref.at[ids[:, None], (k0 + jnp.arange(bk))[None, :]])  # takes no slice beside one
-            xb = plt.load(xs, mask=live[:, None], other=0.0)
-            dot = lambda ref: jnp.dot(xb, weight(ref, k0), preferred_element_type=jnp.float32)  # noqa: E731
-            return (accs[0] + dot(w_ref),) + ((accs[1] + dot(wu_ref),) if glu else ())
+        def load(c0):  # x's [bm, bk] block from column c0 (arrays on both axes in a gather: interpret mode takes
+            cols = pl.ds(c0, bk)  # no slice beside an array index)
+            xs = (x_ref.at[pl.ds(r0, bm), cols] if ids is None
+                  else x_ref.at[ids[:, None], (c0 + jnp.arange(bk))[None, :]])
+            return plt.load(xs, mask=live[:, None], other=0.0)
 
-        zeros = jnp.zeros((bm, bn), jnp.float32)
-        accs = jax.lax.fori_loop(0, n_chunks, chunk, (zeros, zeros) if glu else (zeros,))
-        out = glu(accs[0]) * accs[1] if glu else accs[0]  # the gated activation on the float32 sums
-        plt.store(o_ref.at[pl.ds(r0, bm), :], out.astype(o_ref.dtype), mask=live[:, None])
+        def chunk(j, acc):
+            k0 = pl.multiple_of(j * bk, bk)
+            if act is None:
+                xb = load(k0)
+            else:  # x holds [gate | up]: the product's input is act(gate) * up, in float32, then x's dtype
+                xb = (act(load(k0).astype(jnp.float32)) * load(k + k0).astype(jnp.float32)).astype(x_ref.dtype)
+            wb = w_ref[layer, 0, pl.ds(k0, bk), :] if stacked else w_ref[0, pl.ds(k0, bk), :]
+            return acc + jnp.dot(xb, wb, preferred_element_type=jnp.float32)
+
+        acc = jax.lax.fori_loop(0, n_chunks, chunk, jnp.zeros((bm, bn), jnp.float32))
+        plt.store(o_ref.at[pl.ds(r0, bm), :], acc.astype(o_ref.dtype), mask=live[:, None])
         return carry
 
     jax.lax.fori_loop(0, (rows + bm - 1) // bm, tile, 0)  # no rows: the expert's weight is not read
 
 
-def _optional(kernel, have_rows: bool, glu):
-    """The kernel with None for the operands a call does not pass (the gather's rows, the up half's weight)."""
-
-    def run(layer_ref, off_ref, *refs):
-        refs = list(refs)
-        rows_ref = refs.pop(0) if have_rows else None
-        x_ref, w_ref = refs.pop(0), refs.pop(0)
-        wu_ref = refs.pop(0) if glu else None
-        return kernel(layer_ref, off_ref, rows_ref, x_ref, w_ref, wu_ref, *refs)
-
-    return run
+def _with_rows(kernel, have_rows: bool):
+    """The kernel with None for the gather's rows when a call passes none."""
+    return kernel if have_rows else lambda layer_ref, off_ref, *refs: kernel(layer_ref, off_ref, None, *refs)
 
 
-@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "bm", "glu"))
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "bm", "act"))
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: jax.Array | None = None,
                    blocks: Blocks | None = None, interpret: bool = False,
                    offsets: jax.Array | None = None, bm: int | None = None, rows: jax.Array | None = None,
-                   glu=None) -> jax.Array:
+                   act=None) -> jax.Array:
     """x [M, K] (rows sorted by group) times w [E, K, N], or the layer `layer` of a stack w [L, E, K, N], group by
     group: group_sizes [E] (int, summing to <= M) -> [M, N] in x's dtype. offsets [E + 1]: the groups' first rows
     and their end, when the caller has them (kernels/expert_sort returns them); else computed from group_sizes.
     bm: rows per tile (a power of two >= 16), BM unless given.
     rows [M] (int32): sorted row r is x[rows[r]] for an x of any number of rows, gathered by the kernel's loads
     (the MoE's tokens: no sorted copy of x is written and read back).
-    glu (an activation function, static): w's columns are [gate | up] halves and the result is
-    glu(x @ gate) * (x @ up), [M, N / 2], taken on the float32 sums before the one rounding to x's dtype. A
-    program then reads blocks.bn / 2 columns of each half: the same weight bytes per program, the same grid."""
-    k = x.shape[1]
-    e, n = w.shape[-3], w.shape[-1]
+    act (an activation function, static): x is [M, 2K], [gate | up], and the product's input is
+    act(gate) * up, taken in float32 as each block is loaded and rounded once to x's dtype (the MoE's down
+    projection: XLA's pass over the gate/up output is saved)."""
+    e, kw, n = w.shape[-3], w.shape[-2], w.shape[-1]
+    k = x.shape[1] // 2 if act is not None else x.shape[1]
     stacked = w.ndim == 4
     layer_arr = layer_operand("grouped_matmul", stacked, layer, w.shape)  # stacked: [L, E, K, N]
-    if w.shape[-2] != k or group_sizes.shape != (e,):
-        raise ValueError(f"grouped_matmul: x {x.shape}, w {w.shape} and group_sizes {group_sizes.shape} do not match")
+    if kw != k or x.shape[1] != (2 * k if act is not None else k) or group_sizes.shape != (e,):
+        raise ValueError(f"grouped_matmul: x {x.shape}{' ([gate | up])' if act is not None else ''}, w {w.shape} "
+                         f"and group_sizes {group_sizes.shape} do not match")
     if rows is not None and (rows.ndim != 1 or rows.dtype != jnp.int32):
         raise ValueError(f"grouped_matmul: rows must be a 1-D int32 array, got {rows.dtype}{list(rows.shape)}")
     m = x.shape[0] if rows is None else rows.shape[0]
@@ -139,7 +135,6 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: ja
     blocks = blocks or default_blocks(k, n)
     if not supported(k, n, blocks):
         raise ValueError(f"grouped_matmul: K={k}, N={n} not supported with {blocks}")
-    bn, n_out = (blocks.bn // 2, n // 2) if glu else (blocks.bn, n)
     # Interpret mode clamps a tile's window that leaves the array onto other rows: there the sorted rows (x, or
     # `rows`) get bm spare rows. Triton's masked loads and stores touch only the group's rows, so on a GPU they go
     # in as they lie (the pad was a copy of x per call, ~8 us at DiffusionGemma's gate/up input).
@@ -150,29 +145,23 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: ja
     elif offsets.shape != (e + 1,):
         raise ValueError(f"grouped_matmul: offsets {offsets.shape} for {e} groups, expected ({e + 1},)")
     inner = COLUMNS_INNER
-    grid = (n_out // bn, e) if inner else (e, n_out // bn)
+    grid = (n // blocks.bn, e) if inner else (e, n // blocks.bn)
     ge = (lambda f: lambda j, g: f(g, j)) if inner else (lambda f: f)  # index maps in (expert, column) terms
-
-    def w_spec(half: int):  # half 1: the up columns, n_out / bn column tiles on
-        c = half * (n_out // bn)
-        return (pl.BlockSpec((w.shape[0], 1, k, bn), ge(lambda g, j: (0, g, 0, j + c))) if stacked
-                else pl.BlockSpec((1, k, bn), ge(lambda g, j: (g, 0, j + c))))
-
+    w_spec = (pl.BlockSpec((w.shape[0], 1, k, blocks.bn), ge(lambda g, j: (0, g, 0, j))) if stacked
+              else pl.BlockSpec((1, k, blocks.bn), ge(lambda g, j: (g, 0, j))))
     xs = x if rows is not None else pad(x)
-    operands = [layer_arr, offsets] + ([pad(rows)] if rows is not None else []) + [xs, w] + ([w] if glu else [])
-    specs = ([pl.BlockSpec((1,), ge(lambda g, j: (0,))), pl.BlockSpec((e + 1,), ge(lambda g, j: (0,)))]
-             + ([pl.BlockSpec((m + spare,), ge(lambda g, j: (0,)))] if rows is not None else [])
-             + [pl.BlockSpec(xs.shape, ge(lambda g, j: (0, 0))), w_spec(0)] + ([w_spec(1)] if glu else []))
-    kernel = functools.partial(_kernel, bk=blocks.bk, n_chunks=k // blocks.bk, bm=bm, stacked=stacked,
-                               expert_axis=1 if inner else 0, glu=glu)
+    gathered = [pad(rows)] if rows is not None else []
     out = pl.pallas_call(
-        _optional(kernel, rows is not None, glu),
-        out_shape=jax.ShapeDtypeStruct((m + spare, n_out), x.dtype),
+        _with_rows(functools.partial(_kernel, bk=blocks.bk, n_chunks=k // blocks.bk, bm=bm, stacked=stacked,
+                                     expert_axis=1 if inner else 0, act=act), rows is not None),
+        out_shape=jax.ShapeDtypeStruct((m + spare, n), x.dtype),
         grid=grid,
-        in_specs=specs,
-        out_specs=pl.BlockSpec((m + spare, bn), ge(lambda g, j: (0, j))),
+        in_specs=[pl.BlockSpec((1,), ge(lambda g, j: (0,))), pl.BlockSpec((e + 1,), ge(lambda g, j: (0,)))]
+                 + [pl.BlockSpec((m + spare,), ge(lambda g, j: (0,)))] * len(gathered)
+                 + [pl.BlockSpec(xs.shape, ge(lambda g, j: (0, 0))), w_spec],
+        out_specs=pl.BlockSpec((m + spare, blocks.bn), ge(lambda g, j: (0, j))),
         interpret=interpret,
         **triton_params(blocks.num_warps, pipeline_stages(blocks, bm), interpret),
-    )(*operands)
+    )(layer_arr, offsets, *gathered, xs, w)
     live = jnp.arange(m) < offsets[-1]  # rows past the last group: never written
     return jnp.where(live[:, None], out[:m] if spare else out, 0)

@@ -43,14 +43,14 @@ def route(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: 
 
 
 def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, offsets: jax.Array | None = None,
-                   rows: jax.Array | None = None, glu=None) -> jax.Array:
+                   rows: jax.Array | None = None, act=None) -> jax.Array:
     """x [M, K] whose rows come in contiguous groups (sizes [E]) times w [E, K, N]: row r of group e gets x_r @ w_e.
     offsets [E + 1] (the groups' first rows, then their end), when known, spare the grouped kernel their cumsum.
-    rows [M]: sorted row r is x[rows[r]] (x then has any number of rows). glu (an activation): w's columns are
-    [gate | up] and the result is glu(x @ gate) * (x @ up), [M, N / 2]."""
+    rows [M]: sorted row r is x[rows[r]] (x then has any number of rows). act (an activation): x is [M, 2K],
+    [gate | up], and the product's input is act(gate) * up."""
     if hasattr(w, "ragged_dot"):
-        return w.ragged_dot(x, group_sizes, offsets, rows=rows, glu=glu)
-    return xla_ragged_dot(x, w, group_sizes, rows=rows, glu=glu)
+        return w.ragged_dot(x, group_sizes, offsets, rows=rows, act=act)
+    return xla_ragged_dot(x, w, group_sizes, rows=rows, act=act)
 
 
 # Up to this many tokens the experts run bucketed: each expert gathers its routed tokens into `capacity` slots and
@@ -186,12 +186,13 @@ def _sorted_rows(experts: jax.Array, num_experts: int, kernel: bool):
 
 
 # The pallas path's gate/up kernel gathers each sorted row from its token's row of x in its loads (GATHER_IN_KERNEL;
-# else XLA writes the sorted copy of x first, ~8.6 us per 26B layer) and applies the activation to its float32 sums
-# before writing (GLU_IN_KERNEL; else XLA reads [M, 2F] back for act(gate) * up, ~4.1 us per layer, and the gate/up
-# outputs are rounded to x's dtype before the activation). Read at trace time;
-# benchmarks/diffusion_gemma_generate.py --gemm-sweep entries set them.
+# else XLA writes the sorted copy of x first, ~8.6 us per 26B layer); the down kernel applies act(gate) * up as it
+# loads the gate/up output (ACT_IN_DOWN; else XLA makes that pass, ~4.1 us per layer). Read at trace time;
+# benchmarks/diffusion_gemma_generate.py --gemm-sweep entries set them. Measured on an H200 (26B forward,
+# benchmarks/results/2026-12-01_dg_gather_rows_h200.md): the gather 16.15 -> 15.79 ms; the activation in the
+# gate/up kernel's epilogue instead (two half-width accumulators) was 0.2 ms slower and is gone.
 GATHER_IN_KERNEL = True
-GLU_IN_KERNEL = True
+ACT_IN_DOWN = True
 
 
 def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False):
@@ -203,11 +204,11 @@ def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kerne
     order, pos, sizes, offsets = _sorted_rows(experts, gate_up.shape[0], sort_kernel)
     tokens = order // k  # [M]: the token of each sorted row
     xs, rows = (x, tokens) if GATHER_IN_KERNEL else (jnp.take(x, tokens, axis=0), None)
-    if GLU_IN_KERNEL:
-        h = grouped_matmul(xs, gate_up, sizes, offsets, rows=rows, glu=ACTIVATIONS[act])  # [M, F]
+    gu = grouped_matmul(xs, gate_up, sizes, offsets, rows=rows)  # [M, 2F]: [gate | up]
+    if ACT_IN_DOWN:
+        y = grouped_matmul(gu, down, sizes, offsets, act=ACTIVATIONS[act])  # [M, D] in sorted order
     else:
-        g, u = jnp.split(grouped_matmul(xs, gate_up, sizes, offsets, rows=rows), 2, axis=-1)  # [M, F] each
-        h = ACTIVATIONS[act](g) * u
-    y = grouped_matmul(h, down, sizes, offsets)  # [M, D] in sorted order
+        g, u = jnp.split(gu, 2, axis=-1)
+        y = grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes, offsets)
     y = jnp.take(y, pos, axis=0).astype(jnp.float32) * weights.reshape(-1, 1)  # [M, D] in (token, choice) order
     return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)  # [T, D]
