@@ -144,11 +144,13 @@ def _hf_row(model, prompt, canvases, scs, blocks):
     return out
 
 
-@pytest.mark.parametrize("gather,act", [(False, False), (True, False), (False, True)])
-def test_expert_kernel_gather_and_activation_change_no_logit(dg_ours, gather, act, monkeypatch):
-    """moe.GATHER_IN_KERNEL / ACT_IN_DOWN (both on by default): the pallas MoE's gate/up kernel reads each sorted
-    row from its token's row, and its down kernel takes gelu(gate) * up as it loads. In fp32 the decoder's logits
-    equal those with the sorted copy of x and XLA's activation (each switch off in turn)."""
+@pytest.mark.parametrize("gather,act,ffw", [(False, False, False), (True, False, True), (False, True, True),
+                                            (True, True, False)])
+def test_expert_kernels_and_ffw_epilogue_change_no_logit(dg_ours, gather, act, ffw, monkeypatch):
+    """moe.GATHER_IN_KERNEL / ACT_IN_DOWN, diffusion_gemma.FFW_KERNEL (all on by default): the pallas MoE's gate/up
+    kernel reads each sorted row from its token's row, its down kernel takes gelu(gate) * up as it loads, and
+    kernels/ffw_epilogue ends each layer. In fp32 the decoder's logits equal those with the sorted copy of x,
+    XLA's activation and XLA's combine and norms (switches off in turn); the kernel runs once per layer body."""
     from orl_jax.model import moe
 
     cfg, params = dg_ours
@@ -158,9 +160,12 @@ def test_expert_kernel_gather_and_activation_change_no_logit(dg_ours, gather, ac
     want = np.asarray(jax.jit(dg.decode, static_argnums=(1,))(params, cfg, canvas, cache))
     monkeypatch.setattr(moe, "GATHER_IN_KERNEL", gather)
     monkeypatch.setattr(moe, "ACT_IN_DOWN", act)
+    monkeypatch.setattr(dg, "FFW_KERNEL", ffw)
     got = np.asarray(jax.jit(dg.decode, static_argnums=(1,))(params, cfg, canvas, cache))  # traced afresh
     assert np.abs(want).max() > 1.0
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    kernels = str(jax.make_jaxpr(lambda c: dg.decode(params, cfg, c, cache))(canvas)).count("name=ffw_epilogue")
+    assert kernels == (2 * cfg.num_groups if ffw else 0)  # each group's sliding loop body and its full layer
 
 
 def test_split_k_matmul_rejects_splits_that_do_not_divide_k():

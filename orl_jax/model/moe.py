@@ -200,15 +200,32 @@ def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kerne
     outputs come back by a gather (each assignment reads its sorted row), weighted and summed over the k choices.
     sort_kernel: sort with kernels/expert_sort (one launch, and the group offsets the grouped kernel needs) up to its
     MAX_ASSIGNMENTS, instead of sort_by_expert's XLA fusions."""
-    t, k = experts.shape
+    y, pos = sorted_expert_rows(x, experts, gate_up, down, act, sort_kernel)
+    return combine_rows(y, pos, weights, x.dtype)
+
+
+def sorted_expert_rows(x, experts, gate_up, down, act: str, sort_kernel: bool = False):
+    """grouped_experts_mlp before its combine: (y [M, D], each assignment's expert output in expert-sorted order;
+    pos [M], the sorted row of assignment t * k + j)."""
+    k = experts.shape[1]
     order, pos, sizes, offsets = _sorted_rows(experts, gate_up.shape[0], sort_kernel)
     tokens = order // k  # [M]: the token of each sorted row
     xs, rows = (x, tokens) if GATHER_IN_KERNEL else (jnp.take(x, tokens, axis=0), None)
     gu = grouped_matmul(xs, gate_up, sizes, offsets, rows=rows)  # [M, 2F]: [gate | up]
     if ACT_IN_DOWN:
-        y = grouped_matmul(gu, down, sizes, offsets, act=ACTIVATIONS[act])  # [M, D] in sorted order
-    else:
-        g, u = jnp.split(gu, 2, axis=-1)
-        y = grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes, offsets)
+        return grouped_matmul(gu, down, sizes, offsets, act=ACTIVATIONS[act]), pos
+    g, u = jnp.split(gu, 2, axis=-1)
+    return grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes, offsets), pos
+
+
+def pallas_expert_rows(x, experts, gate_up, down, act: str):
+    """sorted_expert_rows as experts_mlp's "pallas" impl runs them (the stacks read in place by the grouped kernel),
+    for a caller that combines the rows itself (kernels/ffw_epilogue)."""
+    return sorted_expert_rows(x, experts, as_stacked(gate_up), as_stacked(down), act, SORT_KERNEL)
+
+
+def combine_rows(y, pos, weights, dtype):
+    """sum_j weights[t, j] * y[pos[t * k + j]] in float32, cast to dtype: [T, D]."""
+    t, k = weights.shape
     y = jnp.take(y, pos, axis=0).astype(jnp.float32) * weights.reshape(-1, 1)  # [M, D] in (token, choice) order
-    return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)  # [T, D]
+    return jnp.sum(y.reshape(t, k, -1), axis=1).astype(dtype)
