@@ -144,13 +144,9 @@ def _hf_row(model, prompt, canvases, scs, blocks):
     return out
 
 
-@pytest.mark.parametrize("gather,act,ffw", [(False, False, False), (True, False, True), (False, True, True),
-                                            (True, True, False)])
-def test_expert_kernels_and_ffw_epilogue_change_no_logit(dg_ours, gather, act, ffw, monkeypatch):
-    """moe.GATHER_IN_KERNEL / ACT_IN_DOWN, diffusion_gemma.FFW_KERNEL (all on by default): the pallas MoE's gate/up
-    kernel reads each sorted row from its token's row, its down kernel takes gelu(gate) * up as it loads, and
-    kernels/ffw_epilogue ends each layer. In fp32 the decoder's logits equal those with the sorted copy of x,
-    XLA's activation and XLA's combine and norms (switches off in turn); the kernel runs once per layer body."""
+def test_expert_kernel_gather_changes_no_logit(dg_ours, monkeypatch):
+    """moe.GATHER_IN_KERNEL (on by default): the pallas MoE's gate/up kernel reads each sorted row from its token's
+    row. In fp32 the decoder's logits equal those with XLA's sorted copy of x."""
     from orl_jax.model import moe
 
     cfg, params = dg_ours
@@ -158,14 +154,10 @@ def test_expert_kernels_and_ffw_epilogue_change_no_logit(dg_ours, gather, act, f
     prompt, canvas = jnp.asarray(_tokens((2, 11), 5)), jnp.asarray(_tokens((2, cfg.block_length), 6))
     _, cache = jax.jit(dg.prefill, static_argnums=(1, 4))(params, cfg, prompt, jnp.asarray([11, 7], jnp.int32), 19)
     want = np.asarray(jax.jit(dg.decode, static_argnums=(1,))(params, cfg, canvas, cache))
-    monkeypatch.setattr(moe, "GATHER_IN_KERNEL", gather)
-    monkeypatch.setattr(moe, "ACT_IN_DOWN", act)
-    monkeypatch.setattr(dg, "FFW_KERNEL", ffw)
+    monkeypatch.setattr(moe, "GATHER_IN_KERNEL", False)
     got = np.asarray(jax.jit(dg.decode, static_argnums=(1,))(params, cfg, canvas, cache))  # traced afresh
     assert np.abs(want).max() > 1.0
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
-    kernels = str(jax.make_jaxpr(lambda c: dg.decode(params, cfg, c, cache))(canvas)).count("name=ffw_epilogue")
-    assert kernels == (2 * cfg.num_groups if ffw else 0)  # each group's sliding loop body and its full layer
 
 
 def test_split_k_matmul_rejects_splits_that_do_not_divide_k():

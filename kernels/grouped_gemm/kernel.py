@@ -63,12 +63,11 @@ def supported(k: int, n: int, blocks: Blocks | None = None) -> bool:
 
 
 def _kernel(layer_ref, off_ref, rows_ref, x_ref, w_ref, o_ref, *, bk: int, n_chunks: int, bm: int, stacked: bool,
-            expert_axis: int, act):
+            expert_axis: int):
     from jax.experimental.pallas import triton as plt
 
     e = pl.program_id(expert_axis)
     bn = w_ref.shape[-1]
-    k = n_chunks * bk
     layer = layer_ref[0] if stacked else 0
     start, rows = off_ref[e], off_ref[e + 1] - off_ref[e]
 
@@ -78,18 +77,12 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, w_ref, o_ref, *, bk: int, n_chu
         # the tile's rows of x: sorted rows in place, or gathered by their source row
         ids = None if rows_ref is None else plt.load(rows_ref.at[pl.ds(r0, bm)], mask=live, other=0)
 
-        def load(c0):  # x's [bm, bk] block from column c0 (arrays on both axes in a gather: interpret mode takes
-            cols = pl.ds(c0, bk)  # no slice beside an array index)
-            xs = (x_ref.at[pl.ds(r0, bm), cols] if ids is None
-                  else x_ref.at[ids[:, None], (c0 + jnp.arange(bk))[None, :]])
-            return plt.load(xs, mask=live[:, None], other=0.0)
-
         def chunk(j, acc):
             k0 = pl.multiple_of(j * bk, bk)
-            if act is None:
-                xb = load(k0)
-            else:  # x holds [gate | up]: the product's input is act(gate) * up, in float32, then x's dtype
-                xb = (act(load(k0).astype(jnp.float32)) * load(k + k0).astype(jnp.float32)).astype(x_ref.dtype)
+            # a gather indexes both axes by arrays: interpret mode takes no slice beside an array index
+            xs = (x_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)] if ids is None
+                  else x_ref.at[ids[:, None], (k0 + jnp.arange(bk))[None, :]])
+            xb = plt.load(xs, mask=live[:, None], other=0.0)
             wb = w_ref[layer, 0, pl.ds(k0, bk), :] if stacked else w_ref[0, pl.ds(k0, bk), :]
             return acc + jnp.dot(xb, wb, preferred_element_type=jnp.float32)
 
@@ -105,27 +98,23 @@ def _with_rows(kernel, have_rows: bool):
     return kernel if have_rows else lambda layer_ref, off_ref, *refs: kernel(layer_ref, off_ref, None, *refs)
 
 
-@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "bm", "act"))
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "bm"))
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: jax.Array | None = None,
                    blocks: Blocks | None = None, interpret: bool = False,
-                   offsets: jax.Array | None = None, bm: int | None = None, rows: jax.Array | None = None,
-                   act=None) -> jax.Array:
+                   offsets: jax.Array | None = None, bm: int | None = None,
+                   rows: jax.Array | None = None) -> jax.Array:
     """x [M, K] (rows sorted by group) times w [E, K, N], or the layer `layer` of a stack w [L, E, K, N], group by
     group: group_sizes [E] (int, summing to <= M) -> [M, N] in x's dtype. offsets [E + 1]: the groups' first rows
     and their end, when the caller has them (kernels/expert_sort returns them); else computed from group_sizes.
     bm: rows per tile (a power of two >= 16), BM unless given.
     rows [M] (int32): sorted row r is x[rows[r]] for an x of any number of rows, gathered by the kernel's loads
-    (the MoE's tokens: no sorted copy of x is written and read back).
-    act (an activation function, static): x is [M, 2K], [gate | up], and the product's input is
-    act(gate) * up, taken in float32 as each block is loaded and rounded once to x's dtype (the MoE's down
-    projection: XLA's pass over the gate/up output is saved)."""
-    e, kw, n = w.shape[-3], w.shape[-2], w.shape[-1]
-    k = x.shape[1] // 2 if act is not None else x.shape[1]
+    (the MoE's tokens: no sorted copy of x is written and read back)."""
+    k = x.shape[1]
+    e, n = w.shape[-3], w.shape[-1]
     stacked = w.ndim == 4
     layer_arr = layer_operand("grouped_matmul", stacked, layer, w.shape)  # stacked: [L, E, K, N]
-    if kw != k or x.shape[1] != (2 * k if act is not None else k) or group_sizes.shape != (e,):
-        raise ValueError(f"grouped_matmul: x {x.shape}{' ([gate | up])' if act is not None else ''}, w {w.shape} "
-                         f"and group_sizes {group_sizes.shape} do not match")
+    if w.shape[-2] != k or group_sizes.shape != (e,):
+        raise ValueError(f"grouped_matmul: x {x.shape}, w {w.shape} and group_sizes {group_sizes.shape} do not match")
     if rows is not None and (rows.ndim != 1 or rows.dtype != jnp.int32):
         raise ValueError(f"grouped_matmul: rows must be a 1-D int32 array, got {rows.dtype}{list(rows.shape)}")
     m = x.shape[0] if rows is None else rows.shape[0]
@@ -153,7 +142,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: ja
     gathered = [pad(rows)] if rows is not None else []
     out = pl.pallas_call(
         _with_rows(functools.partial(_kernel, bk=blocks.bk, n_chunks=k // blocks.bk, bm=bm, stacked=stacked,
-                                     expert_axis=1 if inner else 0, act=act), rows is not None),
+                                     expert_axis=1 if inner else 0), rows is not None),
         out_shape=jax.ShapeDtypeStruct((m + spare, n), x.dtype),
         grid=grid,
         in_specs=[pl.BlockSpec((1,), ge(lambda g, j: (0,))), pl.BlockSpec((e + 1,), ge(lambda g, j: (0,)))]

@@ -65,7 +65,7 @@ from orl_jax.model.layers import (
     rope_inv_freq,
     soft_cap,
 )
-from orl_jax.model.moe import experts_mlp, pallas_expert_rows, route
+from orl_jax.model.moe import experts_mlp, route
 from orl_jax.model.streamed import StackedWeight, pack_vectors, unpack_vectors, vector_offsets
 from orl_jax.params import ParamSpec, ones
 
@@ -221,14 +221,6 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     flat = x.reshape(b * l, d)  # [T, D]
     weights, experts = route(flat, w["router_scale"], w["router"], w["expert_scale"], cfg.top_k_experts, eps)
     moe_in = rms_norm_fp32(flat, w["moe_norm"], eps)
-    if "ffw_vectors" in w:  # cached passes of the pallas MoE: combine, post norms, residual in one kernel
-        from orl_jax_kernels.ffw_epilogue.kernel import ffw_epilogue
-
-        y, pos = pallas_expert_rows(moe_in, experts, w["experts_gate_up"], w["experts_down"], ACT)
-        mlp = fused_gated_mlp(mlp_in, w["gate_up"], w["down"], ACT)
-        x = ffw_epilogue(y, pos, weights, mlp.reshape(b * l, d), flat, *w["ffw_vectors"], eps,
-                         interpret=jax.default_backend() == "cpu")
-        return x.reshape(b, l, d), k, v
     moe = experts_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT, moe_impl(cfg))
     moe = moe.reshape(b, l, d)  # [B, L, D]
     mlp = fused_gated_mlp(mlp_in, w["gate_up"], w["down"], ACT)
@@ -247,22 +239,6 @@ def _qk_kernel_offsets(cfg: DiffusionGemmaConfig, layout) -> tuple[int, ...] | N
     fits = (qwen3.cached_attention_impl(cfg) == "pallas" and cfg.rope_sliding.partial_rotary_factor == 1.0
             and supported(cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim))
     return vector_offsets(layout, "q_norm", "k_norm") if fits else None
-
-
-# True: cached passes of the pallas MoE end each layer with kernels/ffw_epilogue (the experts' rows combined, the
-# three post norms, the residual and the layer scalar in one launch) instead of XLA's combine and norm fusions.
-# Read at trace time (benchmarks/diffusion_gemma_generate.py --gemm-sweep entries set it).
-FFW_KERNEL = True
-
-
-def _ffw_kernel_offsets(cfg: DiffusionGemmaConfig, layout, scalar: str) -> tuple[int, ...] | None:
-    """Where kernels/ffw_epilogue finds the post norms and the layer scalar in a packed vector row, when cached
-    passes take it (FFW_KERNEL, the pallas MoE, a hidden size it takes, all four packed); None otherwise."""
-    from orl_jax_kernels.ffw_epilogue.kernel import chunking
-
-    if not (FFW_KERNEL and moe_impl(cfg) == "pallas" and chunking(cfg.hidden_size)):
-        return None
-    return vector_offsets(layout, "post_mlp_norm", "post_moe_norm", "post_ffw_norm", scalar)
 
 
 def moe_impl(cfg: DiffusionGemmaConfig) -> str:
@@ -307,8 +283,6 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
         (sliding_w, sliding_v, sliding_layout), (full_w, full_v, full_layout) = map(pack_vectors, (sliding_w, full_w))
     take = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False, allow_negative_indices=False)  # noqa
     norm_offsets = _qk_kernel_offsets(cfg, sliding_layout) if cache is not None else None
-    ffw_offsets = ([_ffw_kernel_offsets(cfg, lay, scalar) for lay in (sliding_layout, full_layout)]
-                   if cache is not None else [None, None])
 
     def sliding_layer(x, i, w, ck=None, cv=None):
         w = w | {n: StackedWeight(params["sliding"][n], i) for n in stacks}
@@ -338,8 +312,6 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
             ck, cv = (StackedWeight(c, i, take(c, i)) for c in (cache.sliding.k, cache.sliding.v))
             if norm_offsets is not None:  # the q/k norm kernel reads both weights from the packed stack (no copies)
                 w["packed_vectors"] = (sliding_v, i, norm_offsets)
-            if ffw_offsets[0] is not None:  # and the feed-forward epilogue kernel its norms and scalar
-                w["ffw_vectors"] = (sliding_v, i, ffw_offsets[0])
             x, kk, vv = sliding_layer(x, i, w, ck, cv)
             if collect_kv:
                 kv = (kv[0].at[i - lo].set(kk), kv[1].at[i - lo].set(vv))
@@ -354,8 +326,6 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
         if cache is not None:
             if full_v is not None:
                 w |= unpack_vectors(full_v[g], full_layout)
-            if ffw_offsets[1] is not None:
-                w["ffw_vectors"] = (full_v, jnp.int32(g), ffw_offsets[1])
             ck, cv = (StackedWeight(c, jnp.int32(g), c[g]) for c in (cache.full.k, cache.full.v))
             part = (ck, cv, vis["cache_" + FULL])
         return _layer(cfg, x, w, rope_f, vis[FULL], part, scalar)

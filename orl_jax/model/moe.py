@@ -43,14 +43,13 @@ def route(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: 
 
 
 def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, offsets: jax.Array | None = None,
-                   rows: jax.Array | None = None, act=None) -> jax.Array:
+                   rows: jax.Array | None = None) -> jax.Array:
     """x [M, K] whose rows come in contiguous groups (sizes [E]) times w [E, K, N]: row r of group e gets x_r @ w_e.
     offsets [E + 1] (the groups' first rows, then their end), when known, spare the grouped kernel their cumsum.
-    rows [M]: sorted row r is x[rows[r]] (x then has any number of rows). act (an activation): x is [M, 2K],
-    [gate | up], and the product's input is act(gate) * up."""
+    rows [M]: sorted row r is x[rows[r]] (x then has any number of rows)."""
     if hasattr(w, "ragged_dot"):
-        return w.ragged_dot(x, group_sizes, offsets, rows=rows, act=act)
-    return xla_ragged_dot(x, w, group_sizes, rows=rows, act=act)
+        return w.ragged_dot(x, group_sizes, offsets, rows=rows)
+    return xla_ragged_dot(x, w, group_sizes, rows=rows)
 
 
 # Up to this many tokens the experts run bucketed: each expert gathers its routed tokens into `capacity` slots and
@@ -186,13 +185,11 @@ def _sorted_rows(experts: jax.Array, num_experts: int, kernel: bool):
 
 
 # The pallas path's gate/up kernel gathers each sorted row from its token's row of x in its loads (GATHER_IN_KERNEL;
-# else XLA writes the sorted copy of x first, ~8.6 us per 26B layer); the down kernel applies act(gate) * up as it
-# loads the gate/up output (ACT_IN_DOWN; else XLA makes that pass, ~4.1 us per layer). Read at trace time;
-# benchmarks/diffusion_gemma_generate.py --gemm-sweep entries set them. Measured on an H200 (26B forward,
-# benchmarks/results/2026-12-01_dg_gather_rows_h200.md): the gather 16.15 -> 15.79 ms; the activation in the
-# gate/up kernel's epilogue instead (two half-width accumulators) was 0.2 ms slower and is gone.
+# else XLA writes the sorted copy of x first, ~8.6 us per 26B layer). On an H200, in one process each: the 26B
+# forward 16.26 / 16.30 -> 15.87 / 15.88 ms, and 16.16 / 16.14 -> 15.79 in another call
+# (benchmarks/results/2026-12-01_dg_gather_rows_h200.md). Read at trace time (benchmarks/diffusion_gemma_generate.py
+# --sorted-copy sets False).
 GATHER_IN_KERNEL = True
-ACT_IN_DOWN = True
 
 
 def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False):
@@ -200,32 +197,11 @@ def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kerne
     outputs come back by a gather (each assignment reads its sorted row), weighted and summed over the k choices.
     sort_kernel: sort with kernels/expert_sort (one launch, and the group offsets the grouped kernel needs) up to its
     MAX_ASSIGNMENTS, instead of sort_by_expert's XLA fusions."""
-    y, pos = sorted_expert_rows(x, experts, gate_up, down, act, sort_kernel)
-    return combine_rows(y, pos, weights, x.dtype)
-
-
-def sorted_expert_rows(x, experts, gate_up, down, act: str, sort_kernel: bool = False):
-    """grouped_experts_mlp before its combine: (y [M, D], each assignment's expert output in expert-sorted order;
-    pos [M], the sorted row of assignment t * k + j)."""
-    k = experts.shape[1]
+    t, k = experts.shape
     order, pos, sizes, offsets = _sorted_rows(experts, gate_up.shape[0], sort_kernel)
     tokens = order // k  # [M]: the token of each sorted row
     xs, rows = (x, tokens) if GATHER_IN_KERNEL else (jnp.take(x, tokens, axis=0), None)
-    gu = grouped_matmul(xs, gate_up, sizes, offsets, rows=rows)  # [M, 2F]: [gate | up]
-    if ACT_IN_DOWN:
-        return grouped_matmul(gu, down, sizes, offsets, act=ACTIVATIONS[act]), pos
-    g, u = jnp.split(gu, 2, axis=-1)
-    return grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes, offsets), pos
-
-
-def pallas_expert_rows(x, experts, gate_up, down, act: str):
-    """sorted_expert_rows as experts_mlp's "pallas" impl runs them (the stacks read in place by the grouped kernel),
-    for a caller that combines the rows itself (kernels/ffw_epilogue)."""
-    return sorted_expert_rows(x, experts, as_stacked(gate_up), as_stacked(down), act, SORT_KERNEL)
-
-
-def combine_rows(y, pos, weights, dtype):
-    """sum_j weights[t, j] * y[pos[t * k + j]] in float32, cast to dtype: [T, D]."""
-    t, k = weights.shape
+    g, u = jnp.split(grouped_matmul(xs, gate_up, sizes, offsets, rows=rows), 2, axis=-1)  # [M, F] each
+    y = grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes, offsets)  # [M, D] in sorted order
     y = jnp.take(y, pos, axis=0).astype(jnp.float32) * weights.reshape(-1, 1)  # [M, D] in (token, choice) order
-    return jnp.sum(y.reshape(t, k, -1), axis=1).astype(dtype)
+    return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)  # [T, D]
