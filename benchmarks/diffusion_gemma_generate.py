@@ -38,8 +38,8 @@ ap.add_argument("--profile", action="store_true",
 ap.add_argument("--gemm-table", help="tuned expert GEMM tiles for moe_impl pallas (kernels/small_m_gemm/bench.py "
                                     "or kernels/grouped_gemm/bench.py --table)")
 ap.add_argument("--gemm-sweep", help="a JSON list [{'name':, 'table': [rows as in --gemm-table], "
-                                    "'attention_table': [rows as in --attention-table], 'gather_in_kernel': bool, "
-                                    "'scatter_out': bool}, ...] (all but the name optional; missing ones take "
+                                    "'attention_table': [rows as in --attention-table], 'gather_in_kernel': bool}, "
+                                    "...] (all but the name optional; missing ones take "
                                     "the flags'): only the "
                                     "decoder forward (moe_impl pallas), timed once per entry in this process, each "
                                     "traced afresh (an empty table: the kernels' defaults). Example: "
@@ -58,8 +58,6 @@ ap.add_argument("--experts-inner", action="store_true",
                      "(before session 17)")
 ap.add_argument("--sorted-copy", action="store_true",
                 help="moe.GATHER_IN_KERNEL = False: XLA writes the sorted copy of the MoE input for the gate/up kernel")
-ap.add_argument("--gathered-outputs", action="store_true",
-                help="moe.SCATTER_OUT = False: XLA gathers the down kernel's sorted rows back for the combine")
 ap.add_argument("--capacity-factor", type=int,
                 help="moe.CAPACITY_FACTOR (slots per expert / mean load; overflow takes further rounds)")
 args = ap.parse_args()
@@ -112,13 +110,13 @@ if args.grouped_bm is not None or args.experts_inner:
         log(what="columns_inner", value=False)
 
 
-def set_variant(gather_in_kernel: bool, scatter_out: bool) -> dict:
-    """moe's trace-time switches for the next trace (the flags, or a --gemm-sweep entry); what they are."""
-    moe.GATHER_IN_KERNEL, moe.SCATTER_OUT = gather_in_kernel, scatter_out
-    return dict(gather_in_kernel=gather_in_kernel, scatter_out=scatter_out)
+def set_variant(gather_in_kernel: bool) -> dict:
+    """moe's trace-time switch for the next trace (the flag, or a --gemm-sweep entry); what it is."""
+    moe.GATHER_IN_KERNEL = gather_in_kernel
+    return dict(gather_in_kernel=gather_in_kernel)
 
 
-log(what="variant", **set_variant(not args.sorted_copy, not args.gathered_outputs))
+log(what="variant", **set_variant(not args.sorted_copy))
 load_tables(log, gemm=args.gemm_table, attention=args.attention_table)
 cfg = DG_PRESETS[args.preset].replace(dtype="bfloat16", cached_attention_impl=args.cached_attention)
 specs = diffusion_gemma.param_specs(cfg)
@@ -243,8 +241,7 @@ if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the is
     for entry in json.loads(Path(args.gemm_sweep).read_text()):
         table = set_tuned(entry.get("table", []))
         attention = attention_kernel.set_tuned(entry.get("attention_table", attention_rows))
-        variant = set_variant(entry.get("gather_in_kernel", not args.sorted_copy),
-                              entry.get("scatter_out", not args.gathered_outputs))
+        variant = set_variant(entry.get("gather_in_kernel", not args.sorted_copy))
         jax.clear_caches()  # every kernel wrapper and the forward trace again, under these tables and switches
         ms, temp = one_forward(swept, cache)
         log(what="decode_forward", moe_impl="pallas", gemm_variant=entry["name"], table=str(table),

@@ -144,11 +144,9 @@ def _hf_row(model, prompt, canvases, scs, blocks):
     return out
 
 
-@pytest.mark.parametrize("gather,scatter", [(False, False), (True, False), (False, True)])
-def test_expert_kernel_gather_and_scatter_change_no_logit(dg_ours, gather, scatter, monkeypatch):
-    """moe.GATHER_IN_KERNEL, moe.SCATTER_OUT (on by default): the pallas MoE's gate/up kernel reads each sorted row
-    from its token's row, and its down kernel stores each row at its assignment's row. In fp32 the decoder's logits
-    equal those with XLA's sorted copy of x and XLA's gather of the outputs (switches off in turn)."""
+def test_expert_kernel_gather_changes_no_logit(dg_ours, monkeypatch):
+    """moe.GATHER_IN_KERNEL (on by default): the pallas MoE's gate/up kernel reads each sorted row from its token's
+    row. In fp32 the decoder's logits equal those with XLA's sorted copy of x."""
     from orl_jax.model import moe
 
     cfg, params = dg_ours
@@ -156,8 +154,7 @@ def test_expert_kernel_gather_and_scatter_change_no_logit(dg_ours, gather, scatt
     prompt, canvas = jnp.asarray(_tokens((2, 11), 5)), jnp.asarray(_tokens((2, cfg.block_length), 6))
     _, cache = jax.jit(dg.prefill, static_argnums=(1, 4))(params, cfg, prompt, jnp.asarray([11, 7], jnp.int32), 19)
     want = np.asarray(jax.jit(dg.decode, static_argnums=(1,))(params, cfg, canvas, cache))
-    monkeypatch.setattr(moe, "GATHER_IN_KERNEL", gather)
-    monkeypatch.setattr(moe, "SCATTER_OUT", scatter)
+    monkeypatch.setattr(moe, "GATHER_IN_KERNEL", False)
     got = np.asarray(jax.jit(dg.decode, static_argnums=(1,))(params, cfg, canvas, cache))  # traced afresh
     assert np.abs(want).max() > 1.0
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)

@@ -64,28 +64,6 @@ def test_gathered_rows_in_interpret_mode(stacked, columns_inner, monkeypatch):
         grouped_matmul(x, one, sizes, layer, BLOCKS, interpret=True, rows=rows.astype(jnp.float32))
 
 
-@pytest.mark.parametrize("stacked,gather", [(False, False), (True, False), (True, True)])
-def test_rows_stored_at_out_rows_in_interpret_mode(stacked, gather):
-    """out_rows (a permutation, the groups covering every row): sorted row r's result lands in row out_rows[r],
-    alone and with the gathered input rows."""
-    ks = jax.random.split(jax.random.key(5), 4)
-    e, k, n, t = 5, 128, 256, 19
-    sizes = jnp.array([BM + 3, 0, 7, 1, 12])
-    m = int(sizes.sum())
-    x = jax.random.normal(ks[0], (t if gather else m, k))
-    rows = jax.random.randint(ks[1], (m,), 0, t, jnp.int32) if gather else None
-    dst = jax.random.permutation(ks[2], m).astype(jnp.int32)
-    w = jax.random.normal(ks[3], (2, e, k, n)) * 0.1
-    layer, one = (jnp.int32(1), w) if stacked else (None, w[1])
-    got = grouped_matmul(x, one, sizes, layer, BLOCKS, interpret=True, rows=rows, out_rows=dst)
-    sorted_rows = grouped_matmul_reference(x if rows is None else jnp.take(x, rows, axis=0), w[1], sizes)
-    want = jnp.zeros_like(sorted_rows).at[dst].set(sorted_rows)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
-    assert np.abs(np.asarray(got) - np.asarray(sorted_rows)).max() > 0.1  # the check can fail: rows did move
-    with pytest.raises(ValueError, match="out_rows"):
-        grouped_matmul(x, one, sizes, layer, BLOCKS, interpret=True, rows=rows, out_rows=dst[1:])
-
-
 def test_given_offsets_replace_the_cumsum_of_the_group_sizes():
     ks = jax.random.split(jax.random.key(2), 2)
     sizes = jnp.array([3, 0, BM + 1, 5])
@@ -151,10 +129,6 @@ def test_kernel_lowers_to_verified_triton_at_the_expert_shapes(monkeypatch):
     verified_triton_modules(monkeypatch, lambda x, w, s, i, r: grouped_matmul(x, w, s, i, rows=r),
                             sd((256, 2816), jnp.bfloat16), sd((25, 128, 2816, 1408), jnp.bfloat16),
                             sd((128,), jnp.int32), sd((), jnp.int32), sd((2048,), jnp.int32))
-    # down as the MoE calls it: each sorted row stored at its assignment's row
-    verified_triton_modules(monkeypatch, lambda x, w, s, i, r: grouped_matmul(x, w, s, i, out_rows=r),
-                            sd((2048, 704), jnp.bfloat16), sd((25, 128, 704, 2816), jnp.bfloat16),
-                            sd((128,), jnp.int32), sd((), jnp.int32), sd((2048,), jnp.int32))
 
 
 def test_moe_pallas_path_equals_the_dense_path(monkeypatch):
@@ -219,14 +193,6 @@ def test_compiled_on_gpu_gathers_rows_at_the_gate_up_shape():
     want = grouped_matmul_reference(jnp.take(x, rows, axis=0), w[1], sizes).astype(jnp.float32)
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-2
     assert not np.asarray(got[-7:]).any()
-    # down's shape, each sorted row stored at its row of a permutation (the groups cover every row here)
-    h = jax.random.normal(ks[0], (int(sizes.sum()), 704), jnp.bfloat16)
-    wd = (jax.random.normal(ks[1], (2, 8, 704, 2816), jnp.float32) * 0.05).astype(jnp.bfloat16)
-    dst = jax.random.permutation(ks[2], h.shape[0]).astype(jnp.int32)
-    got = grouped_matmul(h, wd, sizes, jnp.int32(1), out_rows=dst).astype(jnp.float32)
-    ref = grouped_matmul_reference(h, wd[1], sizes).astype(jnp.float32)
-    want = jnp.zeros_like(ref).at[dst].set(ref)
-    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-2
 
 
 def test_a_new_table_takes_effect_after_clearing_the_caches():

@@ -62,8 +62,8 @@ def supported(k: int, n: int, blocks: Blocks | None = None) -> bool:
     return blocks is not None and k % blocks.bk == 0 and n % blocks.bn == 0
 
 
-def _kernel(layer_ref, off_ref, rows_ref, dst_ref, x_ref, w_ref, o_ref, *, bk: int, n_chunks: int, bm: int,
-            stacked: bool, expert_axis: int):
+def _kernel(layer_ref, off_ref, rows_ref, x_ref, w_ref, o_ref, *, bk: int, n_chunks: int, bm: int, stacked: bool,
+            expert_axis: int):
     from jax.experimental.pallas import triton as plt
 
     e = pl.program_id(expert_axis)
@@ -76,12 +76,6 @@ def _kernel(layer_ref, off_ref, rows_ref, dst_ref, x_ref, w_ref, o_ref, *, bk: i
         live = (t * bm + jnp.arange(bm)) < rows  # the group's rows of this tile
         # the tile's rows of x: sorted rows in place, or gathered by their source row
         ids = None if rows_ref is None else plt.load(rows_ref.at[pl.ds(r0, bm)], mask=live, other=0)
-        dst = None
-        if dst_ref is not None:
-            # masked rows aim at distinct last rows (interpret mode's spare ones): interpret mode's masked store
-            # writes back what it read, so two lanes on one row would clash; Triton writes no masked lane
-            spare = o_ref.shape[0] - bm + jnp.arange(bm)
-            dst = jnp.where(live, plt.load(dst_ref.at[pl.ds(r0, bm)], mask=live, other=0), spare)
 
         def chunk(j, acc):
             k0 = pl.multiple_of(j * bk, bk)
@@ -93,51 +87,37 @@ def _kernel(layer_ref, off_ref, rows_ref, dst_ref, x_ref, w_ref, o_ref, *, bk: i
             return acc + jnp.dot(xb, wb, preferred_element_type=jnp.float32)
 
         acc = jax.lax.fori_loop(0, n_chunks, chunk, jnp.zeros((bm, bn), jnp.float32))
-        out = o_ref.at[pl.ds(r0, bm), :] if dst is None else o_ref.at[dst[:, None], jnp.arange(bn)[None, :]]
-        plt.store(out, acc.astype(o_ref.dtype), mask=live[:, None])
+        plt.store(o_ref.at[pl.ds(r0, bm), :], acc.astype(o_ref.dtype), mask=live[:, None])
         return carry
 
     jax.lax.fori_loop(0, (rows + bm - 1) // bm, tile, 0)  # no rows: the expert's weight is not read
 
 
-def _with_rows(kernel, have_rows: bool, have_out_rows: bool):
-    """The kernel with None for the gather's rows and the scatter's rows when a call passes none."""
-
-    def run(layer_ref, off_ref, *refs):
-        refs = list(refs)
-        rows = refs.pop(0) if have_rows else None
-        dst = refs.pop(0) if have_out_rows else None
-        return kernel(layer_ref, off_ref, rows, dst, *refs)
-
-    return run
+def _with_rows(kernel, have_rows: bool):
+    """The kernel with None for the gather's rows when a call passes none."""
+    return kernel if have_rows else lambda layer_ref, off_ref, *refs: kernel(layer_ref, off_ref, None, *refs)
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret", "bm"))
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: jax.Array | None = None,
                    blocks: Blocks | None = None, interpret: bool = False,
                    offsets: jax.Array | None = None, bm: int | None = None,
-                   rows: jax.Array | None = None, out_rows: jax.Array | None = None) -> jax.Array:
+                   rows: jax.Array | None = None) -> jax.Array:
     """x [M, K] (rows sorted by group) times w [E, K, N], or the layer `layer` of a stack w [L, E, K, N], group by
     group: group_sizes [E] (int, summing to <= M) -> [M, N] in x's dtype. offsets [E + 1]: the groups' first rows
     and their end, when the caller has them (kernels/expert_sort returns them); else computed from group_sizes.
     bm: rows per tile (a power of two >= 16), BM unless given.
     rows [M] (int32): sorted row r is x[rows[r]] for an x of any number of rows, gathered by the kernel's loads
-    (the MoE's tokens: no sorted copy of x is written and read back).
-    out_rows [M] (int32, a permutation): sorted row r is written to row out_rows[r] of the result (the MoE's
-    assignment order: its combine then reads each token's rows contiguously). The groups must cover all M rows:
-    a row no group writes is left as allocated (without out_rows such rows are 0)."""
+    (the MoE's tokens: no sorted copy of x is written and read back)."""
     k = x.shape[1]
     e, n = w.shape[-3], w.shape[-1]
     stacked = w.ndim == 4
     layer_arr = layer_operand("grouped_matmul", stacked, layer, w.shape)  # stacked: [L, E, K, N]
     if w.shape[-2] != k or group_sizes.shape != (e,):
         raise ValueError(f"grouped_matmul: x {x.shape}, w {w.shape} and group_sizes {group_sizes.shape} do not match")
-    for name, r in (("rows", rows), ("out_rows", out_rows)):
-        if r is not None and (r.ndim != 1 or r.dtype != jnp.int32):
-            raise ValueError(f"grouped_matmul: {name} must be a 1-D int32 array, got {r.dtype}{list(r.shape)}")
+    if rows is not None and (rows.ndim != 1 or rows.dtype != jnp.int32):
+        raise ValueError(f"grouped_matmul: rows must be a 1-D int32 array, got {rows.dtype}{list(rows.shape)}")
     m = x.shape[0] if rows is None else rows.shape[0]
-    if out_rows is not None and out_rows.shape != (m,):
-        raise ValueError(f"grouped_matmul: out_rows {out_rows.shape} for {m} rows")
     bm = BM if bm is None else bm
     if bm < 16 or bm & (bm - 1):
         raise ValueError(f"grouped_matmul: bm must be a power of two >= 16, got {bm}")
@@ -159,10 +139,10 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: ja
     w_spec = (pl.BlockSpec((w.shape[0], 1, k, blocks.bn), ge(lambda g, j: (0, g, 0, j))) if stacked
               else pl.BlockSpec((1, k, blocks.bn), ge(lambda g, j: (g, 0, j))))
     xs = x if rows is not None else pad(x)
-    gathered = [pad(r) for r in (rows, out_rows) if r is not None]
+    gathered = [pad(rows)] if rows is not None else []
     out = pl.pallas_call(
         _with_rows(functools.partial(_kernel, bk=blocks.bk, n_chunks=k // blocks.bk, bm=bm, stacked=stacked,
-                                     expert_axis=1 if inner else 0), rows is not None, out_rows is not None),
+                                     expert_axis=1 if inner else 0), rows is not None),
         out_shape=jax.ShapeDtypeStruct((m + spare, n), x.dtype),
         grid=grid,
         in_specs=[pl.BlockSpec((1,), ge(lambda g, j: (0,))), pl.BlockSpec((e + 1,), ge(lambda g, j: (0,)))]
@@ -172,8 +152,5 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: ja
         interpret=interpret,
         **triton_params(blocks.num_warps, pipeline_stages(blocks, bm), interpret),
     )(layer_arr, offsets, *gathered, xs, w)
-    out = out[:m] if spare else out
-    if out_rows is not None:
-        return out
     live = jnp.arange(m) < offsets[-1]  # rows past the last group: never written
-    return jnp.where(live[:, None], out, 0)
+    return jnp.where(live[:, None], out[:m] if spare else out, 0)

@@ -43,14 +43,13 @@ def route(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: 
 
 
 def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, offsets: jax.Array | None = None,
-                   rows: jax.Array | None = None, out_rows: jax.Array | None = None) -> jax.Array:
+                   rows: jax.Array | None = None) -> jax.Array:
     """x [M, K] whose rows come in contiguous groups (sizes [E]) times w [E, K, N]: row r of group e gets x_r @ w_e.
     offsets [E + 1] (the groups' first rows, then their end), when known, spare the grouped kernel their cumsum.
-    rows [M]: sorted row r is x[rows[r]] (x then has any number of rows). out_rows [M] (a permutation, groups
-    covering all M rows): sorted row r's result goes to row out_rows[r]."""
+    rows [M]: sorted row r is x[rows[r]] (x then has any number of rows)."""
     if hasattr(w, "ragged_dot"):
-        return w.ragged_dot(x, group_sizes, offsets, rows=rows, out_rows=out_rows)
-    return xla_ragged_dot(x, w, group_sizes, rows=rows, out_rows=out_rows)
+        return w.ragged_dot(x, group_sizes, offsets, rows=rows)
+    return xla_ragged_dot(x, w, group_sizes, rows=rows)
 
 
 # Up to this many tokens the experts run bucketed: each expert gathers its routed tokens into `capacity` slots and
@@ -191,15 +190,11 @@ def _sorted_rows(experts: jax.Array, num_experts: int, kernel: bool):
 # (benchmarks/results/2026-12-01_dg_gather_rows_h200.md). Read at trace time (benchmarks/diffusion_gemma_generate.py
 # --sorted-copy sets False).
 GATHER_IN_KERNEL = True
-# The down kernel stores each sorted row at its assignment's row (SCATTER_OUT), so the combine reads each token's k
-# rows contiguously (a reduction XLA may fuse into its consumer) instead of gathering them. Untimed.
-SCATTER_OUT = True
 
 
 def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False):
     """Rows sorted by expert and multiplied group by group (`grouped_matmul`): work proportional to T * k. The
-    outputs come back in assignment order (stored there by the down product, SCATTER_OUT, or gathered), weighted
-    and summed over the k choices.
+    outputs come back by a gather (each assignment reads its sorted row), weighted and summed over the k choices.
     sort_kernel: sort with kernels/expert_sort (one launch, and the group offsets the grouped kernel needs) up to its
     MAX_ASSIGNMENTS, instead of sort_by_expert's XLA fusions."""
     t, k = experts.shape
@@ -207,9 +202,6 @@ def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kerne
     tokens = order // k  # [M]: the token of each sorted row
     xs, rows = (x, tokens) if GATHER_IN_KERNEL else (jnp.take(x, tokens, axis=0), None)
     g, u = jnp.split(grouped_matmul(xs, gate_up, sizes, offsets, rows=rows), 2, axis=-1)  # [M, F] each
-    if SCATTER_OUT:  # [M, D] in (token, choice) order, stored there by the down product
-        y = grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes, offsets, out_rows=order)
-    else:  # in sorted order, then gathered back
-        y = jnp.take(grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes, offsets), pos, axis=0)
-    y = y.astype(jnp.float32) * weights.reshape(-1, 1)
+    y = grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes, offsets)  # [M, D] in sorted order
+    y = jnp.take(y, pos, axis=0).astype(jnp.float32) * weights.reshape(-1, 1)  # [M, D] in (token, choice) order
     return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)  # [T, D]

@@ -39,13 +39,11 @@ def gemm_dims(spec: str, x_shape, w_shape):
     return (lead or (1,))[0], m, k, n, lead + tuple(x_shape[:-c]) + tuple(w_shape[c:])
 
 
-def xla_ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, rows: jax.Array | None = None,
-                   out_rows: jax.Array | None = None) -> jax.Array:
+def xla_ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, rows: jax.Array | None = None) -> jax.Array:
     """XLA's ragged_dot of x [M, K] (rows grouped; or x[rows] when rows [M] is given) with w [E, K, N]: float32
-    accumulation, x's dtype; out_rows [M] (a permutation): sorted row r's result goes to row out_rows[r]."""
+    accumulation, x's dtype."""
     x = x if rows is None else jnp.take(x, rows, axis=0)
-    y = jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
-    return y if out_rows is None else jnp.zeros_like(y).at[out_rows].set(y, unique_indices=True)
+    return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 @dataclass(frozen=True)
@@ -66,17 +64,17 @@ class StackedWeight:
         return self.stack.dtype
 
     def ragged_dot(self, x: jax.Array, group_sizes: jax.Array, offsets: jax.Array | None = None,
-                   rows: jax.Array | None = None, out_rows: jax.Array | None = None) -> jax.Array:
-        """moe.grouped_matmul's product (rows, out_rows: as there): rows sorted by group times layer `index` of an
-        expert stack [L, E, K, N], through kernels/grouped_gemm reading the stack in place (offsets: the groups' row
+                   rows: jax.Array | None = None) -> jax.Array:
+        """moe.grouped_matmul's product (rows: as there): rows sorted by group times layer `index` of an expert
+        stack [L, E, K, N], through kernels/grouped_gemm reading the stack in place (offsets: the groups' row
         offsets [E + 1] if the caller has them); shapes or dtypes it does not take fall back to XLA's ragged_dot on
         the slice (a copy, as XLA makes for its own ops)."""
         from orl_jax_kernels.grouped_gemm.kernel import grouped_matmul, supported
 
         if self.stack.ndim == 4 and self.stack.dtype == x.dtype and supported(*self.stack.shape[2:]):
             return grouped_matmul(x, self.stack, group_sizes, self.index, interpret=jax.default_backend() == "cpu",
-                                  offsets=offsets, rows=rows, out_rows=out_rows)
-        return xla_ragged_dot(x, self.sliced(), group_sizes, rows=rows, out_rows=out_rows)
+                                  offsets=offsets, rows=rows)
+        return xla_ragged_dot(x, self.sliced(), group_sizes, rows=rows)
 
     def einsum(self, spec: str, x: jax.Array) -> jax.Array:
         """x @ stack[index] by the einsum spec."""
