@@ -45,18 +45,3 @@ def digest(x) -> str:
     """A short digest of an output array (a canvas, generated tokens): variants that must not change numerics
     (launch or loop options) must agree on it."""
     return hashlib.sha256(np.asarray(x).tobytes()).hexdigest()[:12]
-
-
-def parse_split_k(text: str, names: tuple[str, ...]) -> dict[str, int]:
-    """`--split-k o=4,down=3` -> {"o": 4, "down": 3} for a model's SPLIT_K; ValueError naming what is wrong."""
-    if not text:
-        return {}
-    try:
-        split = {name: int(n) for name, n in (item.split("=") for item in text.split(","))}
-    except ValueError:
-        raise ValueError(f"--split-k: expected NAME=INT[,NAME=INT...], got {text!r}") from None
-    if unknown := sorted(set(split) - set(names)):
-        raise ValueError(f"--split-k: unknown names {unknown}; known: {list(names)}")
-    if bad := {k: v for k, v in split.items() if v < 1}:
-        raise ValueError(f"--split-k: splits must be >= 1, got {bad}")
-    return split

@@ -18,7 +18,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench_io import digest, load_tables, parse_split_k  # noqa: E402
+from bench_io import digest, load_tables  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
 from orl_jax import runtime  # noqa: E402
@@ -50,10 +50,6 @@ ap.add_argument("--plain-compile", action="store_true",
 ap.add_argument("--gemm-table", help="tuned small-M GEMM blocks (kernels/small_m_gemm/bench.py --table)")
 ap.add_argument("--rng", choices=["threefry", "rbg", "inverse_cdf"], default="inverse_cdf",
                 help="the canvas-256 uniform sampler's draw (samplers.categorical)")
-ap.add_argument("--split-k", default="",
-                help="qwen3.SPLIT_K, e.g. o=4,qkv=2: cached passes' projections as batched split-K products")
-ap.add_argument("--split-k-sweep", help="phase step: variants separated by '|', each as --split-k ('' = none), timed "
-                                        "in turn in this process (while loop only; the loop-overhead probe once)")
 ap.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
                 help="one more XLA option for the step loops (with the engine's), e.g. xla_gpu_enable_triton_gemm=true")
 args = ap.parse_args()
@@ -118,15 +114,6 @@ if args.attention_blocks == "dataclass":
     from orl_jax_kernels.decode_attention import kernel as attention_kernel
 
     attention_kernel.blocks_for = lambda *shape: attention_kernel.Blocks()  # read by model/attention.py at trace time
-SPLIT_NAMES = ("qkv", "o", "gate_up", "down")
-try:  # every variant checked before anything compiles
-    qwen3.SPLIT_K.update(parse_split_k(args.split_k, SPLIT_NAMES))  # read at trace time
-    SWEEP = [parse_split_k(v, SPLIT_NAMES) for v in args.split_k_sweep.split("|")] \
-        if args.split_k_sweep is not None else None
-except ValueError as e:
-    ap.error(str(e))
-if args.split_k:
-    log(what="split_k", value=qwen3.SPLIT_K)
 load_tables(log, gemm=args.gemm_table, attention=args.attention_table)
 specs = qwen3.param_specs(cfg)
 MESH = None if args.tensor == 1 else make_mesh(data=1, fsdp=1, tensor=args.tensor,
@@ -169,11 +156,11 @@ def step_loop(sampler, c, sstate):
     return jax.jit(run, static_argnames="fixed", compiler_options=LOOP_OPTIONS)
 
 
-def step_phase(params, bw, modes=("while", "fori"), overhead=True):
+def step_phase(params, bw):
     for L in map(int, args.blocks.split(",")):
         sampler, c, cache, canvas, sstate = step_inputs(L)
         f = step_loop(sampler, c, sstate)
-        for mode in modes:
+        for mode in ("while", "fori"):
             t = time.perf_counter()
             res = jax.block_until_ready(f(params, cache, canvas, 16, jax.random.key(3), mode == "fori"))
             compile_s = time.perf_counter() - t
@@ -181,10 +168,9 @@ def step_phase(params, bw, modes=("while", "fori"), overhead=True):
             flops = 2 * (nbytes / 2) * L
             roof = max(nbytes / bw, flops / 790e12)
             log(what="denoise_step", block=L, loop=mode, ms_per_forward=per * 1e3, roofline_ms=roof * 1e3,
-                pct_of_roofline=100 * roof / per, compile_s=compile_s, canvas_sha=digest(res[1]),
-                split_k=dict(qwen3.SPLIT_K))
+                pct_of_roofline=100 * roof / per, compile_s=compile_s, canvas_sha=digest(res[1]))
 
-    if MESH is not None or not overhead:
+    if MESH is not None:
         return
     # loop overhead: a tiny body (one [32,4096]x[4096,4096] matmul) in a dynamic while_loop vs a fori_loop
     w = jax.random.normal(jax.random.key(0), (4096, 4096), jnp.bfloat16) * 0.01
@@ -259,14 +245,7 @@ t = time.perf_counter()
 params = P.init(specs, jax.random.key(0), MESH)
 jax.block_until_ready(params)
 log(what="init", params_gb=nbytes / 1e9, seconds=time.perf_counter() - t)
-if args.phase == "step" and SWEEP is not None:
-    base_split = dict(qwen3.SPLIT_K)
-    for i, variant in enumerate(SWEEP):
-        qwen3.SPLIT_K.clear()
-        qwen3.SPLIT_K.update(base_split | variant)
-        jax.clear_caches()  # the step traces again under this split
-        step_phase(params, bw, modes=("while",), overhead=i == 0)
-elif args.phase == "step":
+if args.phase == "step":
     step_phase(params, bw)
 elif args.phase == "breakdown":
     breakdown_phase(params)

@@ -7,7 +7,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import numpy as np  # noqa: E402
-import pytest  # noqa: E402
 from bench_io import digest, recorder, write_table  # noqa: E402
 
 
@@ -31,13 +30,3 @@ def test_digest_tells_arrays_apart_by_value_and_dtype():
     b[0, 0] = 1
     assert digest(a) != digest(b)
     assert digest(a) != digest(a.astype(np.int64))
-
-
-def test_split_k_flag_parses_or_names_what_is_wrong():
-    from bench_io import parse_split_k
-
-    assert parse_split_k("", ("o",)) == {}
-    assert parse_split_k("o=4,down=3", ("o", "down")) == {"o": 4, "down": 3}
-    for text, match in (("o4", "NAME=INT"), ("o=x", "NAME=INT"), ("qkv=2", "unknown names"), ("o=0", ">= 1")):
-        with pytest.raises(ValueError, match=match):
-            parse_split_k(text, ("o", "down"))

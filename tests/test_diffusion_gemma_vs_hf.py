@@ -160,21 +160,6 @@ def test_expert_kernel_gather_changes_no_logit(dg_ours, monkeypatch):
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
 
 
-def test_split_k_matmul_rejects_splits_that_do_not_divide_k():
-    from orl_jax.model.layers import split_k_matmul
-
-    x, w = jnp.ones((4, 12)), jnp.ones((12, 5))
-    np.testing.assert_allclose(np.asarray(split_k_matmul(x, w, 3)), np.asarray(x @ w))
-    for bad in (0, 5):
-        with pytest.raises(ValueError, match=f"splits={bad}"):
-            split_k_matmul(x, w, bad)
-    from orl_jax.model.layers import contract
-
-    with pytest.raises(TypeError, match="array weight"):
-        contract("mk,kn->mn", x, np.ones((12, 5)), 1, 3)  # a weight type of its own (not an array) cannot split
-
-
-@pytest.mark.parametrize("self_cond", [False, True], ids=["no-sc", "sc"])
 def test_decoder_matches_hf(dg_ours, dg_hf, self_cond):
     """Decoder logits after a prefill and after a commit, rows of different prompt lengths (left-padded here,
     unpadded in HF), with and without self-conditioning logits; prompt 11 / 6, canvas 8, window 4."""

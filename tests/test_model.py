@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -324,24 +323,6 @@ def test_unrolled_layer_scan_equals_the_scan(dlm):
         cfg.replace(layer_unroll=0)
     with pytest.raises(ValueError, match="layer_unroll must be 1 or >= num_layers=6"):
         cfg.replace(num_layers=6, layer_unroll=3)
-
-
-def test_split_k_projections_equal_the_plain_decode(dlm, monkeypatch):
-    """qwen3.SPLIT_K (cached passes' projections as batched split-K products, layers.split_k_matmul): the same
-    logits; the traced decode holds one batched product per split projection."""
-    cfg, params = dlm
-    prompt, lengths, _ = _padded_prompts(cfg, 2)
-    canvas = jnp.asarray(_rand_tokens((len(LENGTHS), BLOCK), cfg.vocab_size, 3))
-    args = (jnp.asarray(prompt), jnp.asarray(lengths), PROMPT_LEN + 2 * BLOCK, canvas)
-    _, want = _prefill_decode(params, cfg, *args)
-    monkeypatch.setattr(qwen3, "SPLIT_K", {"qkv": 2, "o": 4, "gate_up": 2, "down": 8})
-    fresh = jax.jit(_prefill_decode.__wrapped__, static_argnums=(1, 4))  # traced afresh
-    _, got = fresh(params, cfg, *args)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
-    _, cache = jit_prefill(params, cfg, *args[:3])
-    jaxpr = str(jax.make_jaxpr(lambda c: qwendlm.decode(params, cfg, c, cache))(canvas))
-    rows = len(LENGTHS) * BLOCK
-    assert sorted(set(re.findall(rf"f32\[(\d+),{rows},\d+\] = dot_general", jaxpr))) == ["2", "4", "8"]
 
 
 def test_left_padding_matches_unpadded_row(dlm):

@@ -6,8 +6,6 @@ weight is multiplied: a quantized weight type plugs in here (the model code neve
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
@@ -23,33 +21,6 @@ def einsum(spec: str, x: jax.Array, w) -> jax.Array:
     if hasattr(w, "einsum"):
         return w.einsum(spec, x)
     return jnp.einsum(spec, x, w.astype(x.dtype))
-
-
-def split_k_matmul(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
-    """x [..., K] @ w [K, N] -> [..., N] as `splits` GEMMs over K's slices, one batched product, the float32
-    partial sums added after it. For GEMMs with few output tiles and a long K (DiffusionGemma's M = 256
-    projections: cuBLAS takes 96 x 64 tiles, one wave of 132 programs, each looping over all of K): the batch
-    gives `splits` x the programs, each looping over K / splits. Equal to x @ w up to float32 summation order."""
-    *lead, k = x.shape
-    if splits < 1 or k % splits:
-        raise ValueError(f"split_k_matmul: splits={splits} must be >= 1 and divide K={k}")
-    xs = jnp.moveaxis(x.reshape(-1, splits, k // splits), 1, 0)  # [S, M, K / S]
-    ws = w.astype(x.dtype).reshape(splits, k // splits, w.shape[-1])  # [S, K / S, N]: a free reshape
-    y = jnp.einsum("smk,skn->smn", xs, ws, preferred_element_type=jnp.float32)
-    return jnp.sum(y, axis=0).astype(x.dtype).reshape(*lead, w.shape[-1])
-
-
-def contract(spec: str, x: jax.Array, w, contracted: int, splits: int = 1) -> jax.Array:
-    """einsum(spec, x, w) for specs that contract x's last `contracted` dims with w's first ones (every projection
-    here), with K split `splits` ways by split_k_matmul when > 1 (a StackedWeight gives its layer's slice)."""
-    if splits == 1:
-        return einsum(spec, x, w)
-    w = w.sliced() if hasattr(w, "sliced") else w
-    if not isinstance(w, jax.Array):
-        raise TypeError(f"contract: split-K needs an array weight (or a StackedWeight), got {type(w).__name__}")
-    lead, rest = x.shape[:x.ndim - contracted], w.shape[contracted:]
-    y = split_k_matmul(x.reshape(*lead, -1), w.reshape(-1, math.prod(rest)), splits)
-    return y.reshape(*lead, *rest)
 
 
 def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -93,12 +64,11 @@ def gated_mlp(x: jax.Array, gate, up, down, act: str = "silu") -> jax.Array:
     return einsum("blf,fd->bld", ACTIVATIONS[act](g) * u, down)  # [B, L, D]
 
 
-def fused_gated_mlp(x: jax.Array, gate_up, down, act: str = "silu", split_k: tuple[int, int] = (1, 1)) -> jax.Array:
+def fused_gated_mlp(x: jax.Array, gate_up, down, act: str = "silu") -> jax.Array:
     """gated_mlp with gate and up stored as one [D, 2, F] weight: one GEMM streams both (XLA would otherwise
-    concatenate two separate weights on every call to merge the dots). split_k: (gate/up, down) splits of K
-    (`contract`)."""
-    gu = contract("bld,dtf->bltf", x, gate_up, 1, split_k[0])  # [B, L, 2, F]
-    return contract("blf,fd->bld", ACTIVATIONS[act](gu[:, :, 0]) * gu[:, :, 1], down, 1, split_k[1])  # [B, L, D]
+    concatenate two separate weights on every call to merge the dots)."""
+    gu = einsum("bld,dtf->bltf", x, gate_up)  # [B, L, 2, F]
+    return einsum("blf,fd->bld", ACTIVATIONS[act](gu[:, :, 0]) * gu[:, :, 1], down)  # [B, L, D]
 
 
 def rms_norm_fp32(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:

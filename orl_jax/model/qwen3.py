@@ -24,7 +24,7 @@ import numpy as np
 from orl_jax.config import ModelConfig, kernel_choice
 from orl_jax.model.attention import attention, cache_mask, causal_segments, self_mask
 from orl_jax.model.cache import KVCache
-from orl_jax.model.layers import contract, fused_gated_mlp, gated_mlp, qk_norm_rope, rms_norm, rope_angles
+from orl_jax.model.layers import einsum, fused_gated_mlp, gated_mlp, qk_norm_rope, rms_norm, rope_angles
 from orl_jax.model.streamed import StackedWeight, pack_vectors, unpack_vectors, vector_offsets
 from orl_jax.params import ParamSpec, ones, zeros
 from orl_jax.sharding import constrain
@@ -109,19 +109,12 @@ def cached_attention_impl(cfg) -> str:
     return kernel_choice(cfg.cached_attention_impl, "pallas", "orl_jax")
 
 
-# Split-K for the projections of cached passes (decoding: 32 or 256 rows per batch row), by weight name: "qkv", "o",
-# "gate_up", "down" -> splits of K (layers.split_k_matmul). Empty (off) until timed on a GPU
-# (benchmarks/engine_step.py --split-k o=4). Read at trace time.
-SPLIT_K: dict[str, int] = {}
-
-
 def _layer(cfg: ModelConfig, x, w, cos, sin, self_vis, cache_part):
     eps = cfg.rms_norm_eps
     h = rms_norm(x, w["attn_norm"], eps)
     b, l, _ = x.shape
     g = cfg.num_heads // cfg.num_kv_heads
-    split = SPLIT_K if cache_part is not None else {}
-    qkv = contract("bld,dkth->blkth", h, w["qkv"], 1, split.get("qkv", 1))  # [B, L, K, G+2, H]
+    qkv = einsum("bld,dkth->blkth", h, w["qkv"])  # [B, L, K, G+2, H]
     impl = cfg.attention_impl if cache_part is None else cached_attention_impl(cfg)
     from orl_jax_kernels.qk_norm_rope import kernel as qk_kernel
 
@@ -137,9 +130,8 @@ def _layer(cfg: ModelConfig, x, w, cos, sin, self_vis, cache_part):
         q, k, v = qk_norm_rope(qkv, cos, sin, w["q_norm"], w["k_norm"], eps)
     q = q.reshape(b, l, cfg.num_heads, cfg.head_dim)  # [B, L, N, H]
     parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
-    x = x + contract("blnh,nhd->bld", attention(q, parts, impl), w["o"], 2, split.get("o", 1))
-    x = x + fused_gated_mlp(rms_norm(x, w["mlp_norm"], eps), w["gate_up"], w["down"],
-                            split_k=(split.get("gate_up", 1), split.get("down", 1)))
+    x = x + einsum("blnh,nhd->bld", attention(q, parts, impl), w["o"])
+    x = x + fused_gated_mlp(rms_norm(x, w["mlp_norm"], eps), w["gate_up"], w["down"])
     return x, k, v
 
 
