@@ -160,6 +160,7 @@ def test_expert_kernel_gather_changes_no_logit(dg_ours, monkeypatch):
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("self_cond", [False, True], ids=["no-sc", "sc"])
 def test_decoder_matches_hf(dg_ours, dg_hf, self_cond):
     """Decoder logits after a prefill and after a commit, rows of different prompt lengths (left-padded here,
     unpadded in HF), with and without self-conditioning logits; prompt 11 / 6, canvas 8, window 4."""
