@@ -192,6 +192,22 @@ def test_decoder_matches_hf(dg_ours, dg_hf, self_cond):
             assert err < 1e-4, (r, j, err)
 
 
+def test_bf16_logits_round_the_head_product_before_the_soft_cap(dg_ours):
+    """As transformers' forward: lm_head in the model dtype (one rounding of the float32 sums), then float32,
+    / cap, tanh, * cap. Keeping the float32 sums would give other logits (the check can fail)."""
+    cfg, params = dg_ours
+    p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    h = jax.random.normal(jax.random.key(0), (2, 5, cfg.hidden_size), jnp.bfloat16)
+    head = p16["embed"] if cfg.tie_word_embeddings else p16["lm_head"]
+    cap = cfg.final_logit_softcapping
+    sums = jnp.einsum("bld,vd->blv", h, head, preferred_element_type=jnp.float32)
+    want = jnp.tanh(sums.astype(jnp.bfloat16).astype(jnp.float32) / cap) * cap
+    got = dg.logits(p16, cfg, h)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    assert np.abs(np.asarray(got) - np.asarray(jnp.tanh(sums / cap) * cap)).max() > 1e-4
+
+
 def test_window_and_self_conditioning_matter(dg_ours, dg_hf):
     """The parity above is not vacuous: a wider window, or dropping the self-conditioning input, changes the
     logits well beyond the tolerance."""

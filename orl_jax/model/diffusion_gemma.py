@@ -346,10 +346,11 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
 
 
 def logits(params: dict, cfg: DiffusionGemmaConfig, h: jax.Array) -> jax.Array:
-    """[B, L, D] -> soft-capped float32 logits [B, L, V]."""
+    """[B, L, D] -> soft-capped float32 logits [B, L, V]. The head's product (float32 sums) is rounded to the model
+    dtype before the float32 soft-cap, as transformers' DiffusionGemmaForBlockDiffusion rounds its lm_head output."""
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    z = jnp.einsum("bld,vd->blv", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
-    return soft_cap(z, cfg.final_logit_softcapping)
+    z = jnp.einsum("bld,vd->blv", h, head.astype(h.dtype), preferred_element_type=jnp.float32).astype(h.dtype)
+    return soft_cap(z.astype(jnp.float32), cfg.final_logit_softcapping)
 
 
 # --- visibility ----------------------------------------------------------------------------------------------------
