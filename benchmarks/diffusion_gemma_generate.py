@@ -39,11 +39,10 @@ ap.add_argument("--gemm-table", help="tuned expert GEMM tiles for moe_impl palla
                                     "or kernels/grouped_gemm/bench.py --table)")
 ap.add_argument("--gemm-sweep", help="a JSON list [{'name':, 'table': [rows as in --gemm-table], "
                                     "'attention_table': [rows as in --attention-table], 'gather_in_kernel': bool}, "
-                                    "...] (all but the name optional; missing ones take "
-                                    "the flags'): only the "
+                                    "...] (all but the name optional; missing ones take the flags'): only the "
                                     "decoder forward (moe_impl pallas), timed once per entry in this process, each "
                                     "traced afresh (an empty table: the kernels' defaults). Example: "
-                                    "benchmarks/dg_expert_tiles_sweep.json")
+                                    "benchmarks/dg_gather_rows_sweep.json")
 ap.add_argument("--cached-attention", choices=["auto", "orl_jax", "pallas", "xla", "cudnn"], default="auto",
                 help="DiffusionGemmaConfig.cached_attention_impl: the einsums, kernels/decode_attention, "
                      "jax.nn.dot_product_attention (xla / cudnn; heads > 256 take the einsums), or auto")

@@ -71,7 +71,7 @@ def capacity(tokens: int, top_k: int, num_experts: int) -> int:
 
 
 def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up, down, act: str,
-                impl: str = "bucketed"):
+                impl: str = "bucketed") -> jax.Array:
     """sum_j weights[t, j] * MLP_{experts[t, j]}(x_t). x [T, D]; gate_up [E, D, 2F] (gate | up); down [E, F, D].
     impl (decode sizes): "bucketed", "dense" or "pallas" (the sorted rows through kernels/grouped_gemm, any T, no
     buckets). See the module docstring."""
@@ -192,7 +192,7 @@ def _sorted_rows(experts: jax.Array, num_experts: int, kernel: bool):
 GATHER_IN_KERNEL = True
 
 
-def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False):
+def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False) -> jax.Array:
     """Rows sorted by expert and multiplied group by group (`grouped_matmul`): work proportional to T * k. The
     outputs come back by a gather (each assignment reads its sorted row), weighted and summed over the k choices.
     sort_kernel: sort with kernels/expert_sort (one launch, and the group offsets the grouped kernel needs) up to its
