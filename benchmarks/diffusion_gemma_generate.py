@@ -38,8 +38,9 @@ ap.add_argument("--profile", action="store_true",
 ap.add_argument("--gemm-table", help="tuned expert GEMM tiles for moe_impl pallas (kernels/small_m_gemm/bench.py "
                                     "or kernels/grouped_gemm/bench.py --table)")
 ap.add_argument("--gemm-sweep", help="a JSON list [{'name':, 'table': [rows as in --gemm-table], "
-                                    "'attention_table': [rows as in --attention-table], 'gather_in_kernel': bool}, "
-                                    "...] (all but the name optional; missing ones take the flags'): only the "
+                                    "'attention_table': [rows as in --attention-table], 'gather_in_kernel': bool, "
+                                    "'compiler_options': {XLA option: value, added to runtime.DG_COMPILER_OPTIONS}}"
+                                    ", ...] (all but the name optional; missing ones take the flags'): only the "
                                     "decoder forward (moe_impl pallas), timed once per entry in this process, each "
                                     "traced afresh (an empty table: the kernels' defaults). Example: "
                                     "benchmarks/dg_gather_rows_sweep.json")
@@ -157,15 +158,15 @@ sampler = UniformSampler(max_denoising_steps=48, t_max=0.8, t_min=0.4, entropy_b
                          confidence=0.0, rng=args.rng)
 
 
-def one_forward(cfg, cache=None):
+def one_forward(cfg, cache=None, options=None):
     """ms of one decoder forward over a 256-token canvas after the prompt (cache read only; prefilled here unless
     given), and the compiled program's temporary bytes (a scanned weight slice copied for a custom call would show
-    here)."""
+    here). options: XLA compiler options on top of runtime.DG_COMPILER_OPTIONS."""
     if cache is None:
         cache = prefilled(cfg)
     canvas = jnp.asarray(np.random.default_rng(1).integers(0, min(200000, cfg.vocab_size), (1, args.new)), jnp.int32)
-    f = jax.jit(lambda p, c, k: diffusion_gemma.decode(p, cfg, c, k)[:, :, :8],
-                compiler_options=runtime.DG_COMPILER_OPTIONS)  # as generate() compiles DiffusionGemma
+    f = jax.jit(lambda p, c, k: diffusion_gemma.decode(p, cfg, c, k)[:, :, :8],  # as generate() compiles DG
+                compiler_options=runtime.DG_COMPILER_OPTIONS | (options or {}))
     compiled = f.lower(params, canvas, cache).compile()
     mem = compiled.memory_analysis()
     jax.block_until_ready(compiled(params, canvas, cache))
@@ -177,7 +178,7 @@ def one_forward(cfg, cache=None):
     if args.profile:
         import tempfile
 
-        from xplane_summary import summarize
+        from xplane_summary import summarize, write_timeline
 
         d = tempfile.mkdtemp()
         with jax.profiler.trace(d):
@@ -186,10 +187,13 @@ def one_forward(cfg, cache=None):
         with gzip.open(Path(args.out).with_suffix(f".{cfg.moe_impl}.hlo.txt.gz"), "wt") as fh:  # to read the copies
             fh.write(hlo)
         prof = summarize(d, steps=5, top=40, hlo_text=hlo)
-        top = prof.pop("top", [])
+        top, gaps = prof.pop("top", []), prof.pop("gaps", [])
         log(what="profile", moe_impl=cfg.moe_impl, **prof)
         for row in top:
             log(what="profile_kernel", moe_impl=cfg.moe_impl, **row)
+        for row in gaps:
+            log(what="profile_gap", moe_impl=cfg.moe_impl, **row)
+        write_timeline(d, Path(args.out).with_suffix(f".{cfg.moe_impl}.timeline.jsonl.gz"))
     return float(np.median(ts)) * 1e3, getattr(mem, "temp_size_in_bytes", None)
 
 
@@ -241,10 +245,12 @@ if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the is
         table = set_tuned(entry.get("table", []))
         attention = attention_kernel.set_tuned(entry.get("attention_table", attention_rows))
         variant = set_variant(entry.get("gather_in_kernel", not args.sorted_copy))
+        options = entry.get("compiler_options", {})
         jax.clear_caches()  # every kernel wrapper and the forward trace again, under these tables and switches
-        ms, temp = one_forward(swept, cache)
+        ms, temp = one_forward(swept, cache, options)
         log(what="decode_forward", moe_impl="pallas", gemm_variant=entry["name"], table=str(table),
-            attention_table=str(attention), **variant, ms=ms, temp_gb=None if temp is None else temp / 1e9)
+            attention_table=str(attention), **variant, compiler_options=options, ms=ms,
+            temp_gb=None if temp is None else temp / 1e9)
     sys.exit(0)
 
 for impl in IMPLS:

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import collections
 import glob
+import gzip
+import json
 import os
 
 from jax.profiler import ProfileData
 
 
-def kernel_events(trace_dir: str, plane_prefix: str = "/device:GPU") -> list[tuple[str, str, int, int]]:
-    """(kernel name, hlo op, start ns, duration ns) of every event on a device plane's stream lines."""
+def kernel_events(trace_dir: str, plane_prefix: str = "/device:GPU", with_stream: bool = False) -> list[tuple]:
+    """(kernel name, hlo op, start ns, duration ns[, stream line name]) of every event on a device plane's stream
+    lines."""
     paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
     if not paths:
         raise FileNotFoundError(f"no *.xplane.pb under {trace_dir}")
@@ -28,8 +31,19 @@ def kernel_events(trace_dir: str, plane_prefix: str = "/device:GPU") -> list[tup
                 continue
             for e in line.events:
                 op = dict(e.stats).get("hlo_op", "")
-                events.append((e.name, str(op), int(e.start_ns), int(e.duration_ns)))
+                events.append((e.name, str(op), int(e.start_ns), int(e.duration_ns))
+                              + ((line.name,) if with_stream else ()))
     return events
+
+
+def write_timeline(trace_dir: str, path: str | os.PathLike, plane_prefix: str = "/device:GPU") -> None:
+    """Every kernel event of the trace as gzipped JSON lines {kernel, op, stream, start_us (from the first),
+    us}, in start order: to read a step's critical path and its idle gaps offline."""
+    ev = sorted(kernel_events(trace_dir, plane_prefix, with_stream=True), key=lambda e: e[2])
+    with gzip.open(path, "wt") as f:
+        for name, op, s, d, stream in ev:
+            f.write(json.dumps({"kernel": name[:80], "op": op[:60], "stream": stream,
+                                "start_us": round((s - ev[0][2]) / 1e3, 3), "us": round(d / 1e3, 3)}) + "\n")
 
 
 def summarize(trace_dir: str, steps: int, top: int = 25, plane_prefix: str = "/device:GPU",
@@ -53,19 +67,24 @@ def summarize(trace_dir: str, steps: int, top: int = 25, plane_prefix: str = "/d
 
 def summarize_events(ev: list[tuple[str, str, int, int]], steps: int, top: int = 25) -> dict:
     """Per step: span (first start to last end), busy time (union of the kernels' intervals: overlapping streams
-    count once), kernel count; the `top` (kernel, hlo op) pairs by total time, each with its call durations' p10 /
-    p50 / p90 and its time alone on the GPU
-    (`alone_us_per_step`: no other kernel running; with concurrent command-buffer branches, the rest of its time
-    overlapped others, e.g. a compute-bound GEMM under a bandwidth-bound one). Kernels replayed inside XLA's
+    count once), kernel count; the idle gaps (no kernel running) grouped by the kernel that ended last and the one
+    that starts after, the 15 largest groups; the `top` (kernel, hlo op) pairs by total time, each with its call
+    durations' p10 / p50 / p90 and its time alone on the GPU (`alone_us_per_step`: no other kernel running; with
+    concurrent command-buffer branches, the rest of its time overlapped others, e.g. a compute-bound GEMM under a
+    bandwidth-bound one). Kernels replayed inside XLA's
     command buffers (CUDA graphs) carry the buffer's name, not their op's: they count by kernel name alone, so a
     kernel that several loops launch (one command buffer each) adds up to one row."""
     ev = sorted(ev, key=lambda e: e[2])
-    busy, end = 0, None
-    for _, _, s, d in ev:
+    busy, end, last = 0, None, None
+    gaps = collections.defaultdict(lambda: [0, 0])
+    for name, _, s, d in ev:
+        if end is not None and s > end:
+            gaps[(last[:60], name[:60])][0] += 1
+            gaps[(last[:60], name[:60])][1] += s - end
         if end is None or s >= end:
-            busy, end = busy + d, s + d
+            busy, end, last = busy + d, s + d, name
         elif s + d > end:
-            busy, end = busy + s + d - end, s + d
+            busy, end, last = busy + s + d - end, s + d, name
     span = max(s + d for _, _, s, d in ev) - ev[0][2]
     key = [(name[:80], "command_buffer" if op.startswith("command_buffer") else op[:60]) for name, op, _, _ in ev]
     by = collections.defaultdict(lambda: [0, 0])
@@ -78,6 +97,8 @@ def summarize_events(ev: list[tuple[str, str, int, int]], steps: int, top: int =
     rows = sorted(by.items(), key=lambda kv: -kv[1][1])[:top]
     return {"kernels_per_step": len(ev) / steps, "span_ms_per_step": span / steps / 1e6,
             "busy_ms_per_step": busy / steps / 1e6, "idle_pct": 100 * (1 - busy / span),
+            "gaps": [{"after": a, "before": b, "per_step": c / steps, "us_per_step": t / steps / 1e3}
+                     for (a, b), (c, t) in sorted(gaps.items(), key=lambda kv: -kv[1][1])[:15]],
             "top": [{"kernel": n, "hlo_op": op, "calls_per_step": c / steps, "us_per_call": t / c / 1e3,
                      "us_per_step": t / steps / 1e3, "alone_us_per_step": alone[(n, op)] / steps / 1e3,
                      **_percentiles(durations[(n, op)])}

@@ -22,6 +22,8 @@ def test_busy_time_is_the_union_of_kernel_intervals():
     assert s["idle_pct"] == pytest.approx(100 * 50 / 300)
     assert [r["kernel"] for r in s["top"]] == ["gemm", "fusion"]  # by total time, cut at `top`
     assert s["top"][0]["calls_per_step"] == 1 and s["top"][0]["us_per_call"] == pytest.approx(0.1)
+    # the one idle gap: after fusion (the kernel that ended last, at 150), before the gemm at 200
+    assert s["gaps"] == [{"after": "fusion", "before": "gemm", "per_step": 0.5, "us_per_step": pytest.approx(0.025)}]
 
 
 def test_kernels_in_several_command_buffers_add_up():
