@@ -17,15 +17,17 @@ def _routed(seed, tokens, top_k, experts):
 
 
 def _assert_equal(got, want):
-    for name, g, w in zip(("order", "pos", "offsets"), got, want):
+    for name, g, w in zip(("source", "pos", "offsets"), got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
 
 
 @pytest.mark.parametrize("tokens,top_k,experts", [(24, 3, 8), (7, 2, 16), (64, 8, 128)])
 def test_equals_a_stable_argsort(tokens, top_k, experts):
-    """Random top-k routings, M a power of two or not (7 x 2 = 14 pads to 16), experts without rows."""
+    """Random top-k routings, M a power of two or not (7 x 2 = 14 pads to 16), experts without rows; the sorted
+    rows' source as assignments (k = 1) and as tokens (k = top_k)."""
     ids = _routed(tokens + experts, tokens, top_k, experts)
     _assert_equal(expert_sort(ids, experts, interpret=True), expert_sort_reference(ids, experts))
+    _assert_equal(expert_sort(ids, experts, top_k, interpret=True), expert_sort_reference(ids, experts, top_k))
 
 
 def test_one_expert_takes_almost_everything():
@@ -44,12 +46,14 @@ def test_rejects_wrong_inputs():
         expert_sort(jnp.zeros((8,), jnp.float32), 8, interpret=True)
     with pytest.raises(ValueError, match="MAX_ASSIGNMENTS"):
         expert_sort(jnp.zeros((MAX_ASSIGNMENTS + 1,), jnp.int32), 8, interpret=True)
+    with pytest.raises(ValueError, match="k must be a positive int, got 0"):
+        expert_sort(jnp.zeros((8,), jnp.int32), 8, 0, interpret=True)
 
 
 def test_lowers_to_verified_triton_at_the_canvas(monkeypatch):
     """Pallas -> Triton IR for 256 tokens x top-8 of 128 experts, and a length that pads, no GPU needed."""
     for m in (2048, 1000):
-        verified_triton_modules(monkeypatch, lambda e: expert_sort(e, 128),
+        verified_triton_modules(monkeypatch, lambda e: expert_sort(e, 128, 8),
                                 jax.ShapeDtypeStruct((m,), jnp.int32))
 
 
@@ -57,5 +61,8 @@ def test_lowers_to_verified_triton_at_the_canvas(monkeypatch):
 def test_compiled_on_gpu_equals_a_stable_argsort():
     ids = _routed(5, 256, 8, 128)
     _assert_equal(expert_sort(ids, 128), expert_sort_reference(ids, 128))
+    _assert_equal(expert_sort(ids, 128, 8), expert_sort_reference(ids, 128, 8))
     skewed = jnp.where(jnp.arange(2048) % 3 == 0, 7, ids).astype(jnp.int32)  # one expert over BM rows
-    _assert_equal(expert_sort(skewed, 128), expert_sort_reference(skewed, 128))
+    _assert_equal(expert_sort(skewed, 128, 8), expert_sort_reference(skewed, 128, 8))
+    odd = ids[:1000]  # pads to 1024
+    _assert_equal(expert_sort(odd, 128, 8), expert_sort_reference(odd, 128, 8))

@@ -10,11 +10,15 @@ Here one program per expert e reads all M expert ids (8 KB at M = 2048, from L2)
 assignments only: the expert's first row (how many assignments chose an expert below e), each one's rank among
 them (a cumsum of the hits, which keeps (token, choice) order: stable) and so its sorted row `pos` (a masked
 store). Program e also writes offsets[e], the last one offsets[E] = M. Every assignment belongs to exactly one
-program, so every element of `pos` is written once. The inverse permutation `order` is one XLA scatter after it
-(a masked scatter in the kernel would write rows through the masked lanes' indices in interpret mode).
+program, so every element of `pos` is written once. The same program also scatters the inverse permutation: at
+each of its rows, the assignment it holds divided by k (with k = the router's top-k: the token whose row of x the
+gate/up kernel gathers). Before, that was an XLA scatter plus an index normalization and a division after the
+kernel: four ~1.5 us launches per 26B layer between the sort and the expert GEMM. Lanes of other experts aim their
+(masked) scatter at the first row past this expert's (mod M), never at one of its rows: interpret mode writes masked
+lanes too (their old value back, harmless unless an unmasked lane shares the index).
 
-Semantics: model/moe.sort_by_expert's (order, pos) and the group offsets [0, cumsum(sizes)] (reference.py). Expert
-ids must lie in [0, E) (a router's top-k does). Pallas, Triton lowering; interpret mode on CPU for tests.
+Semantics: model/moe.sort_by_expert's (order // k, pos) and the group offsets [0, cumsum(sizes)] (reference.py).
+Expert ids must lie in [0, E) (a router's top-k does). Pallas, Triton lowering; interpret mode on CPU for tests.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from orl_jax_kernels.pallas_args import triton_params
 MAX_ASSIGNMENTS = 1 << 13
 
 
-def _kernel(e_ref, pos_ref, off_ref, *, m: int, total: int, num_experts: int):
+def _kernel(e_ref, pos_ref, off_ref, src_ref, *, m: int, total: int, num_experts: int, k: int):
     from jax.experimental.pallas import triton as plt
 
     e = pl.program_id(0)
@@ -41,6 +45,9 @@ def _kernel(e_ref, pos_ref, off_ref, *, m: int, total: int, num_experts: int):
     start = jnp.sum((ids < e).astype(jnp.int32))
     row = start + jnp.cumsum(hit.astype(jnp.int32)) - 1  # [M]: the sorted row of each of this expert's assignments
     plt.store(pos_ref.at[pl.ds(0, m)], row, mask=hit)
+    # the inverse: row -> assignment // k; other experts' lanes aim at a row outside this expert's (see above)
+    past = (start + jnp.sum(hit.astype(jnp.int32))) % m
+    plt.store(src_ref.at[jnp.where(hit, row, past)], jnp.arange(m, dtype=jnp.int32) // k, mask=hit)
     off_ref[pl.ds(e, 1)] = jnp.full((1,), start, jnp.int32)
 
     @pl.when(e == num_experts - 1)
@@ -48,12 +55,15 @@ def _kernel(e_ref, pos_ref, off_ref, *, m: int, total: int, num_experts: int):
         off_ref[pl.ds(num_experts, 1)] = jnp.full((1,), total, jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("num_experts", "interpret"))
-def expert_sort(experts: jax.Array, num_experts: int, interpret: bool = False):
-    """experts [M] int32 in [0, E), M <= MAX_ASSIGNMENTS -> (order [M]: the assignment in each sorted row, pos [M]:
-    the sorted row of each assignment, offsets [E + 1]: each expert's first row, then M)."""
+@functools.partial(jax.jit, static_argnames=("num_experts", "k", "interpret"))
+def expert_sort(experts: jax.Array, num_experts: int, k: int = 1, interpret: bool = False):
+    """experts [M] int32 in [0, E), M <= MAX_ASSIGNMENTS -> (source [M]: the assignment in each sorted row divided by
+    k (k = choices per token: the row's token; k = 1: the assignment), pos [M]: the sorted row of each assignment,
+    offsets [E + 1]: each expert's first row, then M)."""
     if experts.ndim != 1 or experts.dtype != jnp.int32:
         raise ValueError(f"expert_sort: experts must be a 1-D int32 array, got {experts.dtype}{list(experts.shape)}")
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"expert_sort: k must be a positive int, got {k!r}")
     m = experts.shape[0]
     mp = max(16, 1 << (m - 1).bit_length())  # Triton's vectors have power-of-two sizes: pad with id E, no expert's
     if mp > MAX_ASSIGNMENTS:
@@ -61,15 +71,13 @@ def expert_sort(experts: jax.Array, num_experts: int, interpret: bool = False):
     ids = jnp.pad(experts, (0, mp - m), constant_values=num_experts) if mp > m else experts
     vec = lambda n: jax.ShapeDtypeStruct((n,), jnp.int32)  # noqa: E731
     whole = lambda n: pl.BlockSpec((n,), lambda e: (0,))  # noqa: E731
-    pos, offsets = pl.pallas_call(
-        functools.partial(_kernel, m=mp, total=m, num_experts=num_experts),
-        out_shape=(vec(mp), vec(num_experts + 1)),
+    pos, offsets, source = pl.pallas_call(
+        functools.partial(_kernel, m=mp, total=m, num_experts=num_experts, k=k),
+        out_shape=(vec(mp), vec(num_experts + 1), vec(mp)),
         grid=(num_experts,),
         in_specs=[whole(mp)],
-        out_specs=(whole(mp), whole(num_experts + 1)),
+        out_specs=(whole(mp), whole(num_experts + 1), whole(mp)),
         interpret=interpret,
         **triton_params(4, 1, interpret),
     )(ids)
-    pos = pos[:m]
-    order = jnp.zeros_like(pos).at[pos].set(jnp.arange(m, dtype=jnp.int32), unique_indices=True)
-    return order, pos, offsets
+    return source[:m], pos[:m], offsets
