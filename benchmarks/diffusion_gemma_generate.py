@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gzip
+import importlib
 import json
 import os
 import sys
@@ -39,8 +40,10 @@ ap.add_argument("--gemm-table", help="tuned expert GEMM tiles for moe_impl palla
                                     "or kernels/grouped_gemm/bench.py --table)")
 ap.add_argument("--gemm-sweep", help="a JSON list [{'name':, 'table': [rows as in --gemm-table], "
                                     "'attention_table': [rows as in --attention-table], 'gather_in_kernel': bool, "
-                                    "'compiler_options': {XLA option: value, added to runtime.DG_COMPILER_OPTIONS}}"
-                                    ", ...] (all but the name optional; missing ones take the flags'): only the "
+                                    "'compiler_options': {XLA option: value, added to runtime.DG_COMPILER_OPTIONS}, "
+                                    "'set': {'orl_jax.model.attention.JOIN_WIDE_PARTS': value, ...: trace-time "
+                                    "switches, back to their defaults after the entry}}, ...] (all but the name "
+                                    "optional; missing ones take the flags'): only the "
                                     "decoder forward (moe_impl pallas), timed once per entry in this process, each "
                                     "traced afresh (an empty table: the kernels' defaults). Example: "
                                     "benchmarks/dg_gather_rows_sweep.json")
@@ -108,6 +111,18 @@ if args.grouped_bm is not None or args.experts_inner:
     if args.experts_inner:
         grouped_kernel.COLUMNS_INNER = False  # read by grouped_matmul at trace time
         log(what="columns_inner", value=False)
+
+
+def set_switch(name: str, value):
+    """Set a module-level trace-time switch named 'package.module.NAME' (a --gemm-sweep entry's 'set'); its old
+    value."""
+    module, attr = name.rsplit(".", 1)
+    mod = importlib.import_module(module)
+    if not hasattr(mod, attr):
+        raise ValueError(f"--gemm-sweep: {module} has no switch {attr}")
+    old = getattr(mod, attr)
+    setattr(mod, attr, value)
+    return old
 
 
 def set_variant(gather_in_kernel: bool) -> dict:
@@ -246,11 +261,15 @@ if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the is
         attention = attention_kernel.set_tuned(entry.get("attention_table", attention_rows))
         variant = set_variant(entry.get("gather_in_kernel", not args.sorted_copy))
         options = entry.get("compiler_options", {})
+        switches = entry.get("set", {})
+        defaults = {name: set_switch(name, value) for name, value in switches.items()}
         jax.clear_caches()  # every kernel wrapper and the forward trace again, under these tables and switches
         ms, temp = one_forward(swept, cache, options)
         log(what="decode_forward", moe_impl="pallas", gemm_variant=entry["name"], table=str(table),
-            attention_table=str(attention), **variant, compiler_options=options, ms=ms,
+            attention_table=str(attention), **variant, compiler_options=options, set=switches, ms=ms,
             temp_gb=None if temp is None else temp / 1e9)
+        for name, value in defaults.items():
+            set_switch(name, value)
     sys.exit(0)
 
 for impl in IMPLS:

@@ -109,3 +109,26 @@ def test_cudnn_cached_attention_on_gpu_bf16():
             assert "cudnn" in fn.lower(params).compile().as_text().lower()
     assert np.isfinite(out["cudnn"]).all()
     np.testing.assert_allclose(out["cudnn"], out["orl_jax"], atol=0.1, rtol=0.05)
+
+
+def test_wide_heads_join_their_parts_with_the_same_result(monkeypatch):
+    """Heads wider than cuDNN's (DiffusionGemma's full layers) take one score GEMM over [cache | self] on the einsum
+    path (attention.JOIN_WIDE_PARTS); the same values as a score GEMM per part, masks and a fully masked cache slot
+    included. Narrower heads keep their parts apart."""
+    ks = jax.random.split(jax.random.key(7), 6)
+    b, l, s, kv, g = 2, 8, 12, 2, 3
+    parts_for = lambda h: [  # noqa: E731
+        (jax.random.normal(ks[1], (b, s, kv, h)), jax.random.normal(ks[2], (b, s, kv, h)),
+         jax.random.bernoulli(ks[3], 0.7, (b, l, s)).at[:, :, 0].set(False)),
+        (jax.random.normal(ks[4], (b, l, kv, h)), jax.random.normal(ks[5], (b, l, kv, h)),
+         jnp.ones((b, l, l), bool))]
+    for h, joined in ((384, True), (128, False)):
+        q, parts = jax.random.normal(ks[0], (b, l, kv * g, h)), parts_for(h)
+        seen = []
+        monkeypatch.setattr(attn, "scaled_attention", lambda q, p, sc, real=attn.scaled_attention: (
+            seen.append(len(p)), real(q, p, sc))[1])
+        got = attn.attention(q, parts, "orl_jax", scale=1.0)
+        monkeypatch.undo()
+        want = attn.scaled_attention(q, parts, 1.0)
+        assert seen == [1 if joined else 2]
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)

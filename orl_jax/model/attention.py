@@ -20,6 +20,12 @@ from orl_jax.model.streamed import StackedWeight
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked row (left padding) stays NaN-free
 CUDNN_MAX_HEAD_DIM = 256  # cuDNN's fused attention (cudnn frontend support matrix: d <= 256)
 
+# Heads wider than CUDNN_MAX_HEAD_DIM (DiffusionGemma's 512-wide full layers; no fused kernel takes them) on the
+# einsum path: True joins the cache and self parts (their K/V and masks concatenated: one score GEMM, one softmax
+# pass, one PV GEMM) instead of a score GEMM per part and a softmax over their concatenated float32 scores. Read at
+# trace time; see `attention`.
+JOIN_WIDE_PARTS = True
+
 
 def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]], impl: str = "orl_jax",
               scale: float | None = None) -> jax.Array:
@@ -56,7 +62,10 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
             kc, vc, layer = (kc.stack, vc.stack, kc.index) if in_place else (_slice(kc), _slice(vc), None)
             return cached_attention(q, kc, vc, cm, ks, vs, sm, scale=scale, blocks=blocks, layer=layer,
                                     interpret=jax.default_backend() == "cpu")
-    return scaled_attention(q, [(_slice(k), _slice(v), m) for k, v, m in parts], scale)
+    parts = [(_slice(k), _slice(v), m) for k, v, m in parts]
+    if JOIN_WIDE_PARTS and len(parts) > 1 and q.shape[-1] > CUDNN_MAX_HEAD_DIM:
+        parts = [tuple(jnp.concatenate(a, axis=-1 if i == 2 else 1) for i, a in enumerate(zip(*parts)))]
+    return scaled_attention(q, parts, scale)
 
 
 def _slice(a):
