@@ -22,13 +22,11 @@ CUDNN_MAX_HEAD_DIM = 256  # cuDNN's fused attention (cudnn frontend support matr
 
 # Heads wider than CUDNN_MAX_HEAD_DIM (DiffusionGemma's 512-wide full layers; no fused kernel takes them) on the
 # einsum path: True joins the cache and self parts (their K/V and masks concatenated: one score GEMM, one softmax
-# pass, one PV GEMM) instead of a score GEMM per part and a softmax over their concatenated float32 scores. Read at
-# trace time; see `attention`.
+# pass, one PV GEMM) instead of a score GEMM per part and a softmax over their concatenated float32 scores. On an H200
+# the 26B forward took 15.59 / 15.58 against 15.69 / 15.70 ms per part, and 15.62 / 15.59 against 15.67 / 15.67 in
+# another call; writing the scores in bf16 (HF's eager order) was slower, 15.77 / 15.75
+# (benchmarks/results/2026-12-01_dg_routing_chain_h200.md). Read at trace time; see `attention`.
 JOIN_WIDE_PARTS = True
-# ... and their scores come out of the score GEMM in the input dtype, then scale and softmax in float32: HF's eager
-# order (its matmul writes bf16 scores in a bf16 model; the same values in float32), and half the bytes of the
-# [B, K, G, L, S] scores each softmax pass reads. Read at trace time.
-WIDE_SCORES_IN_INPUT_DTYPE = True
 
 
 def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]], impl: str = "orl_jax",
@@ -69,8 +67,6 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
     parts = [(_slice(k), _slice(v), m) for k, v, m in parts]
     if JOIN_WIDE_PARTS and len(parts) > 1 and q.shape[-1] > CUDNN_MAX_HEAD_DIM:
         parts = [tuple(jnp.concatenate(a, axis=-1 if i == 2 else 1) for i, a in enumerate(zip(*parts)))]
-        if WIDE_SCORES_IN_INPUT_DTYPE:
-            return scaled_attention(q, parts, scale, score_dtype=q.dtype)
     return scaled_attention(q, parts, scale)
 
 
@@ -79,16 +75,14 @@ def _slice(a):
     return a.sliced() if isinstance(a, StackedWeight) else a
 
 
-def scaled_attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]], scale: float,
-                     score_dtype=jnp.float32) -> jax.Array:
-    """`attention` with an explicit score scale (Gemma 4 uses 1.0: its q/k RMSNorms set the scale). score_dtype:
-    what the score GEMM writes; scale, mask and softmax run in float32 either way."""
+def scaled_attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]], scale: float) -> jax.Array:
+    """`attention` with an explicit score scale (Gemma 4 uses 1.0: its q/k RMSNorms set the scale)."""
     b, l, n, h = q.shape
     kv = parts[0][0].shape[2]
     qg = q.reshape(b, l, kv, n // kv, h)  # [B, L, K, G, H]
     scores = []
     for k, _, mask in parts:
-        s = jnp.einsum("blkgh,bskh->bkgls", qg, k, preferred_element_type=score_dtype).astype(jnp.float32) * scale
+        s = jnp.einsum("blkgh,bskh->bkgls", qg, k, preferred_element_type=jnp.float32) * scale
         scores.append(jnp.where(mask[:, None, None], s, _NEG))  # [B, K, G, L, S]
     p = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
     o, at = 0.0, 0
