@@ -1,5 +1,5 @@
 """q/k RMSNorm + RoPE on the fused qkv projection's output, in one kernel: q, k normed and rotated, v copied out
-(Qwen3), or normed without a weight (DiffusionGemma, `gemma=True`; its full layers have no v slot: `k_eq_v`).
+(Qwen3), or normed without a weight (DiffusionGemma's sliding layers, `gemma=True`).
 
 Why: in a Qwen3-4B denoising step XLA spends four kernels per layer here (the q slice, the k/v slices, the q
 norm+RoPE and the k norm+RoPE fusions): 7.7 us per layer at block 32, 11.5 at canvas 256, ~0.3-0.4 ms per step
@@ -28,7 +28,7 @@ def supported(k: int, g: int, h: int) -> bool:
 
 
 def _kernel(layer_ref, qkv_ref, cos_ref, sin_ref, vec_ref, q_ref, k_ref, v_ref, *, g: int, half: int, eps: float,
-            offsets: tuple[int, int], gemma: bool, k_eq_v: bool):
+            offsets: tuple[int, int], gemma: bool):
     r = pl.program_id(0)
     layer = layer_ref[0]
     lo, hi = pl.ds(0, half), pl.ds(half, half)
@@ -57,8 +57,7 @@ def _kernel(layer_ref, qkv_ref, cos_ref, sin_ref, vec_ref, q_ref, k_ref, v_ref, 
     q_ref[r, :, :, lo], q_ref[r, :, :, hi] = q1, q2
     k1, k2 = norm_rope(qkv_ref[r, :, g, lo], qkv_ref[r, :, g, hi], k_off)  # [K, half]
     k_ref[r, :, lo], k_ref[r, :, hi] = k1, k2
-    vs = g if k_eq_v else g + 1  # K = V: v from k's raw slot
-    v1, v2 = qkv_ref[r, :, vs, lo], qkv_ref[r, :, vs, hi]
+    v1, v2 = qkv_ref[r, :, g + 1, lo], qkv_ref[r, :, g + 1, hi]
     if gemma:  # v gets the weightless norm
         f1, f2, inv = normed(v1, v2)
         v1, v2 = (f1 * inv).astype(dt), (f2 * inv).astype(dt)
@@ -76,20 +75,19 @@ def qk_norm_rope(qkv: jax.Array, cos: jax.Array, sin: jax.Array, q_norm: jax.Arr
     return qk_norm_rope_stacked(qkv, cos, sin, vectors, jnp.int32(0), (0, h), eps, interpret, num_warps)
 
 
-@functools.partial(jax.jit, static_argnames=("offsets", "eps", "interpret", "num_warps", "gemma", "k_eq_v"))
+@functools.partial(jax.jit, static_argnames=("offsets", "eps", "interpret", "num_warps", "gemma"))
 def qk_norm_rope_stacked(qkv: jax.Array, cos: jax.Array, sin: jax.Array, vectors: jax.Array, layer: jax.Array,
                          offsets: tuple[int, int], eps: float, interpret: bool = False, num_warps: int = 4,
-                         gemma: bool = False, k_eq_v: bool = False):
+                         gemma: bool = False):
     """qk_norm_rope with the norm weights read in place from a stack of packed per-layer vectors [L, n]
     (model/streamed.pack_vectors): q_norm = vectors[layer, q:q + H], k_norm = vectors[layer, k:k + H] for
     offsets (q, k) and an int32 scalar `layer`. Why: handed to the kernel as slices, each norm weight was its own
     copy launch per layer (2 x 36 `memcpy32_post` per Qwen3-4B step, ~80 us).
 
     gemma=True: DiffusionGemma's order (reference.gemma_qkv_reference): each norm's weight multiplies in float32
-    before the cast, and v gets the weightless norm instead of passing through. k_eq_v=True: qkv is [B, L, K, G + 1,
-    H] (no v slot: DiffusionGemma's full layers) and v comes from k's raw slot."""
+    before the cast, and v gets the weightless norm instead of passing through."""
     b, l, kv, slots, h = qkv.shape
-    g = slots - (1 if k_eq_v else 2)
+    g = slots - 2
     if cos.shape != (b, l, h) or sin.shape != (b, l, h) or vectors.ndim != 2 or \
             not all(0 <= o <= vectors.shape[1] - h for o in offsets):
         raise ValueError(f"qk_norm_rope: qkv {qkv.shape}, cos {cos.shape}, sin {sin.shape}, vectors "
@@ -99,7 +97,7 @@ def qk_norm_rope_stacked(qkv: jax.Array, cos: jax.Array, sin: jax.Array, vectors
     rows = b * l
     dt = qkv.dtype
     q, k, v = pl.pallas_call(
-        functools.partial(_kernel, g=g, half=h // 2, eps=eps, offsets=offsets, gemma=gemma, k_eq_v=k_eq_v),
+        functools.partial(_kernel, g=g, half=h // 2, eps=eps, offsets=offsets, gemma=gemma),
         out_shape=(jax.ShapeDtypeStruct((rows, kv, g, h), dt), jax.ShapeDtypeStruct((rows, kv, h), dt),
                    jax.ShapeDtypeStruct((rows, kv, h), dt)),
         grid=(rows,),

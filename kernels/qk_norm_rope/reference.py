@@ -9,11 +9,10 @@ from orl_jax.model.layers import qk_norm_rope as qk_norm_rope_reference
 __all__ = ["qk_norm_rope_reference", "gemma_qkv_reference"]
 
 
-def gemma_qkv_reference(qkv, cos, sin, q_norm, k_norm, eps, k_eq_v: bool = False):
-    """qkv [B, L, K, G + 2, H] (or G + 1 with k_eq_v: v from k's raw slot) -> q [B, L, K, G, H], k, v [B, L, K, H]
-    as model/diffusion_gemma._layer makes them."""
+def gemma_qkv_reference(qkv, cos, sin, q_norm, k_norm, eps):
+    """qkv [B, L, K, G + 2, H] -> q [B, L, K, G, H], k, v [B, L, K, H] as model/diffusion_gemma._layer makes them."""
     b, l, kv, slots, h = qkv.shape
-    g = slots - (1 if k_eq_v else 2)
+    g = slots - 2
     q = apply_rope(rms_norm_fp32(qkv[:, :, :, :g].reshape(b, l, kv * g, h), q_norm, eps), cos, sin)
     k = apply_rope(rms_norm_fp32(qkv[:, :, :, g], k_norm, eps), cos, sin)
-    return q.reshape(b, l, kv, g, h), k, rms_norm_fp32(qkv[:, :, :, g if k_eq_v else g + 1], None, eps)
+    return q.reshape(b, l, kv, g, h), k, rms_norm_fp32(qkv[:, :, :, g + 1], None, eps)

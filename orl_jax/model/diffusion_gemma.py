@@ -201,13 +201,13 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     own_v = "qkv" in w  # full layers: "qk", K = V
     proj = einsum("bld,dkth->blkth", h, w["qkv" if own_v else "qk"])  # [B, L, K, G + 2 (or + 1), H]
     g = cfg.num_heads // proj.shape[2]
-    if "packed_vectors" in w:  # cached passes on a GPU: q/k/v norms + RoPE, one kernel
+    if own_v and "packed_vectors" in w:  # sliding layers of cached passes on a GPU: q/k/v norms + RoPE, one kernel
         from orl_jax_kernels.qk_norm_rope import kernel as qk_kernel
 
         q, k, v = qk_kernel.qk_norm_rope_stacked(proj, *rope, *w["packed_vectors"], eps, gemma=True,
-                                                 k_eq_v=not own_v, interpret=jax.default_backend() == "cpu")
+                                                 interpret=jax.default_backend() == "cpu")
         q = q.reshape(b, l, cfg.num_heads, -1)
-    else:  # kernels/qk_norm_rope/reference.gemma_qkv_reference is this
+    else:  # kernels/qk_norm_rope/reference.gemma_qkv_reference is this, for sliding layers
         q = rms_norm_fp32(proj[:, :, :, :g].reshape(b, l, cfg.num_heads, -1), w["q_norm"], eps)  # [B, L, N, H]
         k = rms_norm_fp32(proj[:, :, :, g], w["k_norm"], eps)  # [B, L, K, H]
         v = rms_norm_fp32(proj[:, :, :, g + 1 if own_v else g], None, eps)
@@ -229,22 +229,15 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     return x, k, v
 
 
-# The full layers' q/k/v norms + RoPE through kernels/qk_norm_rope too (K = V, head dim 512), when their shapes fit
-# (see _qk_kernel_offsets); False keeps XLA's fusions for them (the A/B switch: a --gemm-sweep entry's "set").
-FULL_QK_KERNEL = True
-
-
-def _qk_kernel_offsets(cfg: DiffusionGemmaConfig, layout, full: bool = False) -> tuple[int, ...] | None:
-    """Where one layer type's q and k norm weights lie in its packed vector row, when that type's layers take
-    kernels/qk_norm_rope in cached passes (q/k/v norms + RoPE in one launch instead of XLA's slices and fusions):
-    with the Pallas attention (on a GPU by default), shapes the kernel takes, and both weights packed. None
-    otherwise. The kernel rotates by the same cos / sin as apply_rope, so proportional (partial) RoPE is exact.
-    On an H200 the full layers' XLA path here was ~27 us of slices, norm / RoPE fusions and copies per layer
-    (benchmarks/results/2026-12-01_dg_routing_chain_h200.md)."""
+def _qk_kernel_offsets(cfg: DiffusionGemmaConfig, layout) -> tuple[int, ...] | None:
+    """Where the sliding layers' q and k norm weights lie in their packed vector row, when the sliding layers of a
+    cached pass take kernels/qk_norm_rope (q/k/v norms + RoPE in one launch instead of XLA's slices and fusions):
+    with the Pallas attention (on a GPU by default), full RoPE on sliding layers, shapes the kernel takes, and
+    both weights packed. None otherwise."""
     from orl_jax_kernels.qk_norm_rope.kernel import supported
 
-    kv, h = (cfg.num_global_kv_heads, cfg.global_head_dim) if full else (cfg.num_kv_heads, cfg.head_dim)
-    fits = qwen3.cached_attention_impl(cfg) == "pallas" and supported(kv, cfg.num_heads // kv, h)
+    fits = (qwen3.cached_attention_impl(cfg) == "pallas" and cfg.rope_sliding.partial_rotary_factor == 1.0
+            and supported(cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim))
     return vector_offsets(layout, "q_norm", "k_norm") if fits else None
 
 
@@ -290,7 +283,6 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
         (sliding_w, sliding_v, sliding_layout), (full_w, full_v, full_layout) = map(pack_vectors, (sliding_w, full_w))
     take = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False, allow_negative_indices=False)  # noqa
     norm_offsets = _qk_kernel_offsets(cfg, sliding_layout) if cache is not None else None
-    full_offsets = _qk_kernel_offsets(cfg, full_layout, full=True) if cache is not None and FULL_QK_KERNEL else None
 
     def sliding_layer(x, i, w, ck=None, cv=None):
         w = w | {n: StackedWeight(params["sliding"][n], i) for n in stacks}
@@ -334,8 +326,6 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
         if cache is not None:
             if full_v is not None:
                 w |= unpack_vectors(full_v[g], full_layout)
-            if full_offsets is not None:  # the q/k norm kernel reads both weights from the packed stack
-                w["packed_vectors"] = (full_v, jnp.int32(g), full_offsets)
             ck, cv = (StackedWeight(c, jnp.int32(g), c[g]) for c in (cache.full.k, cache.full.v))
             part = (ck, cv, vis["cache_" + FULL])
         return _layer(cfg, x, w, rope_f, vis[FULL], part, scalar)
