@@ -61,6 +61,9 @@ ap.add_argument("--experts-inner", action="store_true",
                      "(before session 17)")
 ap.add_argument("--sorted-copy", action="store_true",
                 help="moe.GATHER_IN_KERNEL = False: XLA writes the sorted copy of the MoE input for the gate/up kernel")
+ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=JSON",
+                help="set a trace-time switch before anything is traced, e.g. orl_jax.model.moe.ROUTER_SPLIT=4 "
+                     "(repeatable; the value is JSON)")
 ap.add_argument("--capacity-factor", type=int,
                 help="moe.CAPACITY_FACTOR (slots per expert / mean load; overflow takes further rounds)")
 args = ap.parse_args()
@@ -131,6 +134,10 @@ def set_variant(gather_in_kernel: bool) -> dict:
     return dict(gather_in_kernel=gather_in_kernel)
 
 
+for item in args.set:
+    name, _, value = item.partition("=")
+    set_switch(name, json.loads(value))
+    log(what="switch", name=name, value=json.loads(value))
 log(what="variant", **set_variant(not args.sorted_copy))
 load_tables(log, gemm=args.gemm_table, attention=args.attention_table)
 cfg = DG_PRESETS[args.preset].replace(dtype="bfloat16", cached_attention_impl=args.cached_attention)
