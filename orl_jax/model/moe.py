@@ -40,26 +40,9 @@ def route(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: 
     softmax pass on the MoE's serial routing chain (5.6 us per 26B layer on an H200).
     """
     h = rms_norm_fp32(x, None, eps) * scale.astype(x.dtype)[None] * (x.shape[-1] ** -0.5)
-    top, e = jax.lax.top_k(_router_logits(h, proj), top_k)  # [T, k]
+    top, e = jax.lax.top_k(einsum("td,de->te", h, proj).astype(jnp.float32), top_k)  # [T, k]
     e = e.astype(jnp.int32)
     return jax.nn.softmax(top, axis=-1) * in_bounds_take(expert_scale, e).astype(jnp.float32), e
-
-
-# The router's GEMM ([T, D] x [D, E], E = 128) as ROUTER_SPLIT products over slices of D, summed in float32
-# (1: one GEMM). Why try: at DiffusionGemma's canvas cuBLAS runs it as 64 programs of 64 x 8 tiles over the whole D
-# (7.8 us on an H200) beside the dense MLP's GEMMs, which then wait for SMs (the 26B profile in
-# benchmarks/results/2026-12-01_dg_routing_chain_h200.md). Read at trace time.
-ROUTER_SPLIT = 1
-
-
-def _router_logits(h: jax.Array, proj: jax.Array) -> jax.Array:
-    """h [T, D] @ proj [D, E] -> float32 [T, E], split over D by ROUTER_SPLIT."""
-    s, (t, d) = ROUTER_SPLIT, h.shape
-    if s == 1 or d % s:
-        return einsum("td,de->te", h, proj).astype(jnp.float32)
-    parts = jnp.einsum("tsd,sde->ste", h.reshape(t, s, d // s), proj.reshape(s, d // s, -1),
-                       preferred_element_type=jnp.float32)
-    return jnp.sum(parts, axis=0)
 
 
 def in_bounds_take(a: jax.Array, idx: jax.Array) -> jax.Array:
