@@ -132,3 +132,18 @@ def test_wide_heads_join_their_parts_with_the_same_result(monkeypatch):
         want = attn.scaled_attention(q, parts, 1.0)
         assert seen == [1 if joined else 2]
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+def test_late_normalization_equals_the_softmax_first():
+    """scaled_attention(late_normalize=True): PV over exp(s - max), then divided by the row sums; the same values,
+    a fully masked cache slot and several parts included."""
+    ks = jax.random.split(jax.random.key(9), 6)
+    b, l, s, kv, g, h = 2, 8, 12, 2, 3, 16
+    q = jax.random.normal(ks[0], (b, l, kv * g, h))
+    parts = [(jax.random.normal(ks[1], (b, s, kv, h)), jax.random.normal(ks[2], (b, s, kv, h)),
+              jax.random.bernoulli(ks[3], 0.7, (b, l, s)).at[:, :, 0].set(False)),
+             (jax.random.normal(ks[4], (b, l, kv, h)), jax.random.normal(ks[5], (b, l, kv, h)),
+              jnp.ones((b, l, l), bool))]
+    for p in (parts, parts[:1]):
+        np.testing.assert_allclose(np.asarray(attn.scaled_attention(q, p, 0.5, late_normalize=True)),
+                                   np.asarray(attn.scaled_attention(q, p, 0.5)), atol=1e-5, rtol=1e-5)

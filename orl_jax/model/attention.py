@@ -27,6 +27,9 @@ CUDNN_MAX_HEAD_DIM = 256  # cuDNN's fused attention (cudnn frontend support matr
 # another call; writing the scores in bf16 (HF's eager order) was slower, 15.77 / 15.75
 # (benchmarks/results/2026-12-01_dg_routing_chain_h200.md). Read at trace time; see `attention`.
 JOIN_WIDE_PARTS = True
+# ... and normalize late: PV over exp(s - max), its [.., L, H] output divided by the row sums (scaled_attention's
+# late_normalize). Read at trace time.
+WIDE_LATE_NORMALIZE = False
 
 
 def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]], impl: str = "orl_jax",
@@ -67,6 +70,7 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
     parts = [(_slice(k), _slice(v), m) for k, v, m in parts]
     if JOIN_WIDE_PARTS and len(parts) > 1 and q.shape[-1] > CUDNN_MAX_HEAD_DIM:
         parts = [tuple(jnp.concatenate(a, axis=-1 if i == 2 else 1) for i, a in enumerate(zip(*parts)))]
+        return scaled_attention(q, parts, scale, late_normalize=WIDE_LATE_NORMALIZE)
     return scaled_attention(q, parts, scale)
 
 
@@ -75,8 +79,11 @@ def _slice(a):
     return a.sliced() if isinstance(a, StackedWeight) else a
 
 
-def scaled_attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]], scale: float) -> jax.Array:
-    """`attention` with an explicit score scale (Gemma 4 uses 1.0: its q/k RMSNorms set the scale)."""
+def scaled_attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]], scale: float,
+                     late_normalize: bool = False) -> jax.Array:
+    """`attention` with an explicit score scale (Gemma 4 uses 1.0: its q/k RMSNorms set the scale).
+    late_normalize: the PV product takes the unnormalized exp(s - max) and its output [.., L, H] is divided by the
+    row sums, instead of the probabilities [.., L, S] (fewer passes over the scores when S is long)."""
     b, l, n, h = q.shape
     kv = parts[0][0].shape[2]
     qg = q.reshape(b, l, kv, n // kv, h)  # [B, L, K, G, H]
@@ -84,12 +91,19 @@ def scaled_attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.A
     for k, _, mask in parts:
         s = jnp.einsum("blkgh,bskh->bkgls", qg, k, preferred_element_type=jnp.float32) * scale
         scores.append(jnp.where(mask[:, None, None], s, _NEG))  # [B, K, G, L, S]
-    p = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    s = jnp.concatenate(scores, axis=-1)
+    if late_normalize:
+        p = jnp.exp(s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
+        total = jnp.sum(p, axis=-1)  # [B, K, G, L]
+    else:
+        p = jax.nn.softmax(s, axis=-1)
     o, at = 0.0, 0
     for k, v, _ in parts:
         o = o + jnp.einsum("bkgls,bskh->blkgh", p[..., at:at + k.shape[1]].astype(v.dtype), v,
                            preferred_element_type=jnp.float32)
         at += k.shape[1]
+    if late_normalize:
+        o = o / jnp.transpose(total, (0, 3, 1, 2))[..., None]
     return o.astype(q.dtype).reshape(b, l, n, h)  # [B, L, N, H]
 
 
