@@ -28,8 +28,10 @@ CUDNN_MAX_HEAD_DIM = 256  # cuDNN's fused attention (cudnn frontend support matr
 # (benchmarks/results/2026-12-01_dg_routing_chain_h200.md). Read at trace time; see `attention`.
 JOIN_WIDE_PARTS = True
 # ... and normalize late: PV over exp(s - max), its [.., L, H] output divided by the row sums (scaled_attention's
-# late_normalize). Read at trace time.
-WIDE_LATE_NORMALIZE = False
+# late_normalize), not the [.., L, S] probabilities. On an H200 the 26B forward took 15.59 / 15.61 against 15.63 /
+# 15.66 ms, alternating in one process (2026-12-01_dg_routing_chain_h200.md): small, the same sign twice. Read at
+# trace time.
+WIDE_LATE_NORMALIZE = True
 
 
 def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]], impl: str = "orl_jax",
