@@ -62,8 +62,8 @@ ap.add_argument("--experts-inner", action="store_true",
 ap.add_argument("--sorted-copy", action="store_true",
                 help="moe.GATHER_IN_KERNEL = False: XLA writes the sorted copy of the MoE input for the gate/up kernel")
 ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=JSON",
-                help="set a trace-time switch before anything is traced, e.g. orl_jax.model.moe.ROUTER_SPLIT=4 "
-                     "(repeatable; the value is JSON)")
+                help="set a trace-time switch before anything is traced, e.g. "
+                     "orl_jax.model.attention.WIDE_LATE_NORMALIZE=false (repeatable; the value is JSON)")
 ap.add_argument("--capacity-factor", type=int,
                 help="moe.CAPACITY_FACTOR (slots per expert / mean load; overflow takes further rounds)")
 args = ap.parse_args()
@@ -117,12 +117,12 @@ if args.grouped_bm is not None or args.experts_inner:
 
 
 def set_switch(name: str, value):
-    """Set a module-level trace-time switch named 'package.module.NAME' (a --gemm-sweep entry's 'set'); its old
-    value."""
+    """Set a module-level trace-time switch named 'package.module.NAME' (--set, or a --gemm-sweep entry's 'set');
+    its old value."""
     module, attr = name.rsplit(".", 1)
     mod = importlib.import_module(module)
     if not hasattr(mod, attr):
-        raise ValueError(f"--gemm-sweep: {module} has no switch {attr}")
+        raise ValueError(f"switch {name!r}: {module} has no {attr}")
     old = getattr(mod, attr)
     setattr(mod, attr, value)
     return old

@@ -71,9 +71,9 @@ def summarize_events(ev: list[tuple[str, str, int, int]], steps: int, top: int =
     that starts after, the 15 largest groups; the `top` (kernel, hlo op) pairs by total time, each with its call
     durations' p10 / p50 / p90 and its time alone on the GPU (`alone_us_per_step`: no other kernel running; with
     concurrent command-buffer branches, the rest of its time overlapped others, e.g. a compute-bound GEMM under a
-    bandwidth-bound one). Kernels replayed inside XLA's
-    command buffers (CUDA graphs) carry the buffer's name, not their op's: they count by kernel name alone, so a
-    kernel that several loops launch (one command buffer each) adds up to one row."""
+    bandwidth-bound one). Kernels replayed inside XLA's command buffers (CUDA graphs) carry the buffer's name, not
+    their op's: they count by kernel name alone, so a kernel that several loops launch (one command buffer each)
+    adds up to one row."""
     ev = sorted(ev, key=lambda e: e[2])
     busy, end, last = 0, None, None
     gaps = collections.defaultdict(lambda: [0, 0])
