@@ -257,6 +257,35 @@ def test_moe_matches_dense_loop():
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_router_equals_softmax_topk_renormalized_in_bf16(monkeypatch):
+    """moe.route in bf16: top-k of the bf16 logits, then a float32 softmax over k, gives HF's choice and weights
+    (softmax over all experts in float32, top-k, renormalized, per-expert scales), ties included (exactly equal
+    logits keep the lower expert first), and the same as top-k after a float32 cast (moe.ROUTER_TOPK_F32)."""
+    from orl_jax.model import moe
+
+    rng = np.random.default_rng(3)
+    T, D, E, k = 12, 16, 8, 3
+    x = jnp.asarray(rng.normal(size=(T, D)), jnp.bfloat16)
+    proj = rng.normal(size=(D, E)).astype(np.float32)
+    proj[:, 5] = proj[:, 2]  # experts 2 and 5 always tie
+    proj = jnp.asarray(proj, jnp.bfloat16)
+    scale, eps = jnp.asarray(1 + 0.1 * rng.normal(size=D), jnp.bfloat16), 1e-6
+    expert_scale = jnp.asarray(rng.uniform(0.5, 1.5, size=E), jnp.bfloat16)
+    w, e = moe.route(x, scale, proj, expert_scale, k, eps)
+    h = moe.rms_norm_fp32(x, None, eps) * scale[None] * (D ** -0.5)
+    probs = np.asarray(jax.nn.softmax(jnp.einsum("td,de->te", h, proj).astype(jnp.float32), axis=-1))
+    want_e = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    want_w = np.take_along_axis(probs, want_e, axis=-1)
+    want_w = want_w / want_w.sum(-1, keepdims=True) * np.asarray(expert_scale, np.float32)[want_e]
+    np.testing.assert_array_equal(np.asarray(e), want_e)
+    np.testing.assert_allclose(np.asarray(w), want_w, rtol=1e-6, atol=1e-6)
+    assert ((want_e == 2) | (want_e == 5)).any()  # the tie is exercised
+    monkeypatch.setattr(moe, "ROUTER_TOPK_F32", True)
+    w32, e32 = moe.route(x, scale, proj, expert_scale, k, eps)
+    np.testing.assert_array_equal(np.asarray(e32), np.asarray(e))
+    np.testing.assert_array_equal(np.asarray(w32), np.asarray(w))
+
+
 # --- checkpoints ---------------------------------------------------------------------------------------------
 
 def _text_tensors(directory):

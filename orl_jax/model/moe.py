@@ -35,14 +35,20 @@ def route(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: 
     RMSNorm without weight, times `scale` [D] and D^-1/2 -> logits over E -> softmax (float32) -> top-k ->
     renormalized to sum 1 -> times the chosen experts' `expert_scale` [E].
 
-    Computed as top-k of the float32 logits, then a softmax over those k: the same choice (softmax is monotonic)
+    Computed as top-k of the logits, then a softmax over those k in float32: the same choice (softmax is monotonic)
     and the same weights (the renormalization cancels the softmax's denominator over E), without the [T, E]
-    softmax pass on the MoE's serial routing chain (5.6 us per 26B layer on an H200).
+    softmax pass on the MoE's serial routing chain (5.6 us per 26B layer on an H200). The top-k runs on the logits
+    in their own dtype (bf16 values are exact in float32: same order, same ties), without a [T, E] cast pass
+    before it (ROUTER_TOPK_F32 = True puts it back, the A/B switch).
     """
     h = rms_norm_fp32(x, None, eps) * scale.astype(x.dtype)[None] * (x.shape[-1] ** -0.5)
-    top, e = jax.lax.top_k(einsum("td,de->te", h, proj).astype(jnp.float32), top_k)  # [T, k]
+    logits = einsum("td,de->te", h, proj)
+    top, e = jax.lax.top_k(logits.astype(jnp.float32) if ROUTER_TOPK_F32 else logits, top_k)  # [T, k]
     e = e.astype(jnp.int32)
-    return jax.nn.softmax(top, axis=-1) * in_bounds_take(expert_scale, e).astype(jnp.float32), e
+    return jax.nn.softmax(top.astype(jnp.float32), axis=-1) * in_bounds_take(expert_scale, e).astype(jnp.float32), e
+
+
+ROUTER_TOPK_F32 = False  # read at trace time; see route
 
 
 def in_bounds_take(a: jax.Array, idx: jax.Array) -> jax.Array:
