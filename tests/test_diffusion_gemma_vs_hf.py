@@ -258,9 +258,10 @@ def test_moe_matches_dense_loop():
 
 
 def test_router_equals_softmax_topk_renormalized_in_bf16(monkeypatch):
-    """moe.route in bf16: top-k of the bf16 logits, then a float32 softmax over k, gives HF's choice and weights
-    (softmax over all experts in float32, top-k, renormalized, per-expert scales), ties included (exactly equal
-    logits keep the lower expert first), and the same as top-k after a float32 cast (moe.ROUTER_TOPK_F32)."""
+    """moe.route in bf16, its top-k on the bf16 logits (moe.ROUTER_TOPK_F32 = False), then a float32 softmax over
+    k, gives HF's choice and weights (softmax over all experts in float32, top-k, renormalized, per-expert scales),
+    ties included (exactly equal logits keep the lower expert first), and the same as top-k after a float32 cast
+    (the default)."""
     from orl_jax.model import moe
 
     rng = np.random.default_rng(3)
@@ -271,6 +272,7 @@ def test_router_equals_softmax_topk_renormalized_in_bf16(monkeypatch):
     proj = jnp.asarray(proj, jnp.bfloat16)
     scale, eps = jnp.asarray(1 + 0.1 * rng.normal(size=D), jnp.bfloat16), 1e-6
     expert_scale = jnp.asarray(rng.uniform(0.5, 1.5, size=E), jnp.bfloat16)
+    monkeypatch.setattr(moe, "ROUTER_TOPK_F32", False)
     w, e = moe.route(x, scale, proj, expert_scale, k, eps)
     h = moe.rms_norm_fp32(x, None, eps) * scale[None] * (D ** -0.5)
     probs = np.asarray(jax.nn.softmax(jnp.einsum("td,de->te", h, proj).astype(jnp.float32), axis=-1))

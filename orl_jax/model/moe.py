@@ -37,9 +37,10 @@ def route(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: 
 
     Computed as top-k of the logits, then a softmax over those k in float32: the same choice (softmax is monotonic)
     and the same weights (the renormalization cancels the softmax's denominator over E), without the [T, E]
-    softmax pass on the MoE's serial routing chain (5.6 us per 26B layer on an H200). The top-k runs on the logits
-    in their own dtype (bf16 values are exact in float32: same order, same ties), without a [T, E] cast pass
-    before it (ROUTER_TOPK_F32 = True puts it back, the A/B switch).
+    softmax pass on the MoE's serial routing chain (5.6 us per 26B layer on an H200). ROUTER_TOPK_F32 = False runs
+    the top-k on the logits in their own dtype (bf16 values are exact in float32: the same order, ties and weights;
+    tested), without the [T, E] cast kernel before XLA's sort (2.0 us per 26B layer in the profile). Prepared in
+    session 19 and not yet timed (the device budget was spent): benchmarks/dg_router_topk_dtype_sweep.json.
     """
     h = rms_norm_fp32(x, None, eps) * scale.astype(x.dtype)[None] * (x.shape[-1] ** -0.5)
     logits = einsum("td,de->te", h, proj)
@@ -48,7 +49,7 @@ def route(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: 
     return jax.nn.softmax(top.astype(jnp.float32), axis=-1) * in_bounds_take(expert_scale, e).astype(jnp.float32), e
 
 
-ROUTER_TOPK_F32 = False  # read at trace time; see route
+ROUTER_TOPK_F32 = True  # read at trace time; see route
 
 
 def in_bounds_take(a: jax.Array, idx: jax.Array) -> jax.Array:
