@@ -38,8 +38,9 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
               scale: float | None = None) -> jax.Array:
     """q [B, L, N, H]; parts: (k [B, S, K, H], v [B, S, K, H], mask [B, L, S]) -> [B, L, N, H].
 
-    The parts (cache, self) share one softmax: their scores are concatenated, never their K/V, so a long cache is
-    read once and not copied. Scores and softmax run in float32 (as HF's eager attention does). scale: of the
+    The parts (cache, self) share one softmax: their scores are concatenated, not their K/V, so a long cache is
+    read once and not copied; heads wider than cuDNN's join the parts instead (JOIN_WIDE_PARTS, measured faster
+    there). Scores and softmax run in float32 (as HF's eager attention does). scale: of the
     scores, head_dim ** -0.5 by default (Gemma 4 uses 1.0: its q/k RMSNorms set the scale).
     impl "pallas" (cache + self parts, shapes the kernel supports and is measured faster at: `preferred`):
     kernels/decode_attention's fused kernel. The cache part's k and v may be StackedWeight (layer i of the cache
@@ -54,8 +55,7 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
     self_mask lets padding rows see themselves, so cached passes have no such row).
     """
     if impl in ("xla", "cudnn") and not (impl == "cudnn" and q.shape[-1] > CUDNN_MAX_HEAD_DIM):
-        ks, vs, masks = zip(*[(_slice(k), _slice(v), m) for k, v, m in parts])
-        k, v, mask = jnp.concatenate(ks, axis=1), jnp.concatenate(vs, axis=1), jnp.concatenate(masks, axis=-1)
+        k, v, mask = _joined(parts)
         return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation=impl)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if impl == "pallas" and len(parts) == 2:
@@ -69,16 +69,20 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
             kc, vc, layer = (kc.stack, vc.stack, kc.index) if in_place else (_slice(kc), _slice(vc), None)
             return cached_attention(q, kc, vc, cm, ks, vs, sm, scale=scale, blocks=blocks, layer=layer,
                                     interpret=jax.default_backend() == "cpu")
-    parts = [(_slice(k), _slice(v), m) for k, v, m in parts]
     if JOIN_WIDE_PARTS and len(parts) > 1 and q.shape[-1] > CUDNN_MAX_HEAD_DIM:
-        parts = [tuple(jnp.concatenate(a, axis=-1 if i == 2 else 1) for i, a in enumerate(zip(*parts)))]
-        return scaled_attention(q, parts, scale, late_normalize=WIDE_LATE_NORMALIZE)
-    return scaled_attention(q, parts, scale)
+        return scaled_attention(q, [_joined(parts)], scale, late_normalize=WIDE_LATE_NORMALIZE)
+    return scaled_attention(q, [(_slice(k), _slice(v), m) for k, v, m in parts], scale)
 
 
 def _slice(a):
     """A cache part's array; a StackedWeight (a layer of the cache stacks) as the layer loop delivers it."""
     return a.sliced() if isinstance(a, StackedWeight) else a
+
+
+def _joined(parts: list[tuple]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The parts as one key sequence: K and V concatenated along the keys, the masks along their key axis."""
+    ks, vs, masks = zip(*[(_slice(k), _slice(v), m) for k, v, m in parts])
+    return jnp.concatenate(ks, axis=1), jnp.concatenate(vs, axis=1), jnp.concatenate(masks, axis=-1)
 
 
 def scaled_attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]], scale: float,

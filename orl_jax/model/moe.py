@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from orl_jax.model.layers import ACTIVATIONS, einsum, rms_norm_fp32
 from orl_jax.model.streamed import as_stacked, xla_ragged_dot
 
+ROUTER_TOPK_F32 = True  # read at trace time; see route
+
 
 def route(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: int, eps: float):
     """Gemma 4 router. x [T, D] -> (weights [T, k] float32, experts [T, k] int32).
@@ -46,10 +48,8 @@ def route(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: 
     logits = einsum("td,de->te", h, proj)
     top, e = jax.lax.top_k(logits.astype(jnp.float32) if ROUTER_TOPK_F32 else logits, top_k)  # [T, k]
     e = e.astype(jnp.int32)
-    return jax.nn.softmax(top.astype(jnp.float32), axis=-1) * in_bounds_take(expert_scale, e).astype(jnp.float32), e
-
-
-ROUTER_TOPK_F32 = True  # read at trace time; see route
+    w = jax.nn.softmax(top.astype(jnp.float32), axis=-1)
+    return w * in_bounds_take(expert_scale, e).astype(jnp.float32), e
 
 
 def in_bounds_take(a: jax.Array, idx: jax.Array) -> jax.Array:
