@@ -76,10 +76,10 @@ EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")  # [layers, E, ...] per lay
 
 # When the dense MLP (independent of the experts) may start: None as soon as its input is ready; "topk" once the
 # router's top-k is done, "sort" once the experts' rows are sorted, "gate_up" once their gate/up product is done
-# (a data dependency, moe.after; the pallas moe_impl only for the last two). Why: in an H200 profile of the 26B
-# forward (2026-12-01_dg_routing_chain_h200.md) the dense MLP's cuBLAS GEMMs (~30 us per layer, compute-bound,
-# every SM) run while the router's serial chain waits for SMs, and the bandwidth-bound experts start after both;
-# started beside the experts, the dense GEMMs could fill SMs the experts leave idle. Read at trace time.
+# (an optimization barrier; the pallas moe_impl only for the last two). Why: in an H200 profile of the 26B forward
+# (2026-12-01_dg_routing_chain_h200.md) the dense MLP's cuBLAS GEMMs (~30 us per layer, compute-bound, every SM) run
+# while the router's serial chain waits for SMs, and the bandwidth-bound experts start after both; started beside
+# the experts, the dense GEMMs could fill SMs the experts leave idle. Read at trace time.
 DENSE_MLP_AFTER = None
 
 

@@ -218,12 +218,9 @@ GATHER_IN_KERNEL = True
 
 
 def after(tie, *anchors):
-    """tie, computable only once the first anchor is: each leaf plus 0 x the anchor's first element (a real data
-    dependency, a small elementwise kernel. An optimization barrier is not one: XLA's concurrent command buffers
-    order kernels by the buffers they read, and a barrier's outputs alias its inputs; the dense MLP then started
-    before the anchor in the profile, 2026-12-01_dg_attention_order_h200.md). A NaN first element makes tie NaN."""
-    zero = anchors[0].reshape(-1)[0].astype(jnp.float32) * 0.0
-    return jax.tree.map(lambda t: t + zero.astype(t.dtype), tie)
+    """tie, available only once every anchor is computed (an optimization barrier over both; the anchors' other
+    users keep the anchors themselves)."""
+    return jax.lax.optimization_barrier((tie, anchors))[0]
 
 
 def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False, tie=None,
@@ -237,7 +234,7 @@ def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kerne
     t, k = experts.shape
     tokens, pos, sizes, offsets = _sorted_rows(experts, gate_up.shape[0], sort_kernel)
     if tie is not None and tie_at == "sort":
-        tie = after(tie, tokens)
+        tie = after(tie, tokens, sizes)
     # Indices from the sort kernel (offsets given) take bare gathers. XLA's sort keeps jnp.take: a gather whose index
     # is used once fused the whole counting sort into itself (170 us per 26B layer, session 16).
     take = in_bounds_take if offsets is not None else (lambda a, i: jnp.take(a, i, axis=0))  # noqa: E731
