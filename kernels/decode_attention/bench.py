@@ -85,8 +85,7 @@ def configs(sh: Shape):
     the cache and of the own keys, cache chunks per split, heads per program; 4 warps up to 64 rows per program,
     8 above, within the shared memory estimate (kernel.smem_bytes: 512 rows asked for more than an H200 has in the
     2026-11-30 sweep). Heads >= 256 wide (DiffusionGemma) sweep the value columns split over 1, 2 or 4 programs
-    (with 4 cache chunks per split, or all in one) instead of 16-query tiles, and count warps by the float32
-    accumulator (4 up to 64 x 128).
+    (with 4 cache chunks per split, or all in one) instead of 16-query tiles, and count warps by the float32 accumulator (4 up to 64 x 128).
     Plus the dataclass defaults and the library's rule (kernel.blocks_for), the baselines."""
     l, s, h, g = sh.l, sh.s, sh.h, sh.n // sh.kv
     wide = h >= 256

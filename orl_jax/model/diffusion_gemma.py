@@ -65,7 +65,7 @@ from orl_jax.model.layers import (
     rope_inv_freq,
     soft_cap,
 )
-from orl_jax.model.moe import after, experts_mlp, route
+from orl_jax.model.moe import experts_mlp, route
 from orl_jax.model.streamed import StackedWeight, pack_vectors, unpack_vectors, vector_offsets
 from orl_jax.params import ParamSpec, ones
 
@@ -73,14 +73,6 @@ ACT = "gelu_tanh"  # HF: gelu_pytorch_tanh
 
 
 EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")  # [layers, E, ...] per layer type
-
-# When the dense MLP (independent of the experts) may start: None as soon as its input is ready; "topk" once the
-# router's top-k is done, "sort" once the experts' rows are sorted, "gate_up" once their gate/up product is done
-# (an optimization barrier; the pallas moe_impl only for the last two). Why: in an H200 profile of the 26B forward
-# (2026-12-01_dg_routing_chain_h200.md) the dense MLP's cuBLAS GEMMs (~30 us per layer, compute-bound, every SM) run
-# while the router's serial chain waits for SMs, and the bandwidth-bound experts start after both; started beside
-# the experts, the dense GEMMs could fill SMs the experts leave idle. Read at trace time.
-DENSE_MLP_AFTER = None
 
 
 def _layer_specs(cfg: DiffusionGemmaConfig, n: int, kv: int, hd: int, own_v: bool) -> dict:
@@ -229,14 +221,7 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     flat = x.reshape(b * l, d)  # [T, D]
     weights, experts = route(flat, w["router_scale"], w["router"], w["expert_scale"], cfg.top_k_experts, eps)
     moe_in = rms_norm_fp32(flat, w["moe_norm"], eps)
-    impl = moe_impl(cfg)
-    if DENSE_MLP_AFTER == "topk":
-        mlp_in = after(mlp_in, weights, experts)
-    if DENSE_MLP_AFTER in ("sort", "gate_up") and impl == "pallas":
-        moe, mlp_in = experts_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT, impl,
-                                  tie=mlp_in, tie_at=DENSE_MLP_AFTER)
-    else:
-        moe = experts_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT, impl)
+    moe = experts_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT, moe_impl(cfg))
     moe = moe.reshape(b, l, d)  # [B, L, D]
     mlp = fused_gated_mlp(mlp_in, w["gate_up"], w["down"], ACT)
     ffw = rms_norm_fp32(mlp, w["post_mlp_norm"], eps) + rms_norm_fp32(moe, w["post_moe_norm"], eps)

@@ -88,19 +88,14 @@ def capacity(tokens: int, top_k: int, num_experts: int) -> int:
 
 
 def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up, down, act: str,
-                impl: str = "bucketed", tie=None, tie_at: str = "sort"):
+                impl: str = "bucketed") -> jax.Array:
     """sum_j weights[t, j] * MLP_{experts[t, j]}(x_t). x [T, D]; gate_up [E, D, 2F] (gate | up); down [E, F, D].
     impl (decode sizes): "bucketed", "dense" or "pallas" (the sorted rows through kernels/grouped_gemm, any T, no
-    buckets). See the module docstring.
-    tie (impl "pallas" only): a pytree returned beside the output, (out, tied), made available only once the rows
-    are sorted (tie_at "sort") or the gate/up product is done ("gate_up"): an ordering for independent work beside
-    the experts (DiffusionGemma's dense MLP) that values cannot express."""
+    buckets). See the module docstring."""
     t, k = experts.shape
     if impl == "pallas":  # expert stacks as StackedWeight: their ragged_dot is the grouped kernel
         return grouped_experts_mlp(x, weights, experts, as_stacked(gate_up), as_stacked(down), act,
-                                   sort_kernel=SORT_KERNEL, tie=tie, tie_at=tie_at)
-    if tie is not None:
-        raise ValueError(f"experts_mlp: tie is for impl 'pallas', not impl={impl!r}")
+                                   sort_kernel=SORT_KERNEL)
     if t > BUCKETED_MAX_TOKENS:
         return grouped_experts_mlp(x, weights, experts, gate_up, down, act)
     c = capacity(t, k, gate_up.shape[0])
@@ -217,33 +212,18 @@ def _sorted_rows(experts: jax.Array, num_experts: int, kernel: bool):
 GATHER_IN_KERNEL = True
 
 
-def after(tie, *anchors):
-    """tie, available only once every anchor is computed (an optimization barrier over both; the anchors' other
-    users keep the anchors themselves)."""
-    return jax.lax.optimization_barrier((tie, anchors))[0]
-
-
-def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False, tie=None,
-                        tie_at: str = "sort"):
+def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False) -> jax.Array:
     """Rows sorted by expert and multiplied group by group (`grouped_matmul`): work proportional to T * k. The
     outputs come back by a gather (each assignment reads its sorted row), weighted and summed over the k choices.
     sort_kernel: sort with kernels/expert_sort (one launch, and the group offsets the grouped kernel needs) up to its
-    MAX_ASSIGNMENTS, instead of sort_by_expert's XLA fusions. tie, tie_at: see experts_mlp."""
-    if tie_at not in ("sort", "gate_up"):
-        raise ValueError(f"grouped_experts_mlp: tie_at={tie_at!r}, expected 'sort' or 'gate_up'")
+    MAX_ASSIGNMENTS, instead of sort_by_expert's XLA fusions."""
     t, k = experts.shape
     tokens, pos, sizes, offsets = _sorted_rows(experts, gate_up.shape[0], sort_kernel)
-    if tie is not None and tie_at == "sort":
-        tie = after(tie, tokens, sizes)
     # Indices from the sort kernel (offsets given) take bare gathers. XLA's sort keeps jnp.take: a gather whose index
     # is used once fused the whole counting sort into itself (170 us per 26B layer, session 16).
     take = in_bounds_take if offsets is not None else (lambda a, i: jnp.take(a, i, axis=0))  # noqa: E731
     xs, rows = (x, tokens) if GATHER_IN_KERNEL else (take(x, tokens), None)
-    gu = grouped_matmul(xs, gate_up, sizes, offsets, rows=rows)
-    if tie is not None and tie_at == "gate_up":
-        tie = after(tie, gu)
-    g, u = jnp.split(gu, 2, axis=-1)  # [M, F] each
+    g, u = jnp.split(grouped_matmul(xs, gate_up, sizes, offsets, rows=rows), 2, axis=-1)  # [M, F] each
     y = grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes, offsets)  # [M, D] in sorted order
     y = take(y, pos).astype(jnp.float32) * weights.reshape(-1, 1)  # [M, D] in (token, choice) order
-    out = jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)  # [T, D]
-    return out if tie is None else (out, tie)
+    return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)  # [T, D]
