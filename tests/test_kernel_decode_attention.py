@@ -43,9 +43,7 @@ GROUPED = Blocks(bl=16, bs=32, chunks_per_split=1, group_heads=True)
 @pytest.mark.parametrize("blocks", [Blocks(), Blocks(bl=16, bs=32), Blocks(bl=16, bs=16, chunks_per_split=1),
                                     Blocks(group_heads=True), GROUPED,
                                     Blocks(bl=16, bs=32, chunks_per_split=4),  # the whole cache in one split
-                                    dataclasses.replace(GROUPED, chunks_per_split=4),
-                                    Blocks(bl=16, bs=32, value_split=2),  # value columns over two programs
-                                    dataclasses.replace(GROUPED, chunks_per_split=4, value_split=2)])
+                                    dataclasses.replace(GROUPED, chunks_per_split=4)])
 def test_kernel_equals_reference_in_interpret_mode(blocks):
     q, kc, vc, cm, kself, vself, sm = _inputs(jax.random.key(0))
     want = attention(q, [(kc, vc, cm), (kself, vself, sm)])
@@ -73,7 +71,6 @@ def test_supported_shapes():
     assert supported(32, 544, 128) and supported(256, 768, 128) and supported(16, 16, 16)
     assert not supported(8, 64, 64)  # a block of 8 queries: below the 16-row dot
     assert not supported(32, 40, 64) and not supported(32, 64, 96)
-    assert supported(32, 64, 64, Blocks(value_split=4)) and not supported(32, 64, 32, Blocks(value_split=4))
     assert supported(32, 64, 64, Blocks(group_heads=True), g=4) and not supported(32, 64, 64, Blocks(group_heads=True),
                                                                                     g=3)
     with pytest.raises(ValueError, match="not supported"):
@@ -138,22 +135,8 @@ def test_kernel_compiled_on_gpu_bf16(l, s, n, kv, h):
     _assert_close_but_the_blind_row(got, want, 2e-2)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("kv,h", [(8, 256), (2, 512)], ids=["dg_sliding", "dg_full"])
-def test_value_split_compiled_on_gpu_bf16(kv, h):
-    """DiffusionGemma's decoder shapes (16 heads, canvas 256 over 768 slots) with the value columns split over
-    programs, with and without key splits."""
-    q, kc, vc, cm, kself, vself, sm = _inputs(jax.random.key(0), l=256, s=768, n=16, kv=kv, h=h, dtype=jnp.bfloat16)
-    want = attention(q, [(kc, vc, cm), (kself, vself, sm)], scale=1.0)
-    for blocks in (Blocks(bl=64, bs=32, chunks_per_split=32, num_warps=8, value_split=2),
-                   Blocks(bl=64, bs=32, chunks_per_split=8, num_warps=4, value_split=4)):
-        got = cached_attention(q, kc, vc, cm, kself, vself, sm, scale=1.0, blocks=blocks)
-        _assert_close_but_the_blind_row(got, want, 3e-2)
-
-
-@pytest.mark.parametrize("group_heads,stacked,value_split", [(False, False, 1), (True, False, 1), (False, True, 1),
-                                                              (True, True, 2)])
-def test_kernel_lowers_to_verified_triton_on_any_machine(monkeypatch, group_heads, stacked, value_split):
+@pytest.mark.parametrize("group_heads,stacked", [(False, False), (True, False), (False, True)])
+def test_kernel_lowers_to_verified_triton_on_any_machine(monkeypatch, group_heads, stacked):
     """Pallas -> Triton IR at the Qwen3-4B decode shape, cross-platform, through MLIR's verifier (no GPU needed):
     catches an op the Triton lowering does not support, or mixed-type loop bounds, before a GPU session."""
     sd = jax.ShapeDtypeStruct
@@ -161,7 +144,7 @@ def test_kernel_lowers_to_verified_triton_on_any_machine(monkeypatch, group_head
     args = (sd((b, l, n, h), jnp.bfloat16), sd((b, s, kv, h), jnp.bfloat16), sd((b, s, kv, h), jnp.bfloat16),
             sd((b, l, s), jnp.int8), sd((b, l, kv, h), jnp.bfloat16), sd((b, l, kv, h), jnp.bfloat16),
             sd((b, l, l), jnp.int8))
-    blocks = Blocks(group_heads=group_heads, value_split=value_split)
+    blocks = Blocks(group_heads=group_heads)
     if stacked:  # 36 layers of cache, read at a traced layer index
         args = (args[0], sd((36, b, s, kv, h), jnp.bfloat16), sd((36, b, s, kv, h), jnp.bfloat16), *args[3:],
                 sd((), jnp.int32))
@@ -176,7 +159,7 @@ def test_kernel_reads_a_layer_of_the_cache_stacks_in_place():
     kst = jnp.stack([kc * 0.5, kc, kc * 2.0])
     vst = jnp.stack([vc * 0.5, vc, vc * 3.0])
     kw = dict(scale=q.shape[-1] ** -0.5, interpret=True)
-    for blocks in (Blocks(), GROUPED, dataclasses.replace(GROUPED, value_split=2)):
+    for blocks in (Blocks(), GROUPED):
         want = cached_attention(q, kst[2], vst[2], cm, kself, vself, sm, blocks=blocks, **kw)
         got = cached_attention(q, kst, vst, cm, kself, vself, sm, blocks=blocks, layer=jnp.int32(2), **kw)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)

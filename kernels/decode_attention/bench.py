@@ -84,21 +84,14 @@ def configs(sh: Shape):
     """Block candidates the kernel supports at the shape, one per distinct effective tiling: query tile, key chunk of
     the cache and of the own keys, cache chunks per split, heads per program; 4 warps up to 64 rows per program,
     8 above, within the shared memory estimate (kernel.smem_bytes: 512 rows asked for more than an H200 has in the
-    2026-11-30 sweep). Heads >= 256 wide (DiffusionGemma) sweep the value columns split over 1, 2 or 4 programs
-    (with 4 cache chunks per split, or all in one) instead of 16-query tiles, and count warps by the float32 accumulator (4 up to 64 x 128).
-    Plus the dataclass defaults and the library's rule (kernel.blocks_for), the baselines."""
+    2026-11-30 sweep). Plus the dataclass defaults and the library's rule (kernel.blocks_for), the baselines."""
     l, s, h, g = sh.l, sh.s, sh.h, sh.n // sh.kv
-    wide = h >= 256
-    grid = (itertools.product((32, 64, 128), (32, 64), (4, 32), (False, True), (1, 2, 4)) if wide else
-            itertools.product((16, 32, 64, 128), (32, 64, 128), (1, 2, 4, 8), (False, True), (1,)))
     out, seen = [], set()
-    for bl, bs, cps, grouped, vs in grid:
+    for bl, bs, cps, grouped in itertools.product((16, 32, 64, 128), (32, 64, 128), (1, 2, 4, 8), (False, True)):
         rows = min(bl, l) * (g if grouped else 1)
-        warps = 4 if (rows * h // vs <= 64 * 128 if wide else rows <= 64) else 8
-        b = Blocks(bl=bl, bs=bs, chunks_per_split=cps, num_warps=warps, num_stages=2, group_heads=grouped,
-                   value_split=vs)
-        eff = (tile(l, bl), tile(s, bs), tile(l, bs), min(cps, -(-s // tile(s, bs) if tile(s, bs) else 1)), grouped,
-               vs)
+        b = Blocks(bl=bl, bs=bs, chunks_per_split=cps, num_warps=4 if rows <= 64 else 8, num_stages=2,
+                   group_heads=grouped)
+        eff = (tile(l, bl), tile(s, bs), tile(l, bs), cps, grouped)
         if bl <= l and smem_bytes(b, h, g) <= SMEM_LIMIT and supported(l, s, h, b, g) and eff not in seen:
             seen.add(eff)
             out.append(b)

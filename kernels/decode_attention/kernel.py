@@ -51,10 +51,6 @@ class Blocks:
     # benchmarks/results/2026-11-30_engine_profile_h200x2.md). Used by attention() when its cache part is a
     # StackedWeight.
     cache_in_place: bool = False
-    # value columns split over this many programs (each computes the full q.k scores and 1/value_split of the output
-    # columns): a smaller float32 accumulator per program and more programs, for wide heads where key splits would
-    # need a merge of [P, ..., H] float32 partials (DiffusionGemma's 256- and 512-wide heads)
-    value_split: int = 1
 
 
 TUNED: dict[tuple[int, int, int, int], Blocks] = {}  # (queries, cache slots, head dim, heads per kv head)
@@ -100,7 +96,7 @@ def smem_bytes(blocks: Blocks, h: int, g: int) -> int:
     (the H200 refused 128 queries x 4 grouped heads with 128-key chunks at h 128: 278,528 bytes asked; this
     gives 262,144)."""
     rows = blocks.bl * (g if blocks.group_heads else 1)
-    return 2 * (h * rows + blocks.num_stages * blocks.bs * (h + h // blocks.value_split))
+    return 2 * h * (rows + blocks.num_stages * 2 * blocks.bs)
 
 
 def blocks_for(l: int, s: int, h: int = 128, g: int = 1) -> Blocks:
@@ -138,10 +134,10 @@ def tile(n: int, want: int) -> int:
 
 def supported(l: int, s: int, h: int, blocks: Blocks = Blocks(), g: int = 1) -> bool:
     """Queries per pass l, cache slots s, head dim h, query heads per kv head g: tiles of >= 16 must divide l, s;
-    h a power of two >= 16; with group_heads, g a power of two; value_split a power of two leaving >= 16 columns."""
+    h a power of two >= 16; with group_heads, g a power of two."""
     pow2 = lambda x: x >= 1 and not x & (x - 1)  # noqa: E731
     return (bool(tile(l, blocks.bl) and tile(s, blocks.bs) and tile(l, blocks.bs)) and h >= 16 and pow2(h)
-            and (not blocks.group_heads or pow2(g)) and pow2(blocks.value_split) and h // blocks.value_split >= 16)
+            and (not blocks.group_heads or pow2(g)))
 
 
 def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref, ms_ref, o_ref, *stats, scale: float,
@@ -189,19 +185,19 @@ def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref
 
     rows = bl * g
     carry = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
-             jnp.zeros((rows, vs_ref.shape[-1]), jnp.float32))  # this program's value columns
+             jnp.zeros((rows, h), jnp.float32))
     carry = stream(kc_ref, vc_ref, mc_ref, cs, first, cache_trips, carry, stacked)
     m, l, acc = stream(ks_ref, vs_ref, ms_ref, ss, 0, self_trips, carry)
     if not stats:  # o_ref: the block of the [B, L, N, H] output
         out = (acc / l[:, None]).astype(o_ref.dtype)
         if grouped:
-            o_ref[0] = out.reshape(bl, g, -1)
+            o_ref[0] = out.reshape(bl, g, h)
         else:
             o_ref[0, :, 0, :] = out
         return
     m_out, l_out = stats
     if grouped:  # m, l laid out [P, B, L, N] either way: combine() reads them without a transpose
-        o_ref[0, 0] = acc.reshape(bl, g, -1)
+        o_ref[0, 0] = acc.reshape(bl, g, h)
         m_out[0, 0] = m.reshape(bl, g)
         l_out[0, 0] = l.reshape(bl, g)
     else:
@@ -250,40 +246,31 @@ def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask,
     seen = jnp.any(cache_mask.reshape(b, l // bl, bl, s) != 0, axis=2)  # [B, T, S]
     extent = jnp.max(jnp.where(seen, jnp.arange(1, s + 1, dtype=jnp.int32), 0), axis=-1)  # [B, T]
     f32 = jnp.float32
-    grouped, vsp = blocks.group_heads, blocks.value_split
-    hv = h // vsp  # value columns per program
-    # grid axis 1: (kv head if grouped, else query head) x value part; hd(j) the head block, vp(j) the value part
-    hd, vp = (lambda j: j // vsp), (lambda j: j % vsp)
-    kvh = (lambda j: hd(j)) if grouped else (lambda j: hd(j) // g)
+    grouped = blocks.group_heads
+    kvh = (lambda j: j) if grouped else (lambda j: j // g)  # grid axis 1: kv heads (grouped) or query heads
     nh = g if grouped else 1  # query heads per program
-    if stacked:
-        k_spec = pl.BlockSpec((k_cache.shape[0], 1, s, 1, h), lambda i, j, t, p: (0, i, 0, kvh(j), 0))
-        v_spec = pl.BlockSpec((k_cache.shape[0], 1, s, 1, hv), lambda i, j, t, p: (0, i, 0, kvh(j), vp(j)))
-    else:
-        k_spec = pl.BlockSpec((1, s, 1, h), lambda i, j, t, p: (i, 0, kvh(j), 0))
-        v_spec = pl.BlockSpec((1, s, 1, hv), lambda i, j, t, p: (i, 0, kvh(j), vp(j)))
+    cache_spec = (pl.BlockSpec((k_cache.shape[0], 1, s, 1, h), lambda i, j, t, p: (0, i, 0, kvh(j), 0)) if stacked
+                  else pl.BlockSpec((1, s, 1, h), lambda i, j, t, p: (i, 0, kvh(j), 0)))
     if splits == 1:  # the normalized output
         out_shape = (jax.ShapeDtypeStruct((b, l, n, h), q.dtype),)
-        out_specs = (pl.BlockSpec((1, bl, nh, hv), lambda i, j, t, p: (i, t, hd(j), vp(j))),)
-    else:  # per split: the unnormalized output, then its max and sum [P, B, L, N] (the layout combine() reads;
-        # every value part writes the same max and sum)
+        out_specs = (pl.BlockSpec((1, bl, nh, h), lambda i, j, t, p: (i, t, j, 0)),)
+    else:  # per split: the unnormalized output, then its max and sum [P, B, L, N] (the layout combine() reads)
         stat = jax.ShapeDtypeStruct((splits, b, l, n), f32)
-        stat_spec = pl.BlockSpec((1, 1, bl, nh), lambda i, j, t, p: (p, i, t, hd(j)))
+        stat_spec = pl.BlockSpec((1, 1, bl, nh), lambda i, j, t, p: (p, i, t, j))
         out_shape = (jax.ShapeDtypeStruct((splits, b, l, n, h), f32), stat, stat)
-        out_specs = (pl.BlockSpec((1, 1, bl, nh, hv), lambda i, j, t, p: (p, i, t, hd(j), vp(j))), stat_spec,
-                     stat_spec)
+        out_specs = (pl.BlockSpec((1, 1, bl, nh, h), lambda i, j, t, p: (p, i, t, j, 0)), stat_spec, stat_spec)
     outs = pl.pallas_call(
         functools.partial(_kernel, scale=scale, cs=cs, ss=ss, cps=blocks.chunks_per_split, grouped=grouped,
                           stacked=stacked),
         out_shape=out_shape,
-        grid=(b, (kv if grouped else n) * vsp, l // bl, splits),
+        grid=(b, kv if grouped else n, l // bl, splits),
         in_specs=[pl.BlockSpec((1,), lambda i, j, t, p: (0,)),
                   pl.BlockSpec((1, 1), lambda i, j, t, p: (i, t)),
-                  pl.BlockSpec((1, bl, nh, h), lambda i, j, t, p: (i, t, hd(j), 0)),
-                  k_spec, v_spec,
+                  pl.BlockSpec((1, bl, nh, h), lambda i, j, t, p: (i, t, j, 0)),
+                  cache_spec, cache_spec,
                   pl.BlockSpec((1, bl, s), lambda i, j, t, p: (i, t, 0)),
                   pl.BlockSpec((1, l, 1, h), lambda i, j, t, p: (i, 0, kvh(j), 0)),
-                  pl.BlockSpec((1, l, 1, hv), lambda i, j, t, p: (i, 0, kvh(j), vp(j))),
+                  pl.BlockSpec((1, l, 1, h), lambda i, j, t, p: (i, 0, kvh(j), 0)),
                   pl.BlockSpec((1, bl, l), lambda i, j, t, p: (i, t, 0))],
         out_specs=out_specs,
         interpret=interpret,
