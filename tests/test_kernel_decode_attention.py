@@ -261,3 +261,84 @@ def test_diffusion_gemma_decoder_with_the_kernel_equals_the_einsums(monkeypatch)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-4, rtol=2e-4)
     assert float(want.std()) > 0.01  # non-trivial logits
     assert calls and all(calls)  # traced once per group's sliding loop, in DiffusionGemma's order
+
+
+def _normed_inputs(key, b=2, l=32, s=96, kv=2, g=2, h=32, dtype=jnp.float32):
+    """A raw projection [B, L, K, G + 2, H] with rows of different scales (the norms must matter), RoPE tables, and
+    norm weights packed in a [3, 4H] vector stack (layer 1 used)."""
+    ks = jax.random.split(key, 6)
+    proj = jax.random.normal(ks[0], (b, l, kv, g + 2, h), dtype) * jnp.exp(
+        jax.random.normal(ks[1], (b, l, kv, g + 2, 1), dtype))
+    angles = jax.random.uniform(ks[2], (b, l, h // 2), jnp.float32, 0, 6.0)
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    vectors = 1.0 + 0.3 * jax.random.normal(ks[3], (3, 4 * h), jnp.float32)
+    _, kc, vc, cm, _, _, sm = _inputs(ks[4], b=b, l=l, s=s, n=kv * g, kv=kv, h=h, dtype=dtype)
+    return proj, jnp.cos(angles), jnp.sin(angles), vectors, kc, vc, cm, sm
+
+
+@pytest.mark.parametrize("blocks", [Blocks(bl=16, bs=32), Blocks(bl=16, bs=32, chunks_per_split=4),
+                                    Blocks(bl=32, bs=16, chunks_per_split=1)])
+def test_normed_kernel_equals_norm_kernel_then_attention(blocks):
+    """cached_attention_normed (q/k/v norms + RoPE inside) against kernels/qk_norm_rope's reference, then the
+    attention reference; stacked cache read in place; q/k weights from layer 1 of the vector stack."""
+    from orl_jax_kernels.decode_attention.kernel import cached_attention_normed
+    from orl_jax_kernels.qk_norm_rope.reference import gemma_qkv_reference
+
+    proj, cos, sin, vectors, kc, vc, cm, sm = _normed_inputs(jax.random.key(5))
+    b, l, kv, slots, h = proj.shape
+    eps, offsets = 1e-6, (h, 3 * h)
+    q, k, v = gemma_qkv_reference(proj, cos, sin, vectors[1, h:2 * h], vectors[1, 3 * h:], eps)
+    want = attention(q.reshape(b, l, -1, h), [(kc, vc, cm), (k, v, sm)], scale=1.0)
+    kst, vst = jnp.stack([kc * 2.0, kc]), jnp.stack([vc * 0.5, vc])
+    got = cached_attention_normed(proj, kst, vst, cm, sm, cos, sin, vectors, jnp.int32(1), offsets=offsets, eps=eps,
+                                  scale=1.0, blocks=blocks, interpret=True, layer=jnp.int32(1))
+    _assert_close_but_the_blind_row(got, want, 2e-5)
+    # the norms are applied: the raw projection's attention differs
+    raw = attention(proj[:, :, :, :2].reshape(b, l, -1, h), [(kc, vc, cm), (proj[:, :, :, 2], proj[:, :, :, 3], sm)],
+                    scale=1.0)
+    assert float(jnp.abs(raw - want).max()) > 1e-2
+
+
+def test_normed_kernel_refuses_what_it_does_not_take():
+    from orl_jax_kernels.decode_attention.kernel import cached_attention_normed
+
+    proj, cos, sin, vectors, kc, vc, cm, sm = _normed_inputs(jax.random.key(6))
+    h = proj.shape[-1]
+    kw = dict(eps=1e-6, scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="group_heads"):
+        cached_attention_normed(proj, kc, vc, cm, sm, cos, sin, vectors, jnp.int32(0), offsets=(0, h),
+                                blocks=Blocks(group_heads=True), **kw)
+    with pytest.raises(ValueError, match="offsets"):
+        cached_attention_normed(proj, kc, vc, cm, sm, cos, sin, vectors, jnp.int32(0), offsets=(0, 4 * h), **kw)
+
+
+def test_normed_kernel_lowers_to_verified_triton_on_any_machine(monkeypatch):
+    """At DiffusionGemma's sliding decoder shape (the 25-layer cache and vector stacks read in place, WIDE_HEADS)."""
+    from orl_jax_kernels.decode_attention.kernel import WIDE_HEADS, cached_attention_normed
+
+    sd = jax.ShapeDtypeStruct
+    b, l, kv, g, h, s = 1, 256, 8, 2, 256, 768
+    args = (sd((b, l, kv, g + 2, h), jnp.bfloat16), sd((25, b, s, kv, h), jnp.bfloat16),
+            sd((25, b, s, kv, h), jnp.bfloat16), sd((b, l, s), jnp.int8), sd((b, l, l), jnp.int8),
+            sd((b, l, h), jnp.float32), sd((b, l, h), jnp.float32), sd((25, 6 * h), jnp.bfloat16), sd((), jnp.int32))
+    verified_triton_modules(monkeypatch, lambda *a: cached_attention_normed(
+        *a, offsets=(0, h), eps=1e-6, scale=1.0, blocks=WIDE_HEADS, layer=a[-1]), *args)
+
+
+@pytest.mark.gpu
+def test_normed_kernel_compiled_on_gpu_bf16():
+    """DiffusionGemma's sliding decoder shape (canvas 256 over 768 slots, 8 kv heads of 2 query heads, H 256) with
+    the library's blocks, against the norm kernel and the attention kernel compiled separately."""
+    from orl_jax_kernels.decode_attention.kernel import blocks_for, cached_attention_normed
+    from orl_jax_kernels.qk_norm_rope.kernel import qk_norm_rope_stacked
+
+    proj, cos, sin, vectors, kc, vc, cm, sm = _normed_inputs(jax.random.key(7), l=256, s=768, kv=8, g=2, h=256,
+                                                             dtype=jnp.bfloat16)
+    vectors = vectors.astype(jnp.bfloat16)
+    b, l, kv, slots, h = proj.shape
+    blocks = blocks_for(l, 768, h, 2)
+    q, k, v = qk_norm_rope_stacked(proj, cos, sin, vectors, jnp.int32(1), (h, 3 * h), 1e-6, gemma=True)
+    want = cached_attention(q.reshape(b, l, -1, h), kc, vc, cm, k, v, sm, scale=1.0, blocks=blocks)
+    got = cached_attention_normed(proj, kc, vc, cm, sm, cos, sin, vectors, jnp.int32(1), offsets=(h, 3 * h), eps=1e-6,
+                                  scale=1.0, blocks=blocks)
+    _assert_close_but_the_blind_row(got, want, 2e-2)
