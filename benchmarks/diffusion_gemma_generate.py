@@ -271,12 +271,18 @@ if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the is
         switches = entry.get("set", {})
         defaults = {name: set_switch(name, value) for name, value in switches.items()}
         jax.clear_caches()  # every kernel wrapper and the forward trace again, under these tables and switches
-        ms, temp = one_forward(swept, cache, options)
+        try:
+            ms, temp = one_forward(swept, cache, options)
+        except Exception as ex:  # an entry the compiler or the chip refuses (shared memory): recorded, not fatal
+            log(what="decode_forward", gemm_variant=entry["name"], set=switches, error=repr(ex)[:300])
+            ms = None
+        for name, value in defaults.items():
+            set_switch(name, value)
+        if ms is None:
+            continue
         log(what="decode_forward", moe_impl="pallas", gemm_variant=entry["name"], table=str(table),
             attention_table=str(attention), **variant, compiler_options=options, set=switches, ms=ms,
             temp_gb=None if temp is None else temp / 1e9)
-        for name, value in defaults.items():
-            set_switch(name, value)
     sys.exit(0)
 
 for impl in IMPLS:
