@@ -290,8 +290,7 @@ def test_normed_kernel_equals_norm_kernel_then_attention(blocks):
     q, k, v = gemma_qkv_reference(proj, cos, sin, vectors[1, h:2 * h], vectors[1, 3 * h:], eps)
     want = attention(q.reshape(b, l, -1, h), [(kc, vc, cm), (k, v, sm)], scale=1.0)
     kst, vst = jnp.stack([kc * 2.0, kc]), jnp.stack([vc * 0.5, vc])
-    half = [t[..., :h // 2].astype(proj.dtype) for t in (cos, sin)]  # the tables repeat their first half
-    got = cached_attention_normed(proj, kst, vst, cm, sm, *half, vectors, jnp.int32(1), offsets=offsets, eps=eps,
+    got = cached_attention_normed(proj, kst, vst, cm, sm, cos, sin, vectors, jnp.int32(1), offsets=offsets, eps=eps,
                                   scale=1.0, blocks=blocks, interpret=True, layer=jnp.int32(1))
     _assert_close_but_the_blind_row(got, want, 2e-5)
     # the norms are applied: the raw projection's attention differs
@@ -305,16 +304,12 @@ def test_normed_kernel_refuses_what_it_does_not_take():
 
     proj, cos, sin, vectors, kc, vc, cm, sm = _normed_inputs(jax.random.key(6))
     h = proj.shape[-1]
-    cos, sin = cos[..., :h // 2], sin[..., :h // 2]
     kw = dict(eps=1e-6, scale=1.0, interpret=True)
     with pytest.raises(ValueError, match="group_heads"):
         cached_attention_normed(proj, kc, vc, cm, sm, cos, sin, vectors, jnp.int32(0), offsets=(0, h),
                                 blocks=Blocks(group_heads=True), **kw)
     with pytest.raises(ValueError, match="offsets"):
         cached_attention_normed(proj, kc, vc, cm, sm, cos, sin, vectors, jnp.int32(0), offsets=(0, 4 * h), **kw)
-    with pytest.raises(ValueError, match="cos"):  # whole tables instead of their first half
-        cached_attention_normed(proj, kc, vc, cm, sm, *_normed_inputs(jax.random.key(6))[1:3], vectors,
-                                jnp.int32(0), offsets=(0, h), **kw)
 
 
 def test_normed_kernel_lowers_to_verified_triton_on_any_machine(monkeypatch):
@@ -325,8 +320,7 @@ def test_normed_kernel_lowers_to_verified_triton_on_any_machine(monkeypatch):
     b, l, kv, g, h, s = 1, 256, 8, 2, 256, 768
     args = (sd((b, l, kv, g + 2, h), jnp.bfloat16), sd((25, b, s, kv, h), jnp.bfloat16),
             sd((25, b, s, kv, h), jnp.bfloat16), sd((b, l, s), jnp.int8), sd((b, l, l), jnp.int8),
-            sd((b, l, h // 2), jnp.bfloat16), sd((b, l, h // 2), jnp.bfloat16), sd((25, 6 * h), jnp.bfloat16),
-            sd((), jnp.int32))
+            sd((b, l, h), jnp.float32), sd((b, l, h), jnp.float32), sd((25, 6 * h), jnp.bfloat16), sd((), jnp.int32))
     verified_triton_modules(monkeypatch, lambda *a: cached_attention_normed(
         *a, offsets=(0, h), eps=1e-6, scale=1.0, blocks=WIDE_HEADS, layer=a[-1]), *args)
 
@@ -345,7 +339,6 @@ def test_normed_kernel_compiled_on_gpu_bf16():
     blocks = blocks_for(l, 768, h, 2)
     q, k, v = qk_norm_rope_stacked(proj, cos, sin, vectors, jnp.int32(1), (h, 3 * h), 1e-6, gemma=True)
     want = cached_attention(q.reshape(b, l, -1, h), kc, vc, cm, k, v, sm, scale=1.0, blocks=blocks)
-    half = [t[..., :h // 2].astype(proj.dtype) for t in (cos, sin)]
-    got = cached_attention_normed(proj, kc, vc, cm, sm, *half, vectors, jnp.int32(1), offsets=(h, 3 * h), eps=1e-6,
+    got = cached_attention_normed(proj, kc, vc, cm, sm, cos, sin, vectors, jnp.int32(1), offsets=(h, 3 * h), eps=1e-6,
                                   scale=1.0, blocks=blocks)
     _assert_close_but_the_blind_row(got, want, 2e-2)

@@ -177,8 +177,9 @@ def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref
             w1 = vec_ref[vec_layer, pl.ds(off, half)].astype(jnp.float32)[None]
             w2 = vec_ref[vec_layer, pl.ds(off + half, half)].astype(jnp.float32)[None]
             y1, y2 = (w1 * (f1 * inv)).astype(dt), (w2 * (f2 * inv)).astype(dt)
-            c, sn = cos_ref[0, rows, :].astype(dt), sin_ref[0, rows, :].astype(dt)  # one half serves both
-            return y1 * c + (-y2) * sn, y2 * c + y1 * sn
+            c1, c2 = cos_ref[0, rows, lo].astype(dt), cos_ref[0, rows, hi].astype(dt)
+            s1, s2 = sin_ref[0, rows, lo].astype(dt), sin_ref[0, rows, hi].astype(dt)
+            return y1 * c1 + (-y2) * s1, y2 * c2 + y1 * s2
 
         t0 = pl.multiple_of(pl.program_id(2) * bl, bl)
         q = norm_rope(q_ref[0, :, 0, 0, lo], q_ref[0, :, 0, 0, hi], pl.ds(t0, bl), q_off)
@@ -283,10 +284,8 @@ def cached_attention_normed(proj, k_cache, v_cache, cache_mask, self_mask, cos, 
                             interpret: bool = False, layer=None):
     """cached_attention of DiffusionGemma's sliding layers straight from their projection, with the q/k/v norms and
     RoPE of kernels/qk_norm_rope (gemma=True) done in the kernel: proj [B, L, K, G + 2, H] (per kv head its G
-    query heads, k, v; raw); cos / sin [B, L, H / 2], the first half of the rotate-half tables (the second repeats
-    it: layers.rope_angles_inv_freq) in proj's dtype (the model casts them so before use); the norm weights at
-    vectors[vec_layer, q:q + H] and [k:k + H] for offsets (q, k) (int32 scalar vec_layer) -> [B, L, K * G, H].
-    The cache holds normed, rotated keys already.
+    query heads, k, v; raw), cos / sin [B, L, H], the norm weights at vectors[vec_layer, q:q + H] and [k:k + H]
+    for offsets (q, k) (int32 scalar vec_layer) -> [B, L, K * G, H]. The cache holds normed, rotated keys already.
     Why: the separate norm kernel cost 4.4 us plus ~1.7 us idle per 26B sliding layer on the serial chain
     (2026-12-01_dg_routing_chain_h200.md). Programs serve one query head each (group_heads False); the scores are
     two dots over the halves of H (RoPE's pairs), so they round differently from one dot; q, k and v equal the
@@ -295,7 +294,7 @@ def cached_attention_normed(proj, k_cache, v_cache, cache_mask, self_mask, cos, 
     if blocks.group_heads or h % 2 or (h // 2) & (h // 2 - 1):
         raise ValueError(f"cached_attention_normed: H={h} (half a power of two needed) with {blocks} "
                          f"(group_heads unsupported)")
-    if cos.shape != (b, l, h // 2) or sin.shape != (b, l, h // 2) or vectors.ndim != 2 or \
+    if cos.shape != (b, l, h) or sin.shape != (b, l, h) or vectors.ndim != 2 or \
             not all(0 <= o <= vectors.shape[1] - h for o in offsets):
         raise ValueError(f"cached_attention_normed: proj {proj.shape}, cos {cos.shape}, sin {sin.shape}, vectors "
                          f"{vectors.shape} and offsets {offsets} do not match")
@@ -318,9 +317,7 @@ def _attend(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask, norm_arg
     g = n // kv
     if not supported(l, s, h, blocks, g):
         raise ValueError(f"cached_attention: L={l}, S={s}, H={h}, G={g} not supported with {blocks}")
-    # own keys in chunks of at most 32 when normed here: each chunk also stages its raw k, v and RoPE rows (at 64
-    # the H200 refused DiffusionGemma's WIDE_HEADS blocks: 319,488 bytes of shared memory asked)
-    bl, cs, ss = tile(l, blocks.bl), tile(s, blocks.bs), tile(l, min(blocks.bs, 32) if norm else blocks.bs)
+    bl, cs, ss = tile(l, blocks.bl), tile(s, blocks.bs), tile(l, blocks.bs)
     # the cache in one split: that program also takes the own keys and normalizes (no partials, no merge);
     # otherwise the own keys are one more split
     cache_splits = -(-(s // cs) // blocks.chunks_per_split)
@@ -345,7 +342,7 @@ def _attend(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask, norm_arg
         q_spec = pl.BlockSpec((1, bl, 1, 1, h), lambda i, j, t, p: (i, t, j // g, j % g, 0))
         self_specs = [pl.BlockSpec((1, l, 1, 1, h), lambda i, j, t, p, o=o: (i, 0, j // g, g + o, 0)) for o in (0, 1)]
         vectors = norm_args[2]
-        norm_specs = [pl.BlockSpec((1, l, h // 2), lambda i, j, t, p: (i, 0, 0))] * 2 + [
+        norm_specs = [pl.BlockSpec((1, l, h), lambda i, j, t, p: (i, 0, 0))] * 2 + [
             pl.BlockSpec(vectors.shape, lambda i, j, t, p: (0, 0)), pl.BlockSpec((1,), lambda i, j, t, p: (0,))]
     if splits == 1:  # the normalized output
         out_shape = (jax.ShapeDtypeStruct((b, l, n, h), q.dtype),)

@@ -94,8 +94,7 @@ def normed_cached_attention(proj: jax.Array, cache_part: tuple, self_mask: jax.A
     in_place = blocks.cache_in_place and isinstance(kc, StackedWeight)
     kc, vc, layer = (kc.stack, vc.stack, kc.index) if in_place else (_slice(kc), _slice(vc), None)
     vectors, vec_layer, offsets = packed
-    half = [t[..., :h // 2].astype(proj.dtype) for t in rope]  # rotate-half tables repeat their first half
-    return cached_attention_normed(proj, kc, vc, cm, self_mask, *half, vectors, vec_layer, offsets=tuple(offsets),
+    return cached_attention_normed(proj, kc, vc, cm, self_mask, *rope, vectors, vec_layer, offsets=tuple(offsets),
                                    eps=eps, scale=1.0, blocks=blocks, layer=layer,
                                    interpret=jax.default_backend() == "cpu")
 
