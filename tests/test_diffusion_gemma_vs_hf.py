@@ -160,29 +160,6 @@ def test_expert_kernel_gather_changes_no_logit(dg_ours, monkeypatch):
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
 
 
-def test_norms_inside_the_attention_kernel_change_no_logit(monkeypatch):
-    """FUSED_QK_ATTENTION: the decoder's sliding layers take their q/k/v norms and RoPE inside the attention kernel
-    (interpret mode on CPU; heads of 16 and a 16-token canvas, the kernel's smallest tiles). In fp32 the logits
-    equal those of the norm kernel followed by the attention kernel."""
-    from orl_jax import params as P
-    from orl_jax_kernels.decode_attention import kernel
-
-    cfg = TINY.replace(head_dim=16, block_length=16, cached_attention_impl="pallas")
-    params = P.init(dg.param_specs(cfg), jax.random.key(3))
-    prompt, canvas = jnp.asarray(_tokens((2, 11), 7)), jnp.asarray(_tokens((2, cfg.block_length), 8))
-    _, cache = jax.jit(dg.prefill, static_argnums=(1, 4))(params, cfg, prompt, jnp.asarray([11, 7], jnp.int32), 32)
-    decode = lambda: np.asarray(jax.jit(dg.decode, static_argnums=(1,))(params, cfg, canvas, cache))  # noqa: E731
-    monkeypatch.setattr(dg, "FUSED_QK_ATTENTION", False)
-    want = decode()
-    calls, real = [], kernel.cached_attention_normed
-    monkeypatch.setattr(kernel, "cached_attention_normed", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(dg, "FUSED_QK_ATTENTION", True)
-    jax.clear_caches()
-    got = decode()  # traced afresh
-    assert calls and np.abs(want).max() > 0.1
-    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
-
-
 @pytest.mark.parametrize("self_cond", [False, True], ids=["no-sc", "sc"])
 def test_decoder_matches_hf(dg_ours, dg_hf, self_cond):
     """Decoder logits after a prefill and after a commit, rows of different prompt lengths (left-padded here,

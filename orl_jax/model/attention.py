@@ -74,31 +74,6 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
     return scaled_attention(q, [(_slice(k), _slice(v), m) for k, v, m in parts], scale)
 
 
-def normed_cached_attention(proj: jax.Array, cache_part: tuple, self_mask: jax.Array, rope: tuple, packed: tuple,
-                            eps: float) -> jax.Array | None:
-    """DiffusionGemma's sliding-layer attention of a cached pass straight from the raw projection proj
-    [B, L, K, G + 2, H]: kernels/decode_attention's cached_attention_normed does the q/k/v norms and RoPE
-    (kernels/qk_norm_rope's gemma order) in the attention kernel, score scale 1. cache_part (k, v, mask) as for
-    `attention` (a StackedWeight cache is read in place when the blocks say so); rope (cos, sin) [B, L, H]; packed
-    (vector stack, layer, (q offset, k offset)) as the norm kernel takes them. -> [B, L, K * G, H], or None where
-    the library's blocks for the shape group heads or do not fit (the caller then runs the norm kernel and
-    `attention`)."""
-    from orl_jax_kernels.decode_attention.kernel import blocks_for, cached_attention_normed, preferred, supported
-
-    kc, vc, cm = cache_part
-    b, l, kv, slots, h = proj.shape
-    s, g = kc.shape[1], slots - 2
-    blocks = blocks_for(l, s, h, g)
-    if blocks.group_heads or not (supported(l, s, h, blocks, g) and preferred(l, s, h, g)):
-        return None
-    in_place = blocks.cache_in_place and isinstance(kc, StackedWeight)
-    kc, vc, layer = (kc.stack, vc.stack, kc.index) if in_place else (_slice(kc), _slice(vc), None)
-    vectors, vec_layer, offsets = packed
-    return cached_attention_normed(proj, kc, vc, cm, self_mask, *rope, vectors, vec_layer, offsets=tuple(offsets),
-                                   eps=eps, scale=1.0, blocks=blocks, layer=layer,
-                                   interpret=jax.default_backend() == "cpu")
-
-
 def _slice(a):
     """A cache part's array; a StackedWeight (a layer of the cache stacks) as the layer loop delivers it."""
     return a.sliced() if isinstance(a, StackedWeight) else a

@@ -53,14 +53,7 @@ import numpy as np
 
 from orl_jax.config import FULL, SLIDING, DiffusionGemmaConfig, kernel_choice
 from orl_jax.model import qwen3
-from orl_jax.model.attention import (
-    attention,
-    causal_segments,
-    full_segments,
-    normed_cached_attention,
-    self_mask,
-    window_mask,
-)
+from orl_jax.model.attention import attention, causal_segments, full_segments, self_mask, window_mask
 from orl_jax.model.cache import HybridKVCache, KVCache
 from orl_jax.model.layers import (
     apply_rope,
@@ -80,11 +73,6 @@ ACT = "gelu_tanh"  # HF: gelu_pytorch_tanh
 
 
 EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")  # [layers, E, ...] per layer type
-
-# Decoder passes (cached, nothing collected) on a GPU: True runs the sliding layers' q/k/v norms and RoPE inside the
-# attention kernel (attention.normed_cached_attention) instead of kernels/qk_norm_rope before it. Read at trace
-# time; False until timed.
-FUSED_QK_ATTENTION = False
 
 
 def _layer_specs(cfg: DiffusionGemmaConfig, n: int, kv: int, hd: int, own_v: bool) -> dict:
@@ -206,19 +194,14 @@ def soft_embed(params: dict, cfg: DiffusionGemmaConfig, probs: jax.Array) -> jax
 
 # --- the layer stack ---------------------------------------------------------------------------------------------
 
-def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: str, fused_qk: bool = False):
-    """One layer; fused_qk (a sliding layer of a cached pass whose K/V nobody collects, with the packed norm
-    weights): the q/k/v norms and RoPE inside the attention kernel (attention.normed_cached_attention)."""
+def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: str):
     eps = cfg.rms_norm_eps
     b, l, d = x.shape
     h = rms_norm_fp32(x, w["attn_norm"], eps)
     own_v = "qkv" in w  # full layers: "qk", K = V
     proj = einsum("bld,dkth->blkth", h, w["qkv" if own_v else "qk"])  # [B, L, K, G + 2 (or + 1), H]
     g = cfg.num_heads // proj.shape[2]
-    out = normed_cached_attention(proj, cache_part, self_vis, rope, w["packed_vectors"], eps) if fused_qk else None
-    if out is not None:
-        k = v = None  # not collected: the decoder never writes the cache
-    elif own_v and "packed_vectors" in w:  # sliding layers of cached passes on a GPU: q/k/v norms + RoPE, one kernel
+    if own_v and "packed_vectors" in w:  # sliding layers of cached passes on a GPU: q/k/v norms + RoPE, one kernel
         from orl_jax_kernels.qk_norm_rope import kernel as qk_kernel
 
         q, k, v = qk_kernel.qk_norm_rope_stacked(proj, *rope, *w["packed_vectors"], eps, gemma=True,
@@ -229,11 +212,9 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
         k = rms_norm_fp32(proj[:, :, :, g], w["k_norm"], eps)  # [B, L, K, H]
         v = rms_norm_fp32(proj[:, :, :, g + 1 if own_v else g], None, eps)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    if out is None:
-        parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
-        impl = "orl_jax" if cache_part is None else qwen3.cached_attention_impl(cfg)
-        out = attention(q, parts, impl, scale=1.0)
-    attn = einsum("blnh,nhd->bld", out, w["o"])
+    parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
+    impl = "orl_jax" if cache_part is None else qwen3.cached_attention_impl(cfg)
+    attn = einsum("blnh,nhd->bld", attention(q, parts, impl, scale=1.0), w["o"])
     x = x + rms_norm_fp32(attn, w["post_attn_norm"], eps)
 
     mlp_in = rms_norm_fp32(x, w["mlp_norm"], eps)
@@ -303,12 +284,10 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     take = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False, allow_negative_indices=False)  # noqa
     norm_offsets = _qk_kernel_offsets(cfg, sliding_layout) if cache is not None else None
 
-    fused_qk = FUSED_QK_ATTENTION and norm_offsets is not None and not collect_kv
-
     def sliding_layer(x, i, w, ck=None, cv=None):
         w = w | {n: StackedWeight(params["sliding"][n], i) for n in stacks}
         part = None if ck is None else (ck, cv, vis["cache_" + SLIDING])
-        return _layer(cfg, x, w, rope_s, vis[SLIDING], part, scalar, fused_qk and part is not None)
+        return _layer(cfg, x, w, rope_s, vis[SLIDING], part, scalar)
 
     def sliding_group(x, lo):  # sliding layers lo .. lo + k - 1 -> (x, (k, v) [k, B, L, K, H] or None)
         if cache is None:
