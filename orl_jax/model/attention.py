@@ -32,6 +32,11 @@ JOIN_WIDE_PARTS = True
 # 15.66 ms, alternating in one process (2026-12-01_dg_routing_chain_h200.md): small, the same sign twice. Read at
 # trace time.
 WIDE_LATE_NORMALIZE = True
+# ... and with impl "pallas", where the shape fits it: the mask, scale and softmax between the two einsums in one
+# pass of kernels/masked_softmax instead of XLA's four (~26 us per 26B full layer in the session-20 profile). The
+# probabilities are normalized before PV then, as in the einsum path without late normalization. Read at trace
+# time; False until timed.
+WIDE_SOFTMAX_KERNEL = False
 
 
 def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]], impl: str = "orl_jax",
@@ -70,8 +75,29 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
             return cached_attention(q, kc, vc, cm, ks, vs, sm, scale=scale, blocks=blocks, layer=layer,
                                     interpret=jax.default_backend() == "cpu")
     if JOIN_WIDE_PARTS and len(parts) > 1 and q.shape[-1] > CUDNN_MAX_HEAD_DIM:
-        return scaled_attention(q, [_joined(parts)], scale, late_normalize=WIDE_LATE_NORMALIZE)
+        joined = _joined(parts)
+        if impl == "pallas" and WIDE_SOFTMAX_KERNEL:
+            from orl_jax_kernels.masked_softmax.kernel import supported as softmax_supported
+
+            if softmax_supported(q.shape[1], joined[0].shape[1]):
+                return _softmax_kernel_attention(q, joined, scale)
+        return scaled_attention(q, [joined], scale, late_normalize=WIDE_LATE_NORMALIZE)
     return scaled_attention(q, [(_slice(k), _slice(v), m) for k, v, m in parts], scale)
+
+
+def _softmax_kernel_attention(q: jax.Array, part: tuple[jax.Array, jax.Array, jax.Array], scale: float) -> jax.Array:
+    """scaled_attention of one part with the mask, scale and softmax in kernels/masked_softmax: float32 scores from
+    the first einsum, probabilities in the value dtype into the second (WIDE_SOFTMAX_KERNEL)."""
+    from orl_jax_kernels.masked_softmax.kernel import masked_softmax
+
+    k, v, mask = part
+    b, l, n, h = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, l, kv, n // kv, h)  # [B, L, K, G, H]
+    s = jnp.einsum("blkgh,bskh->bkgls", qg, k, preferred_element_type=jnp.float32)  # [B, K, G, L, S]
+    p = masked_softmax(s, mask, scale=scale, dtype=v.dtype, interpret=jax.default_backend() == "cpu")
+    o = jnp.einsum("bkgls,bskh->blkgh", p, v, preferred_element_type=jnp.float32)
+    return o.astype(q.dtype).reshape(b, l, n, h)
 
 
 def _slice(a):
