@@ -25,7 +25,10 @@ from jax.experimental import pallas as pl
 from orl_jax.model.attention import _NEG as NEG
 from orl_jax_kernels.pallas_args import triton_params
 
-ROWS = 8  # score rows per program (8 x 1024 float32: 32 KB in registers over 4 warps); read at trace time
+# Score rows per program (8 x 1024 float32: 32 KB in registers over 4 warps); read at trace time. In the 26B forward
+# 8 rows took 15.58 / 15.58 ms, 4 rows 15.56 and 16 rows 15.60 (one sample each: within noise; call 6 of
+# benchmarks/results/2026-12-01_dg_attention_order_h200.md).
+ROWS = 8
 
 
 def supported(l: int, s: int, rows: int | None = None) -> bool:

@@ -33,10 +33,11 @@ JOIN_WIDE_PARTS = True
 # trace time.
 WIDE_LATE_NORMALIZE = True
 # ... and with impl "pallas", where the shape fits it: the mask, scale and softmax between the two einsums in one
-# pass of kernels/masked_softmax instead of XLA's four (~26 us per 26B full layer in the session-20 profile). The
-# probabilities are normalized before PV then, as in the einsum path without late normalization. Read at trace
-# time; False until timed.
-WIDE_SOFTMAX_KERNEL = False
+# pass of kernels/masked_softmax instead of XLA's four (~26 us per 26B full layer in the session-20 profile); the
+# probabilities are normalized before PV then (HF's eager order), not late. On an H200 the 26B forward took
+# 15.58 / 15.58 ms against 15.63 / 15.62 / 15.61 without, alternating in one process
+# (benchmarks/results/2026-12-01_dg_attention_order_h200.md, call 6). Read at trace time.
+WIDE_SOFTMAX_KERNEL = True
 
 
 def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]], impl: str = "orl_jax",
