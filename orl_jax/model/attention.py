@@ -46,8 +46,9 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
 
     The parts (cache, self) share one softmax: their scores are concatenated, not their K/V, so a long cache is
     read once and not copied; heads wider than cuDNN's join the parts instead (JOIN_WIDE_PARTS, measured faster
-    there). Scores and softmax run in float32 (as HF's eager attention does). scale: of the
-    scores, head_dim ** -0.5 by default (Gemma 4 uses 1.0: its q/k RMSNorms set the scale).
+    there), and with impl "pallas" their mask and softmax run in kernels/masked_softmax (WIDE_SOFTMAX_KERNEL).
+    Scores and softmax run in float32 (as HF's eager attention does). scale: of the scores, head_dim ** -0.5 by
+    default (Gemma 4 uses 1.0: its q/k RMSNorms set the scale).
     impl "pallas" (cache + self parts, shapes the kernel supports and is measured faster at: `preferred`):
     kernels/decode_attention's fused kernel. The cache part's k and v may be StackedWeight (layer i of the cache
     stacks): the kernel then reads them in place when its blocks say cache_in_place, every other path takes the
