@@ -82,24 +82,9 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
             from orl_jax_kernels.masked_softmax.kernel import supported as softmax_supported
 
             if softmax_supported(q.shape[1], joined[0].shape[1]):
-                return _softmax_kernel_attention(q, joined, scale)
+                return scaled_attention(q, [joined], scale, softmax_kernel=True)
         return scaled_attention(q, [joined], scale, late_normalize=WIDE_LATE_NORMALIZE)
     return scaled_attention(q, [(_slice(k), _slice(v), m) for k, v, m in parts], scale)
-
-
-def _softmax_kernel_attention(q: jax.Array, part: tuple[jax.Array, jax.Array, jax.Array], scale: float) -> jax.Array:
-    """scaled_attention of one part with the mask, scale and softmax in kernels/masked_softmax: float32 scores from
-    the first einsum, probabilities in the value dtype into the second (WIDE_SOFTMAX_KERNEL)."""
-    from orl_jax_kernels.masked_softmax.kernel import masked_softmax
-
-    k, v, mask = part
-    b, l, n, h = q.shape
-    kv = k.shape[2]
-    qg = q.reshape(b, l, kv, n // kv, h)  # [B, L, K, G, H]
-    s = jnp.einsum("blkgh,bskh->bkgls", qg, k, preferred_element_type=jnp.float32)  # [B, K, G, L, S]
-    p = masked_softmax(s, mask, scale=scale, dtype=v.dtype, interpret=jax.default_backend() == "cpu")
-    o = jnp.einsum("bkgls,bskh->blkgh", p, v, preferred_element_type=jnp.float32)
-    return o.astype(q.dtype).reshape(b, l, n, h)
 
 
 def _slice(a):
@@ -114,23 +99,30 @@ def _joined(parts: list[tuple]) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 
 def scaled_attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]], scale: float,
-                     late_normalize: bool = False) -> jax.Array:
+                     late_normalize: bool = False, softmax_kernel: bool = False) -> jax.Array:
     """`attention` with an explicit score scale (Gemma 4 uses 1.0: its q/k RMSNorms set the scale).
     late_normalize: the PV product takes the unnormalized exp(s - max) and its output [.., L, H] is divided by the
-    row sums, instead of the probabilities [.., L, S] (fewer passes over the scores when S is long)."""
+    row sums, instead of the probabilities [.., L, S] (fewer passes over the scores when S is long).
+    softmax_kernel (one part, shapes kernels/masked_softmax supports): the scale, mask and softmax of the float32
+    scores in that kernel's one pass, its probabilities in the value dtype (WIDE_SOFTMAX_KERNEL)."""
     b, l, n, h = q.shape
     kv = parts[0][0].shape[2]
     qg = q.reshape(b, l, kv, n // kv, h)  # [B, L, K, G, H]
-    scores = []
-    for k, _, mask in parts:
-        s = jnp.einsum("blkgh,bskh->bkgls", qg, k, preferred_element_type=jnp.float32) * scale
-        scores.append(jnp.where(mask[:, None, None], s, _NEG))  # [B, K, G, L, S]
-    s = jnp.concatenate(scores, axis=-1)
-    if late_normalize:
-        p = jnp.exp(s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
-        total = jnp.sum(p, axis=-1)  # [B, K, G, L]
+    raw = [jnp.einsum("blkgh,bskh->bkgls", qg, k, preferred_element_type=jnp.float32) for k, _, _ in parts]
+    if softmax_kernel:
+        from orl_jax_kernels.masked_softmax.kernel import masked_softmax
+
+        (_, v, mask), = parts
+        p = masked_softmax(raw[0], mask, scale=scale, dtype=v.dtype, interpret=jax.default_backend() == "cpu")
+        late_normalize = False
     else:
-        p = jax.nn.softmax(s, axis=-1)
+        s = jnp.concatenate([jnp.where(m[:, None, None], r * scale, _NEG) for r, (_, _, m) in zip(raw, parts)],
+                            axis=-1)  # [B, K, G, L, S]
+        if late_normalize:
+            p = jnp.exp(s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
+            total = jnp.sum(p, axis=-1)  # [B, K, G, L]
+        else:
+            p = jax.nn.softmax(s, axis=-1)
     o, at = 0.0, 0
     for k, v, _ in parts:
         o = o + jnp.einsum("bkgls,bskh->blkgh", p[..., at:at + k.shape[1]].astype(v.dtype), v,

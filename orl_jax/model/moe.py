@@ -41,8 +41,9 @@ def route(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: 
     and the same weights (the renormalization cancels the softmax's denominator over E), without the [T, E]
     softmax pass on the MoE's serial routing chain (5.6 us per 26B layer on an H200). ROUTER_TOPK_F32 = False runs
     the top-k on the logits in their own dtype (bf16 values are exact in float32: the same order, ties and weights;
-    tested), without the [T, E] cast kernel before XLA's sort (2.0 us per 26B layer in the profile). Prepared in
-    session 19 and not yet timed (the device budget was spent): benchmarks/dg_router_topk_dtype_sweep.json.
+    tested), without the [T, E] cast kernel before XLA's sort (2.0 us per 26B layer in the profile). Timed in the 26B
+    forward on an H200 (benchmarks/dg_router_topk_dtype_sweep.json): 15.589 / 15.602 against 15.605 / 15.590 ms,
+    equal, so the measured float32 cast stays (2026-12-01_dg_attention_order_h200.md).
     """
     h = rms_norm_fp32(x, None, eps) * scale.astype(x.dtype)[None] * (x.shape[-1] ** -0.5)
     logits = einsum("td,de->te", h, proj)
