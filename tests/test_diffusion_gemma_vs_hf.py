@@ -160,6 +160,30 @@ def test_expert_kernel_gather_changes_no_logit(dg_ours, monkeypatch):
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
 
 
+def test_unrolled_sliding_layers_equal_the_while_loop(dg_ours, monkeypatch):
+    """diffusion_gemma.SLIDING_LOOP = "unrolled": the cached passes' sliding layers at static indices give the while
+    loop's logits (decode) and cache (commit)."""
+    cfg, params = dg_ours
+    assert cfg.sliding_per_group > 1
+    prompt, canvas = jnp.asarray(_tokens((2, 11), 7)), jnp.asarray(_tokens((2, cfg.block_length), 8))
+    _, cache = jax.jit(dg.prefill, static_argnums=(1, 4))(params, cfg, prompt, jnp.asarray([11, 7], jnp.int32), 27)
+
+    def run():
+        jax.clear_caches()  # trace afresh under the switch
+        logits = jax.jit(dg.decode, static_argnums=(1,))(params, cfg, canvas, cache)
+        text = jax.jit(dg.decode, static_argnums=(1,)).lower(params, cfg, canvas, cache).as_text()
+        return np.asarray(logits), jax.tree.map(np.asarray, _commit(params, cfg, canvas, cache)), text
+
+    want = run()
+    monkeypatch.setattr(dg, "SLIDING_LOOP", "unrolled")
+    got = run()
+    assert "while" in want[2] and "while" not in got[2]
+    assert np.abs(want[0]).max() > 1.0
+    np.testing.assert_allclose(got[0], want[0], atol=2e-5, rtol=0)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=0), got[1], want[1])
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("self_cond", [False, True], ids=["no-sc", "sc"])
 def test_decoder_matches_hf(dg_ours, dg_hf, self_cond):
     """Decoder logits after a prefill and after a commit, rows of different prompt lengths (left-padded here,

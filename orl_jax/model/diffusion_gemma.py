@@ -74,6 +74,10 @@ ACT = "gelu_tanh"  # HF: gelu_pytorch_tanh
 
 EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")  # [layers, E, ...] per layer type
 
+# Cached passes run each group's sliding layers as a while_loop ("while") or at static indices ("unrolled"). A static
+# slice of a weight stack reaches cuBLAS in place too (XLA's dynamic-slice fusion, as for the full layers' `a[g]`).
+SLIDING_LOOP = "while"
+
 
 def _layer_specs(cfg: DiffusionGemmaConfig, n: int, kv: int, hd: int, own_v: bool) -> dict:
     """One layer type's stacked weights. Each layer's query, key and value projections are one matrix [D, K, G + 2,
@@ -304,19 +308,25 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
         kv = (jnp.zeros(kv_shape, x.dtype), jnp.zeros(kv_shape, x.dtype)) if collect_kv else None
 
         def step(carry):
-            i, x, kv = carry
+            i, x, kv = carry  # i: the loop's counter, or a Python int when unrolled (every slice static)
+            index = jnp.int32(i) if isinstance(i, int) else i  # the kernels take the layer as an array
             w = {n: take(a, i) for n, a in sliding_w.items()}
             if sliding_v is not None:
                 w |= unpack_vectors(take(sliding_v, i), sliding_layout)
             # the cache as layer i of its stacks: the attention kernel may read it in place (Blocks.cache_in_place)
-            ck, cv = (StackedWeight(c, i, take(c, i)) for c in (cache.sliding.k, cache.sliding.v))
+            ck, cv = (StackedWeight(c, index, take(c, i)) for c in (cache.sliding.k, cache.sliding.v))
             if norm_offsets is not None:  # the q/k norm kernel reads both weights from the packed stack (no copies)
-                w["packed_vectors"] = (sliding_v, i, norm_offsets)
-            x, kk, vv = sliding_layer(x, i, w, ck, cv)
+                w["packed_vectors"] = (sliding_v, index, norm_offsets)
+            x, kk, vv = sliding_layer(x, index, w, ck, cv)
             if collect_kv:
                 kv = (kv[0].at[i - lo].set(kk), kv[1].at[i - lo].set(vv))
             return i + 1, x, kv
 
+        if SLIDING_LOOP == "unrolled":
+            carry = (lo, x, kv)
+            for _ in range(k):
+                carry = step(carry)
+            return carry[1], carry[2]
         _, x, kv = jax.lax.while_loop(lambda c: c[0] < lo + k, step, (jnp.int32(lo), x, kv))
         return x, kv
 
