@@ -64,12 +64,17 @@ ap.add_argument("--sorted-copy", action="store_true",
 ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=JSON",
                 help="set a trace-time switch before anything is traced, e.g. "
                      "orl_jax.model.attention.WIDE_LATE_NORMALIZE=false (repeatable; the value is JSON)")
+ap.add_argument("--looped", type=int, default=0, metavar="N",
+                help="also time N decoder forwards in one program (a fori_loop on the device, as generate() runs "
+                     "them): ms per forward without host dispatch or per-call command-buffer updates between them")
 ap.add_argument("--capacity-factor", type=int,
                 help="moe.CAPACITY_FACTOR (slots per expert / mean load; overflow takes further rounds)")
 args = ap.parse_args()
 IMPLS = args.moe_impl.split(",")
 if unknown := sorted(set(IMPLS) - {"bucketed", "pallas", "dense"}):
     ap.error(f"--moe-impl: unknown {unknown}")
+if args.looped < 0:
+    ap.error(f"--looped must be >= 0, got {args.looped}")
 if args.capacity_factor is not None and args.capacity_factor < 1:
     ap.error(f"--capacity-factor must be >= 1, got {args.capacity_factor}")
 runtime.configure(os.path.expanduser("~/.cache/orl_jax/xla"))
@@ -216,7 +221,29 @@ def one_forward(cfg, cache=None, options=None):
         for row in gaps:
             log(what="profile_gap", moe_impl=cfg.moe_impl, **row)
         write_timeline(d, Path(args.out).with_suffix(f".{cfg.moe_impl}.timeline.jsonl.gz"))
-    return float(np.median(ts)) * 1e3, getattr(mem, "temp_size_in_bytes", None)
+    looped = looped_forward(cfg, cache, canvas, options, args.looped) if args.looped else None
+    return float(np.median(ts)) * 1e3, getattr(mem, "temp_size_in_bytes", None), looped
+
+
+def looped_forward(cfg, cache, canvas, options, n):
+    """ms per decoder forward when n of them run in one program, a fori_loop on the device as in generate(). Each
+    forward's canvas depends on the previous logits through a test that is never true, so none can be hoisted."""
+    def run(p, c, k):
+        def body(_, toks):
+            logits = diffusion_gemma.decode(p, cfg, toks, k)[:, :, :8]
+            return toks + (logits.max() == jnp.inf).astype(toks.dtype)
+
+        return jax.lax.fori_loop(0, n, body, c)
+
+    compiled = jax.jit(run, compiler_options=runtime.DG_COMPILER_OPTIONS | (options or {})).lower(
+        params, canvas, cache).compile()
+    jax.block_until_ready(compiled(params, canvas, cache))
+    ts = []
+    for _ in range(3):
+        t = time.perf_counter()
+        jax.block_until_ready(compiled(params, canvas, cache))
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts)) * 1e3 / n
 
 
 def prefilled(cfg):
@@ -272,7 +299,7 @@ if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the is
         defaults = {name: set_switch(name, value) for name, value in switches.items()}
         jax.clear_caches()  # every kernel wrapper and the forward trace again, under these tables and switches
         try:
-            ms, temp = one_forward(swept, cache, options)
+            ms, temp, looped = one_forward(swept, cache, options)
         except Exception as ex:  # an entry the compiler or the chip refuses (shared memory): recorded, not fatal
             log(what="decode_forward", gemm_variant=entry["name"], set=switches, error=repr(ex)[:300])
             ms = None
@@ -282,13 +309,15 @@ if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the is
             continue
         log(what="decode_forward", moe_impl="pallas", gemm_variant=entry["name"], table=str(table),
             attention_table=str(attention), **variant, compiler_options=options, set=switches, ms=ms,
+            ms_looped=looped, looped_forwards=args.looped or None,
             temp_gb=None if temp is None else temp / 1e9)
     sys.exit(0)
 
 for impl in IMPLS:
     c = cfg.replace(moe_impl=impl)
-    ms, temp = one_forward(c)
-    log(what="decode_forward", moe_impl=impl, ms=ms, temp_gb=None if temp is None else temp / 1e9,
+    ms, temp, looped = one_forward(c)
+    log(what="decode_forward", moe_impl=impl, ms=ms, ms_looped=looped, looped_forwards=args.looped or None,
+        temp_gb=None if temp is None else temp / 1e9,
         moe_only_ms=moe_only(impl))
     kw = dict(key=jax.random.key(0), max_new_tokens=args.new, sampler=sampler, eos_token_id=(), mesh=MESH)
     t = time.perf_counter()
