@@ -32,8 +32,8 @@ DEFAULT_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false", "--xla_gpu_dot_merger
 # capture, or calls inside another trace): CUDA graphs (command buffers) that also hold the while loops and
 # conditionals, known-trip-count loops (the layer scan) unrolled inside the graph, and graphs of any size. On an H200
 # (benchmarks/results/2026-11-30_engine_command_buffers_h200x2.md), Qwen3-4B: the engine loop's overhead ~36 -> 17-20
-# us per step, a denoising step -0.06 to -0.14 ms. Not for DiffusionGemma: its forward was 1 ms slower with them (19.19
-# vs 18.16 ms), so its programs take DG_COMPILER_OPTIONS below; nor where XLA_FLAGS sets
+# us per step, a denoising step -0.06 to -0.14 ms. DiffusionGemma takes them inside DG_COMPILER_OPTIONS below (alone,
+# before concurrent branches, its forward was 1 ms slower with them: 19.19 vs 18.16 ms). Not where XLA_FLAGS sets
 # --xla_gpu_enable_command_buffer (the user's choice wins). Only GPU backends read them.
 ENGINE_COMPILER_OPTIONS = {
     "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL,DYNAMIC_SLICE_FUSION",
@@ -42,13 +42,20 @@ ENGINE_COMPILER_OPTIONS = {
 }
 
 # generate()'s compiler options for plain DiffusionGemma calls on one device (same conditions as above; not where
-# XLA_FLAGS sets --xla_gpu_command_buffer_scheduling_mode): XLA's default command buffers, whose kernels run in
-# the order of their data dependencies rather than one after the other (CUDA graph branches), so e.g. the dense MLP's
-# GEMMs may overlap the MoE's routing kernels. On an H200 the 26B forward took 17.52 against 17.89 ms, 23.09 against
-# 23.43, and 17.49 against 17.79 / 17.86 in three calls (benchmarks/results/2026-12-01_dg_concurrent_graphs_h200.md);
-# the same mode left the Qwen3-4B step unchanged (3.48-3.53 ms either way), so Qwen3 keeps ENGINE_COMPILER_OPTIONS
-# alone.
-DG_COMPILER_OPTIONS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+# XLA_FLAGS sets --xla_gpu_command_buffer_scheduling_mode or --xla_gpu_enable_command_buffer). Two parts:
+# - XLA's concurrent command buffers, whose kernels run in the order of their data dependencies rather than one after
+#   the other (CUDA graph branches), so e.g. the dense MLP's GEMMs may overlap the MoE's routing kernels: on an H200
+#   the 26B forward took 17.52 against 17.89 ms, 23.09 against 23.43, and 17.49 against 17.79 / 17.86 in three calls
+#   (benchmarks/results/2026-12-01_dg_concurrent_graphs_h200.md);
+# - ENGINE_COMPILER_OPTIONS' loops inside the graph, each sliding-layer loop unrolled there (the HLO keeps its while
+#   loops, so weights stay in place and compile time does not grow). Host-run loops cost ~10 us per layer at each
+#   iteration's start. In one process, 8 forwards in a device loop: 15.29 / 15.31 against 15.47 / 15.50 ms per
+#   forward; generate() 0.815 against 0.825 s (benchmarks/results/2026-12-01_dg_graph_loops_h200.md). One forward per
+#   call gets slower (16.0-16.2 against 15.65 ms): its one large graph is updated with each call's new buffers on the
+#   host, exposed whenever the GPU waits for the call.
+# The Qwen3-4B step was unchanged by concurrent branches (3.48-3.53 ms either way), so Qwen3 keeps
+# ENGINE_COMPILER_OPTIONS alone.
+DG_COMPILER_OPTIONS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT", **ENGINE_COMPILER_OPTIONS}
 
 
 def configure(compilation_cache_dir: str | os.PathLike | None = "~/.cache/orl_jax/xla",

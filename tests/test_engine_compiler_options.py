@@ -64,10 +64,11 @@ class _Picked(Exception):
     pass
 
 
-@pytest.mark.parametrize("case", ["plain", "capture", "user_flag"])
+@pytest.mark.parametrize("case", ["plain", "capture", "user_flag", "user_types"])
 def test_which_program_diffusion_gemma_generate_runs(monkeypatch, case):
     """DiffusionGemma: the concurrent-branch options for a plain call on one device, XLA's defaults with the capture
-    buffers or when XLA_FLAGS sets the scheduling mode itself. The spies stop before compiling."""
+    buffers or when XLA_FLAGS sets the scheduling mode or the command buffer types itself. The spies stop before
+    compiling."""
     calls = []
     for name in ("_run", "_run_graphed", "_run_concurrent"):
         def spy(*a, _n=name, **k):
@@ -78,6 +79,8 @@ def test_which_program_diffusion_gemma_generate_runs(monkeypatch, case):
     params = P.init(diffusion_gemma.param_specs(cfg), jax.random.key(0))
     if case == "user_flag":
         monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_command_buffer_scheduling_mode=LHS")
+    if case == "user_types":
+        monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION")
     with pytest.raises(_Picked):
         engine.generate(params, cfg, [[5, 6, 7]], key=jax.random.key(1), max_new_tokens=8,
                         sampler=UniformSampler(max_denoising_steps=2), eos_token_id=(), pad_token_id=0,

@@ -92,8 +92,8 @@ def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeCon
              and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, key))))
     if plain and isinstance(cfg, ModelConfig) and "--xla_gpu_enable_command_buffer" not in xla_flags_set():
         return _run_graphed(params, prompt, lengths, key, cfg=graphed_config(cfg, jax.default_backend()), dcfg=dcfg)
-    if plain and isinstance(cfg, DiffusionGemmaConfig) and (
-            "--xla_gpu_command_buffer_scheduling_mode" not in xla_flags_set()):
+    if plain and isinstance(cfg, DiffusionGemmaConfig) and not (
+            {"--xla_gpu_command_buffer_scheduling_mode", "--xla_gpu_enable_command_buffer"} & xla_flags_set()):
         return _run_concurrent(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
     return _run(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
 

@@ -65,7 +65,7 @@ from orl_jax.model.layers import (
     rope_inv_freq,
     soft_cap,
 )
-from orl_jax.model.moe import experts_mlp, route
+from orl_jax.model.moe import experts_mlp, route_normed, router_input
 from orl_jax.model.streamed import StackedWeight, pack_vectors, unpack_vectors, vector_offsets
 from orl_jax.params import ParamSpec, ones
 
@@ -77,6 +77,14 @@ EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")  # [layers, E, ...] per lay
 # Cached passes run each group's sliding layers as a while_loop ("while") or at static indices ("unrolled"). A static
 # slice of a weight stack reaches cuBLAS in place too (XLA's dynamic-slice fusion, as for the full layers' `a[g]`).
 SLIDING_LOOP = "while"
+
+# The LM head's GEMM writes the model dtype (True) or float32 sums rounded after it (False): the same single
+# rounding of float32 sums, but the 26B's [256, 262144] product is 134 MB written instead of 268.
+HEAD_IN_MODEL_DTYPE = True
+
+# Cached passes with the Pallas attention (a GPU's default) run the residual add after attention and the three
+# feed-forward input norms as one kernel (kernels/residual_norms) instead of XLA's three.
+RESIDUAL_NORMS_KERNEL = True
 
 
 def _layer_specs(cfg: DiffusionGemmaConfig, n: int, kv: int, hd: int, own_v: bool) -> dict:
@@ -219,12 +227,21 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
     impl = "orl_jax" if cache_part is None else qwen3.cached_attention_impl(cfg)
     attn = einsum("blnh,nhd->bld", attention(q, parts, impl, scale=1.0), w["o"])
-    x = x + rms_norm_fp32(attn, w["post_attn_norm"], eps)
+    offsets = _residual_norms_offsets(cfg, w, d)
+    if offsets is not None:  # cached passes on a GPU: the residual add and the three input norms in one kernel
+        from orl_jax_kernels.residual_norms.kernel import residual_norms_stacked
 
-    mlp_in = rms_norm_fp32(x, w["mlp_norm"], eps)
-    flat = x.reshape(b * l, d)  # [T, D]
-    weights, experts = route(flat, w["router_scale"], w["router"], w["expert_scale"], cfg.top_k_experts, eps)
-    moe_in = rms_norm_fp32(flat, w["moe_norm"], eps)
+        vectors, index, _ = w["packed"]
+        x, mlp_in, router_in, moe_in = residual_norms_stacked(
+            attn.reshape(b * l, d), x.reshape(b * l, d), vectors, index, offsets, eps,
+            interpret=jax.default_backend() == "cpu")
+        x, mlp_in = x.reshape(b, l, d), mlp_in.reshape(b, l, d)
+    else:  # kernels/residual_norms/reference.py is this
+        x = x + rms_norm_fp32(attn, w["post_attn_norm"], eps)
+        mlp_in = rms_norm_fp32(x, w["mlp_norm"], eps)
+        flat = x.reshape(b * l, d)  # [T, D]
+        router_in, moe_in = router_input(flat, w["router_scale"], eps), rms_norm_fp32(flat, w["moe_norm"], eps)
+    weights, experts = route_normed(router_in, w["router"], w["expert_scale"], cfg.top_k_experts)
     moe = experts_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT, moe_impl(cfg))
     moe = moe.reshape(b, l, d)  # [B, L, D]
     mlp = fused_gated_mlp(mlp_in, w["gate_up"], w["down"], ACT)
@@ -243,6 +260,18 @@ def _qk_kernel_offsets(cfg: DiffusionGemmaConfig, layout) -> tuple[int, ...] | N
     fits = (qwen3.cached_attention_impl(cfg) == "pallas" and cfg.rope_sliding.partial_rotary_factor == 1.0
             and supported(cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim))
     return vector_offsets(layout, "q_norm", "k_norm") if fits else None
+
+
+def _residual_norms_offsets(cfg: DiffusionGemmaConfig, w: dict, d: int) -> tuple[int, ...] | None:
+    """Where the post-attention kernel's four weights lie in the layer's packed vector row, when it runs
+    (RESIDUAL_NORMS_KERNEL, a cached pass with the packed stack, the Pallas attention as on a GPU by default, D a
+    multiple of 16, all four weights packed); None otherwise."""
+    if not (RESIDUAL_NORMS_KERNEL and "packed" in w and qwen3.cached_attention_impl(cfg) == "pallas"):
+        return None
+    from orl_jax_kernels.residual_norms.kernel import chunk
+
+    offsets = vector_offsets(w["packed"][2], "post_attn_norm", "mlp_norm", "router_scale", "moe_norm")
+    return offsets if chunk(d) else None
 
 
 def moe_impl(cfg: DiffusionGemmaConfig) -> str:
@@ -317,6 +346,8 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
             ck, cv = (StackedWeight(c, index, take(c, i)) for c in (cache.sliding.k, cache.sliding.v))
             if norm_offsets is not None:  # the q/k norm kernel reads both weights from the packed stack (no copies)
                 w["packed_vectors"] = (sliding_v, index, norm_offsets)
+            if sliding_v is not None:  # so does the post-attention kernel
+                w["packed"] = (sliding_v, index, sliding_layout)
             x, kk, vv = sliding_layer(x, index, w, ck, cv)
             if collect_kv:
                 kv = (kv[0].at[i - lo].set(kk), kv[1].at[i - lo].set(vv))
@@ -336,6 +367,7 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
         if cache is not None:
             if full_v is not None:
                 w |= unpack_vectors(full_v[g], full_layout)
+                w["packed"] = (full_v, jnp.int32(g), full_layout)
             ck, cv = (StackedWeight(c, jnp.int32(g), c[g]) for c in (cache.full.k, cache.full.v))
             part = (ck, cv, vis["cache_" + FULL])
         return _layer(cfg, x, w, rope_f, vis[FULL], part, scalar)
@@ -359,7 +391,10 @@ def logits(params: dict, cfg: DiffusionGemmaConfig, h: jax.Array) -> jax.Array:
     """[B, L, D] -> soft-capped float32 logits [B, L, V]. The head's product (float32 sums) is rounded to the model
     dtype before the float32 soft-cap, as transformers' DiffusionGemmaForBlockDiffusion rounds its lm_head output."""
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    z = jnp.einsum("bld,vd->blv", h, head.astype(h.dtype), preferred_element_type=jnp.float32).astype(h.dtype)
+    if HEAD_IN_MODEL_DTYPE:  # the GEMM accumulates in float32 and rounds once as it writes (cuBLAS's epilogue)
+        z = jnp.einsum("bld,vd->blv", h, head.astype(h.dtype), preferred_element_type=h.dtype)
+    else:  # float32 sums written out, then rounded
+        z = jnp.einsum("bld,vd->blv", h, head.astype(h.dtype), preferred_element_type=jnp.float32).astype(h.dtype)
     return soft_cap(z.astype(jnp.float32), cfg.final_logit_softcapping)
 
 
