@@ -52,8 +52,8 @@ def test_refuses_what_it_does_not_take():
 
 
 def test_diffusion_gemma_decoder_with_the_kernel_equals_xla(monkeypatch):
-    """Cached passes with the Pallas attention (interpret mode here) take the kernel in sliding and full layers,
-    weights read from the packed vector stacks; the logits equal those of XLA's expressions."""
+    """With RESIDUAL_NORMS_KERNEL, cached passes with the Pallas attention (interpret mode here) take the kernel in
+    sliding and full layers, weights read from the packed vector stacks; the logits equal XLA's expressions'."""
     from orl_jax import params as P
     from orl_jax.config import DG_PRESETS
     from orl_jax.model import diffusion_gemma as dg
@@ -67,6 +67,7 @@ def test_diffusion_gemma_decoder_with_the_kernel_equals_xla(monkeypatch):
     canvas = jax.random.randint(jax.random.key(2), (2, 16), 0, 240)
     calls, real = [], kernel.residual_norms_stacked
     monkeypatch.setattr(kernel, "residual_norms_stacked", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(dg, "RESIDUAL_NORMS_KERNEL", True)
     got = dg.decode(params, cfg, canvas, cache)
     assert len(calls) == 2 * cfg.num_groups  # each group's sliding loop (traced once) and its full layer
     monkeypatch.setattr(dg, "RESIDUAL_NORMS_KERNEL", False)

@@ -25,6 +25,10 @@ from jax.experimental import pallas as pl
 from orl_jax_kernels.pallas_args import layer_operand, triton_params
 
 
+# Warps per program (one token row each); read at trace time.
+NUM_WARPS = 4
+
+
 def chunk(d: int) -> int:
     """The largest power of two <= 256 dividing D (0 below 16: not supported)."""
     c = 256
@@ -42,8 +46,11 @@ def _kernel(layer_ref, a_ref, x_ref, vec_ref, x_out, mlp_out, router_out, moe_ou
     starts = range(0, d, c)
     vec = lambda off, s: vec_ref[layer, pl.ds(off + s, c)].astype(f32)  # noqa: E731
 
-    def inv_rms(parts):
-        return jax.lax.rsqrt(sum(jnp.sum(p * p, axis=-1, keepdims=True) for p in parts) / d + eps)
+    def inv_rms(parts):  # the chunks' squares summed elementwise first: one block reduction, not one per chunk
+        acc = parts[0] * parts[0]
+        for p in parts[1:]:
+            acc = acc + p * p
+        return jax.lax.rsqrt(jnp.sum(acc, axis=-1, keepdims=True) / d + eps)
 
     a = [a_ref[r, pl.ds(s, c)].astype(f32) for s in starts]
     inv = inv_rms(a)
@@ -65,7 +72,7 @@ def _kernel(layer_ref, a_ref, x_ref, vec_ref, x_out, mlp_out, router_out, moe_ou
 @functools.partial(jax.jit, static_argnames=("offsets", "eps", "interpret", "num_warps"))
 def residual_norms_stacked(attn: jax.Array, x: jax.Array, vectors: jax.Array, layer: jax.Array,
                            offsets: tuple[int, int, int, int], eps: float, interpret: bool = False,
-                           num_warps: int = 4):
+                           num_warps: int | None = None):
     """attn, x [T, D]; vectors [L, n] (a layer's norm weights packed in row `layer`, an int32 scalar) with the
     offsets of (post_attn_norm, mlp_norm, router_scale, moe_norm) -> (x + post_attn_norm(attn), mlp_norm(x'),
     the router's input, moe_norm(x')), each [T, D] in x's dtype, equal to reference.residual_norms_reference."""
@@ -83,5 +90,5 @@ def residual_norms_stacked(attn: jax.Array, x: jax.Array, vectors: jax.Array, la
         out_shape=(shape,) * 4,
         grid=(t,),
         interpret=interpret,
-        **triton_params(num_warps, 1, interpret),
+        **triton_params(num_warps or NUM_WARPS, 1, interpret),
     )(layer_operand("residual_norms", True, layer, vectors.shape), attn.astype(x.dtype), x, vectors)

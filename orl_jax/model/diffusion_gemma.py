@@ -84,7 +84,7 @@ HEAD_IN_MODEL_DTYPE = True
 
 # Cached passes with the Pallas attention (a GPU's default) run the residual add after attention and the three
 # feed-forward input norms as one kernel (kernels/residual_norms) instead of XLA's three.
-RESIDUAL_NORMS_KERNEL = True
+RESIDUAL_NORMS_KERNEL = False
 
 
 def _layer_specs(cfg: DiffusionGemmaConfig, n: int, kv: int, hd: int, own_v: bool) -> dict:
