@@ -65,7 +65,7 @@ from orl_jax.model.layers import (
     rope_inv_freq,
     soft_cap,
 )
-from orl_jax.model.moe import experts_mlp, route_normed, router_input
+from orl_jax.model.moe import experts_mlp, route
 from orl_jax.model.streamed import StackedWeight, pack_vectors, unpack_vectors, vector_offsets
 from orl_jax.params import ParamSpec, ones
 
@@ -74,17 +74,14 @@ ACT = "gelu_tanh"  # HF: gelu_pytorch_tanh
 
 EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")  # [layers, E, ...] per layer type
 
-# Cached passes run each group's sliding layers as a while_loop ("while") or at static indices ("unrolled"). A static
-# slice of a weight stack reaches cuBLAS in place too (XLA's dynamic-slice fusion, as for the full layers' `a[g]`).
-SLIDING_LOOP = "while"
+# Cached passes compute each sliding layer's input norm at the end of the loop iteration before it (the next
+# layer's attn_norm, read at i + 1), where XLA can fuse it with the residual update it normalizes; otherwise each
+# layer norms its input first, after the loop's iteration boundary.
+NORM_AHEAD = True
 
 # The LM head's GEMM writes the model dtype (True) or float32 sums rounded after it (False): the same single
 # rounding of float32 sums, but the 26B's [256, 262144] product is 134 MB written instead of 268.
 HEAD_IN_MODEL_DTYPE = True
-
-# Cached passes with the Pallas attention (a GPU's default) run the residual add after attention and the three
-# feed-forward input norms as one kernel (kernels/residual_norms) instead of XLA's three.
-RESIDUAL_NORMS_KERNEL = False
 
 
 def _layer_specs(cfg: DiffusionGemmaConfig, n: int, kv: int, hd: int, own_v: bool) -> dict:
@@ -206,10 +203,11 @@ def soft_embed(params: dict, cfg: DiffusionGemmaConfig, probs: jax.Array) -> jax
 
 # --- the layer stack ---------------------------------------------------------------------------------------------
 
-def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: str):
+def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: str, h=None):
+    """One layer; h: its normed input rms_norm_fp32(x, attn_norm) when the caller computed it (NORM_AHEAD)."""
     eps = cfg.rms_norm_eps
     b, l, d = x.shape
-    h = rms_norm_fp32(x, w["attn_norm"], eps)
+    h = rms_norm_fp32(x, w["attn_norm"], eps) if h is None else h
     own_v = "qkv" in w  # full layers: "qk", K = V
     proj = einsum("bld,dkth->blkth", h, w["qkv" if own_v else "qk"])  # [B, L, K, G + 2 (or + 1), H]
     g = cfg.num_heads // proj.shape[2]
@@ -227,21 +225,12 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
     impl = "orl_jax" if cache_part is None else qwen3.cached_attention_impl(cfg)
     attn = einsum("blnh,nhd->bld", attention(q, parts, impl, scale=1.0), w["o"])
-    offsets = _residual_norms_offsets(cfg, w, d)
-    if offsets is not None:  # cached passes on a GPU: the residual add and the three input norms in one kernel
-        from orl_jax_kernels.residual_norms.kernel import residual_norms_stacked
+    x = x + rms_norm_fp32(attn, w["post_attn_norm"], eps)
 
-        vectors, index, _ = w["packed"]
-        x, mlp_in, router_in, moe_in = residual_norms_stacked(
-            attn.reshape(b * l, d), x.reshape(b * l, d), vectors, index, offsets, eps,
-            interpret=jax.default_backend() == "cpu")
-        x, mlp_in = x.reshape(b, l, d), mlp_in.reshape(b, l, d)
-    else:  # kernels/residual_norms/reference.py is this
-        x = x + rms_norm_fp32(attn, w["post_attn_norm"], eps)
-        mlp_in = rms_norm_fp32(x, w["mlp_norm"], eps)
-        flat = x.reshape(b * l, d)  # [T, D]
-        router_in, moe_in = router_input(flat, w["router_scale"], eps), rms_norm_fp32(flat, w["moe_norm"], eps)
-    weights, experts = route_normed(router_in, w["router"], w["expert_scale"], cfg.top_k_experts)
+    mlp_in = rms_norm_fp32(x, w["mlp_norm"], eps)
+    flat = x.reshape(b * l, d)  # [T, D]
+    weights, experts = route(flat, w["router_scale"], w["router"], w["expert_scale"], cfg.top_k_experts, eps)
+    moe_in = rms_norm_fp32(flat, w["moe_norm"], eps)
     moe = experts_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT, moe_impl(cfg))
     moe = moe.reshape(b, l, d)  # [B, L, D]
     mlp = fused_gated_mlp(mlp_in, w["gate_up"], w["down"], ACT)
@@ -260,18 +249,6 @@ def _qk_kernel_offsets(cfg: DiffusionGemmaConfig, layout) -> tuple[int, ...] | N
     fits = (qwen3.cached_attention_impl(cfg) == "pallas" and cfg.rope_sliding.partial_rotary_factor == 1.0
             and supported(cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim))
     return vector_offsets(layout, "q_norm", "k_norm") if fits else None
-
-
-def _residual_norms_offsets(cfg: DiffusionGemmaConfig, w: dict, d: int) -> tuple[int, ...] | None:
-    """Where the post-attention kernel's four weights lie in the layer's packed vector row, when it runs
-    (RESIDUAL_NORMS_KERNEL, a cached pass with the packed stack, the Pallas attention as on a GPU by default, D a
-    multiple of 16, all four weights packed); None otherwise."""
-    if not (RESIDUAL_NORMS_KERNEL and "packed" in w and qwen3.cached_attention_impl(cfg) == "pallas"):
-        return None
-    from orl_jax_kernels.residual_norms.kernel import chunk
-
-    offsets = vector_offsets(w["packed"][2], "post_attn_norm", "mlp_norm", "router_scale", "moe_norm")
-    return offsets if chunk(d) else None
 
 
 def moe_impl(cfg: DiffusionGemmaConfig) -> str:
@@ -317,12 +294,14 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     take = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False, allow_negative_indices=False)  # noqa
     norm_offsets = _qk_kernel_offsets(cfg, sliding_layout) if cache is not None else None
 
-    def sliding_layer(x, i, w, ck=None, cv=None):
+    def sliding_layer(x, i, w, ck=None, cv=None, h=None):
         w = w | {n: StackedWeight(params["sliding"][n], i) for n in stacks}
         part = None if ck is None else (ck, cv, vis["cache_" + SLIDING])
-        return _layer(cfg, x, w, rope_s, vis[SLIDING], part, scalar)
+        return _layer(cfg, x, w, rope_s, vis[SLIDING], part, scalar, h)
 
-    def sliding_group(x, lo):  # sliding layers lo .. lo + k - 1 -> (x, (k, v) [k, B, L, K, H] or None)
+    def sliding_group(x, lo, g):
+        """Sliding layers lo .. lo + k - 1 of group g -> (x, (k, v) [k, B, L, K, H] or None, the full layer g's
+        normed input or None)."""
         if cache is None:
             def body(x, xs):
                 x, kk, vv = sliding_layer(x, xs[1], xs[0])
@@ -330,54 +309,53 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
 
             body = jax.checkpoint(body, prevent_cse=False) if remat else body
             xs = ({n: a[lo:lo + k] for n, a in sliding_w.items()}, jnp.arange(lo, lo + k, dtype=jnp.int32))
-            return jax.lax.scan(body, x, xs)
+            return (*jax.lax.scan(body, x, xs), None)
 
         b, l, _ = x.shape
         kv_shape = (k, b, l, cfg.num_kv_heads, cfg.head_dim)
         kv = (jnp.zeros(kv_shape, x.dtype), jnp.zeros(kv_shape, x.dtype)) if collect_kv else None
 
+        ahead = NORM_AHEAD and sliding_v is not None and full_v is not None
+        attn_norm = lambda j: unpack_vectors(take(sliding_v, j), sliding_layout)["attn_norm"]  # noqa: E731
+        full_norm = unpack_vectors(full_v[g], full_layout)["attn_norm"] if ahead else None
+
         def step(carry):
-            i, x, kv = carry  # i: the loop's counter, or a Python int when unrolled (every slice static)
-            index = jnp.int32(i) if isinstance(i, int) else i  # the kernels take the layer as an array
+            i, x, h, kv = carry  # h: layer i's normed input when computed ahead, else None
             w = {n: take(a, i) for n, a in sliding_w.items()}
             if sliding_v is not None:
                 w |= unpack_vectors(take(sliding_v, i), sliding_layout)
             # the cache as layer i of its stacks: the attention kernel may read it in place (Blocks.cache_in_place)
-            ck, cv = (StackedWeight(c, index, take(c, i)) for c in (cache.sliding.k, cache.sliding.v))
+            ck, cv = (StackedWeight(c, i, take(c, i)) for c in (cache.sliding.k, cache.sliding.v))
             if norm_offsets is not None:  # the q/k norm kernel reads both weights from the packed stack (no copies)
-                w["packed_vectors"] = (sliding_v, index, norm_offsets)
-            if sliding_v is not None:  # so does the post-attention kernel
-                w["packed"] = (sliding_v, index, sliding_layout)
-            x, kk, vv = sliding_layer(x, index, w, ck, cv)
+                w["packed_vectors"] = (sliding_v, i, norm_offsets)
+            x, kk, vv = sliding_layer(x, i, w, ck, cv, h)
+            if ahead:  # the next layer's: sliding layer i + 1, or after the group's last, the full layer g
+                nxt = jnp.where(i + 1 < lo + k, attn_norm(jnp.minimum(i + 1, lo + k - 1)), full_norm)
+                h = rms_norm_fp32(x, nxt, cfg.rms_norm_eps)
             if collect_kv:
                 kv = (kv[0].at[i - lo].set(kk), kv[1].at[i - lo].set(vv))
-            return i + 1, x, kv
+            return i + 1, x, h, kv
 
-        if SLIDING_LOOP == "unrolled":
-            carry = (lo, x, kv)
-            for _ in range(k):
-                carry = step(carry)
-            return carry[1], carry[2]
-        _, x, kv = jax.lax.while_loop(lambda c: c[0] < lo + k, step, (jnp.int32(lo), x, kv))
-        return x, kv
+        h = rms_norm_fp32(x, attn_norm(lo), cfg.rms_norm_eps) if ahead else None
+        _, x, h, kv = jax.lax.while_loop(lambda c: c[0] < lo + k, step, (jnp.int32(lo), x, h, kv))
+        return x, kv, h
 
-    def full_layer(x, g):
+    def full_layer(x, g, h=None):
         w = {n: a[g] for n, a in full_w.items()} | {n: StackedWeight(params["full"][n], jnp.int32(g)) for n in stacks}
         part = None
         if cache is not None:
             if full_v is not None:
                 w |= unpack_vectors(full_v[g], full_layout)
-                w["packed"] = (full_v, jnp.int32(g), full_layout)
             ck, cv = (StackedWeight(c, jnp.int32(g), c[g]) for c in (cache.full.k, cache.full.v))
             part = (ck, cv, vis["cache_" + FULL])
-        return _layer(cfg, x, w, rope_f, vis[FULL], part, scalar)
+        return _layer(cfg, x, w, rope_f, vis[FULL], part, scalar, h)
 
     if remat:
         full_layer = jax.checkpoint(full_layer, prevent_cse=False, static_argnums=(1,))
     kv_s, kv_f = [], []
     for g in range(G):
-        x, kv = sliding_group(x, g * k)
-        x, kf, vf = full_layer(x, g)
+        x, kv, h = sliding_group(x, g * k, g)
+        x, kf, vf = full_layer(x, g, h)
         kv_s.append(kv)
         kv_f.append((kf, vf))
     h = rms_norm_fp32(x, params["final_norm"], cfg.rms_norm_eps)

@@ -45,16 +45,7 @@ def route(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: 
     forward on an H200 (benchmarks/dg_router_topk_dtype_sweep.json): 15.589 / 15.602 against 15.605 / 15.590 ms,
     equal, so the measured float32 cast stays (2026-12-01_dg_attention_order_h200.md).
     """
-    return route_normed(router_input(x, scale, eps), proj, expert_scale, top_k)
-
-
-def router_input(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """The router's input: x [T, D] under RMSNorm without weight, times `scale` [D] and D^-1/2 (x's dtype)."""
-    return rms_norm_fp32(x, None, eps) * scale.astype(x.dtype)[None] * (x.shape[-1] ** -0.5)
-
-
-def route_normed(h: jax.Array, proj, expert_scale: jax.Array, top_k: int):
-    """route() from the router's input h = router_input(x, ...)."""
+    h = rms_norm_fp32(x, None, eps) * scale.astype(x.dtype)[None] * (x.shape[-1] ** -0.5)
     logits = einsum("td,de->te", h, proj)
     top, e = jax.lax.top_k(logits.astype(jnp.float32) if ROUTER_TOPK_F32 else logits, top_k)  # [T, k]
     e = e.astype(jnp.int32)
