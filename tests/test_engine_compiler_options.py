@@ -1,6 +1,6 @@
 """generate() compiles Qwen3 / QwenDLM with runtime.ENGINE_COMPILER_OPTIONS (the loop inside CUDA graphs) and
-DiffusionGemma with runtime.DG_COMPILER_OPTIONS (concurrent graph branches). Command buffers change how kernels are
-launched, never what they compute, so on a GPU the programs must give the same tokens."""
+DiffusionGemma with runtime.DG_COMPILER_OPTIONS (the same plus concurrent graph branches). Command buffers change
+how kernels are launched, never what they compute, so on a GPU the programs must give the same tokens."""
 
 import jax
 import numpy as np
@@ -111,7 +111,8 @@ def test_graphed_program_equals_the_plain_one_on_gpu(monkeypatch):
 
 @pytest.mark.gpu
 def test_concurrent_program_equals_the_plain_one_on_gpu(monkeypatch):
-    """DiffusionGemma's concurrent graph branches run the same kernels on the same data: the same tokens."""
+    """DiffusionGemma's program (concurrent graph branches, its loops inside the graph) runs the same kernels on the
+    same data as XLA's defaults: the same tokens."""
     cfg = DG_PRESETS["tiny-dg"]
     params = P.init(diffusion_gemma.param_specs(cfg), jax.random.key(0))
     kw = dict(key=jax.random.key(1), max_new_tokens=16, sampler=UniformSampler(max_denoising_steps=6),

@@ -8,12 +8,7 @@ import pytest
 from triton_ir import verified_triton_modules
 
 from orl_jax.model import attention as A
-from orl_jax_kernels.masked_softmax.kernel import (
-    keys_major_supported,
-    masked_softmax,
-    masked_softmax_keys_major,
-    supported,
-)
+from orl_jax_kernels.masked_softmax.kernel import masked_softmax, supported
 from orl_jax_kernels.masked_softmax.reference import masked_softmax_reference
 
 
@@ -63,7 +58,6 @@ def test_attention_of_wide_heads_with_the_kernel_equals_the_einsums(monkeypatch)
 
     monkeypatch.setattr(kernel, "masked_softmax", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(A, "WIDE_SOFTMAX_KERNEL", True)
-    monkeypatch.setattr(A, "WIDE_SOFTMAX_KEYS_MAJOR", False)
     got = A.attention(q, parts, "pallas", scale=1.0)
     assert calls
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
@@ -81,57 +75,4 @@ def test_compiled_on_gpu():
     scores, mask = _scores(jax.random.key(3), b=1, kv=2, g=8, l=256, s=1024)
     got = masked_softmax(scores, mask, scale=1.0, dtype=jnp.bfloat16)
     want = masked_softmax_reference(scores, mask, 1.0, jnp.bfloat16)
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=8e-3, rtol=0)
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_keys_major_equals_the_reference_in_interpret_mode(dtype):
-    """masked_softmax_keys_major on scores [B, K, S, L, G] equals the row-wise oracle on their transpose."""
-    scores, mask = _scores(jax.random.key(4), g=4)  # [B, K, G, L, S]
-    keys_major = jnp.transpose(scores, (0, 1, 4, 3, 2))
-    got = masked_softmax_keys_major(keys_major, mask, scale=0.5, dtype=dtype, interpret=True)
-    want = jnp.transpose(masked_softmax_reference(scores, mask, 0.5, dtype), (0, 1, 4, 3, 2))
-    assert got.dtype == dtype and got.shape == keys_major.shape
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                               atol=1e-6 if dtype == jnp.float32 else 8e-3, rtol=0)
-    other = masked_softmax_keys_major(keys_major, jnp.roll(mask, 1, axis=1), scale=0.5, dtype=dtype, interpret=True)
-    assert float(jnp.abs(other.astype(jnp.float32) - want.astype(jnp.float32)).max()) > 0.05
-    assert not keys_major_supported(48, 4) and not keys_major_supported(64, 3) and keys_major_supported(64, 8)
-    with pytest.raises(ValueError, match="G=3"):
-        masked_softmax_keys_major(keys_major[..., :3], mask, scale=1.0, dtype=dtype, interpret=True)
-
-
-@pytest.mark.parametrize("keys_major", [False, True])
-def test_attention_keys_major_or_not_equals_the_einsums(monkeypatch, keys_major):
-    ks = jax.random.split(jax.random.key(5), 6)
-    b, l, s, n, kv, h = 2, 128, 128, 4, 2, 512  # a long pass: not the attention kernel's (preferred)
-    q = jax.random.normal(ks[0], (b, l, n, h))
-    kc, vc = (jax.random.normal(k, (b, s, kv, h)) for k in ks[1:3])
-    kself, vself = (jax.random.normal(k, (b, l, kv, h)) for k in ks[3:5])
-    parts = [(kc, vc, A.cache_mask(jnp.array([0, 20]), 100, s, l)), (kself, vself, A.self_mask(A.full_segments(b, l)))]
-    want = A.attention(q, parts, "orl_jax", scale=1.0)
-    monkeypatch.setattr(A, "WIDE_SOFTMAX_KEYS_MAJOR", keys_major)
-    from orl_jax_kernels.masked_softmax import kernel
-
-    calls = []
-    for name in ("masked_softmax", "masked_softmax_keys_major"):
-        real = getattr(kernel, name)
-        monkeypatch.setattr(kernel, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
-    got = A.attention(q, parts, "pallas", scale=1.0)
-    assert calls == ["masked_softmax_keys_major" if keys_major else "masked_softmax"]
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
-
-
-def test_keys_major_lowers_to_verified_triton_on_any_machine(monkeypatch):
-    sd = jax.ShapeDtypeStruct
-    verified_triton_modules(monkeypatch, lambda s, m: masked_softmax_keys_major(s, m, scale=1.0, dtype=jnp.bfloat16),
-                            sd((1, 2, 1024, 256, 8), jnp.float32), sd((1, 256, 1024), jnp.int8))
-
-
-@pytest.mark.gpu
-def test_keys_major_compiled_on_gpu():
-    scores, mask = _scores(jax.random.key(6), b=1, kv=2, g=8, l=256, s=1024)
-    keys_major = jnp.transpose(scores, (0, 1, 4, 3, 2))
-    got = masked_softmax_keys_major(keys_major, mask, scale=1.0, dtype=jnp.bfloat16)
-    want = jnp.transpose(masked_softmax_reference(scores, mask, 1.0, jnp.bfloat16), (0, 1, 4, 3, 2))
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=8e-3, rtol=0)

@@ -36,11 +36,6 @@ def supported(l: int, s: int, rows: int | None = None) -> bool:
     return s >= 16 and not s & (s - 1) and l % (rows or ROWS) == 0
 
 
-def keys_major_supported(s: int, g: int) -> bool:
-    """masked_softmax_keys_major: S a power of two >= 16, G (query heads per kv head) a power of two."""
-    return s >= 16 and not s & (s - 1) and g > 0 and not g & (g - 1)
-
-
 def _kernel(s_ref, m_ref, o_ref, *, scale: float):
     s = s_ref[...] * scale  # [R, S] float32
     s = jnp.where(m_ref[...] != 0, s, NEG)
@@ -73,39 +68,4 @@ def masked_softmax(scores: jax.Array, mask: jax.Array, *, scale: float, dtype, i
         interpret=interpret,
         **triton_params(4, 1, interpret),
     )(flat, mask.astype(jnp.int8).reshape(b * l, s))
-    return out.reshape(scores.shape)
-
-
-def _kernel_keys_major(s_ref, m_ref, o_ref, *, scale: float):
-    s = s_ref[...] * scale  # [S, G] float32: the keys down, the G query heads of one (b, k, l) across
-    s = jnp.where(m_ref[...] != 0, s, NEG)  # the mask column [S, 1] of (b, l)
-    e = jnp.exp(s - jnp.max(s, axis=0, keepdims=True))
-    o_ref[...] = (e / jnp.sum(e, axis=0, keepdims=True)).astype(o_ref.dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "dtype", "interpret"))
-def masked_softmax_keys_major(scores: jax.Array, mask: jax.Array, *, scale: float, dtype,
-                              interpret: bool = False) -> jax.Array:
-    """masked_softmax over scores laid out keys-major, [B, K, S, L, G] (softmax over S, axis 2), as cuBLAS writes
-    the score GEMM when the keys are its rows: XLA otherwise transposes the float32 scores to [B, K, G, L, S]
-    before the row-wise kernel (11.4 us per 26B full layer in the session-21 profile). One program per (b, k, l)
-    takes the [S, G] column block; mask [B, L, S]. S and G must be powers of two. Output [B, K, S, L, G]."""
-    b, kv, s, l, g = scores.shape
-    if mask.shape != (b, l, s):
-        raise ValueError(f"masked_softmax_keys_major: scores {scores.shape} take a mask [B, L, S] = {(b, l, s)}, "
-                         f"got {mask.shape}")
-    if not keys_major_supported(s, g):
-        raise ValueError(f"masked_softmax_keys_major: S={s} and G={g} must be powers of two (S >= 16)")
-    flat = scores.reshape(b * kv, s, l * g)
-    columns = jnp.swapaxes(mask.astype(jnp.int8), 1, 2)  # [B, S, L]: the mask of (b, l) as a column
-    block = pl.BlockSpec((None, s, g), lambda r: (r // l, 0, r % l))
-    out = pl.pallas_call(
-        functools.partial(_kernel_keys_major, scale=scale),
-        out_shape=jax.ShapeDtypeStruct(flat.shape, dtype),
-        grid=(b * kv * l,),
-        in_specs=[block, pl.BlockSpec((None, s, 1), lambda r: (r // (kv * l), 0, r % l))],
-        out_specs=block,
-        interpret=interpret,
-        **triton_params(4, 1, interpret),
-    )(flat, columns)
     return out.reshape(scores.shape)

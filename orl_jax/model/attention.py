@@ -38,10 +38,6 @@ WIDE_LATE_NORMALIZE = True
 # 15.58 / 15.58 ms against 15.63 / 15.62 / 15.61 without, alternating in one process
 # (benchmarks/results/2026-12-01_dg_attention_order_h200.md, call 6). Read at trace time.
 WIDE_SOFTMAX_KERNEL = True
-# ... with the scores keys-major ([B, K, S, L, G], as cuBLAS writes the score GEMM; kernel's
-# masked_softmax_keys_major) instead of row-major [B, K, G, L, S], which XLA transposed from the GEMM's output
-# (11.4 us per 26B full layer). Read at trace time.
-WIDE_SOFTMAX_KEYS_MAJOR = True
 
 
 def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]], impl: str = "orl_jax",
@@ -83,11 +79,9 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
     if JOIN_WIDE_PARTS and len(parts) > 1 and q.shape[-1] > CUDNN_MAX_HEAD_DIM:
         joined = _joined(parts)
         if impl == "pallas" and WIDE_SOFTMAX_KERNEL:
-            from orl_jax_kernels.masked_softmax.kernel import keys_major_supported
             from orl_jax_kernels.masked_softmax.kernel import supported as softmax_supported
 
-            s, g = joined[0].shape[1], q.shape[2] // joined[0].shape[2]
-            if keys_major_supported(s, g) if WIDE_SOFTMAX_KEYS_MAJOR else softmax_supported(q.shape[1], s):
+            if softmax_supported(q.shape[1], joined[0].shape[1]):
                 return scaled_attention(q, [joined], scale, softmax_kernel=True)
         return scaled_attention(q, [joined], scale, late_normalize=WIDE_LATE_NORMALIZE)
     return scaled_attention(q, [(_slice(k), _slice(v), m) for k, v, m in parts], scale)
@@ -114,14 +108,6 @@ def scaled_attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.A
     b, l, n, h = q.shape
     kv = parts[0][0].shape[2]
     qg = q.reshape(b, l, kv, n // kv, h)  # [B, L, K, G, H]
-    if softmax_kernel and WIDE_SOFTMAX_KEYS_MAJOR:  # scores [B, K, S, L, G] as the GEMM writes them
-        from orl_jax_kernels.masked_softmax.kernel import masked_softmax_keys_major
-
-        (k, v, mask), = parts
-        raw = jnp.einsum("bskh,blkgh->bkslg", k, qg, preferred_element_type=jnp.float32)
-        p = masked_softmax_keys_major(raw, mask, scale=scale, dtype=v.dtype, interpret=jax.default_backend() == "cpu")
-        o = jnp.einsum("bkslg,bskh->blkgh", p, v, preferred_element_type=jnp.float32)
-        return o.astype(q.dtype).reshape(b, l, n, h)
     raw = [jnp.einsum("blkgh,bskh->bkgls", qg, k, preferred_element_type=jnp.float32) for k, _, _ in parts]
     if softmax_kernel:
         from orl_jax_kernels.masked_softmax.kernel import masked_softmax

@@ -74,15 +74,6 @@ ACT = "gelu_tanh"  # HF: gelu_pytorch_tanh
 
 EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")  # [layers, E, ...] per layer type
 
-# Cached passes compute each sliding layer's input norm at the end of the loop iteration before it (the next
-# layer's attn_norm, read at i + 1), where XLA can fuse it with the residual update it normalizes; otherwise each
-# layer norms its input first, after the loop's iteration boundary.
-NORM_AHEAD = True
-
-# The LM head's GEMM writes the model dtype (True) or float32 sums rounded after it (False): the same single
-# rounding of float32 sums, but the 26B's [256, 262144] product is 134 MB written instead of 268.
-HEAD_IN_MODEL_DTYPE = True
-
 
 def _layer_specs(cfg: DiffusionGemmaConfig, n: int, kv: int, hd: int, own_v: bool) -> dict:
     """One layer type's stacked weights. Each layer's query, key and value projections are one matrix [D, K, G + 2,
@@ -203,11 +194,10 @@ def soft_embed(params: dict, cfg: DiffusionGemmaConfig, probs: jax.Array) -> jax
 
 # --- the layer stack ---------------------------------------------------------------------------------------------
 
-def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: str, h=None):
-    """One layer; h: its normed input rms_norm_fp32(x, attn_norm) when the caller computed it (NORM_AHEAD)."""
+def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: str):
     eps = cfg.rms_norm_eps
     b, l, d = x.shape
-    h = rms_norm_fp32(x, w["attn_norm"], eps) if h is None else h
+    h = rms_norm_fp32(x, w["attn_norm"], eps)
     own_v = "qkv" in w  # full layers: "qk", K = V
     proj = einsum("bld,dkth->blkth", h, w["qkv" if own_v else "qk"])  # [B, L, K, G + 2 (or + 1), H]
     g = cfg.num_heads // proj.shape[2]
@@ -294,14 +284,12 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     take = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False, allow_negative_indices=False)  # noqa
     norm_offsets = _qk_kernel_offsets(cfg, sliding_layout) if cache is not None else None
 
-    def sliding_layer(x, i, w, ck=None, cv=None, h=None):
+    def sliding_layer(x, i, w, ck=None, cv=None):
         w = w | {n: StackedWeight(params["sliding"][n], i) for n in stacks}
         part = None if ck is None else (ck, cv, vis["cache_" + SLIDING])
-        return _layer(cfg, x, w, rope_s, vis[SLIDING], part, scalar, h)
+        return _layer(cfg, x, w, rope_s, vis[SLIDING], part, scalar)
 
-    def sliding_group(x, lo, g):
-        """Sliding layers lo .. lo + k - 1 of group g -> (x, (k, v) [k, B, L, K, H] or None, the full layer g's
-        normed input or None)."""
+    def sliding_group(x, lo):  # sliding layers lo .. lo + k - 1 -> (x, (k, v) [k, B, L, K, H] or None)
         if cache is None:
             def body(x, xs):
                 x, kk, vv = sliding_layer(x, xs[1], xs[0])
@@ -309,18 +297,14 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
 
             body = jax.checkpoint(body, prevent_cse=False) if remat else body
             xs = ({n: a[lo:lo + k] for n, a in sliding_w.items()}, jnp.arange(lo, lo + k, dtype=jnp.int32))
-            return (*jax.lax.scan(body, x, xs), None)
+            return jax.lax.scan(body, x, xs)
 
         b, l, _ = x.shape
         kv_shape = (k, b, l, cfg.num_kv_heads, cfg.head_dim)
         kv = (jnp.zeros(kv_shape, x.dtype), jnp.zeros(kv_shape, x.dtype)) if collect_kv else None
 
-        ahead = NORM_AHEAD and sliding_v is not None and full_v is not None
-        attn_norm = lambda j: unpack_vectors(take(sliding_v, j), sliding_layout)["attn_norm"]  # noqa: E731
-        full_norm = unpack_vectors(full_v[g], full_layout)["attn_norm"] if ahead else None
-
         def step(carry):
-            i, x, h, kv = carry  # h: layer i's normed input when computed ahead, else None
+            i, x, kv = carry
             w = {n: take(a, i) for n, a in sliding_w.items()}
             if sliding_v is not None:
                 w |= unpack_vectors(take(sliding_v, i), sliding_layout)
@@ -328,19 +312,15 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
             ck, cv = (StackedWeight(c, i, take(c, i)) for c in (cache.sliding.k, cache.sliding.v))
             if norm_offsets is not None:  # the q/k norm kernel reads both weights from the packed stack (no copies)
                 w["packed_vectors"] = (sliding_v, i, norm_offsets)
-            x, kk, vv = sliding_layer(x, i, w, ck, cv, h)
-            if ahead:  # the next layer's: sliding layer i + 1, or after the group's last, the full layer g
-                nxt = jnp.where(i + 1 < lo + k, attn_norm(jnp.minimum(i + 1, lo + k - 1)), full_norm)
-                h = rms_norm_fp32(x, nxt, cfg.rms_norm_eps)
+            x, kk, vv = sliding_layer(x, i, w, ck, cv)
             if collect_kv:
                 kv = (kv[0].at[i - lo].set(kk), kv[1].at[i - lo].set(vv))
-            return i + 1, x, h, kv
+            return i + 1, x, kv
 
-        h = rms_norm_fp32(x, attn_norm(lo), cfg.rms_norm_eps) if ahead else None
-        _, x, h, kv = jax.lax.while_loop(lambda c: c[0] < lo + k, step, (jnp.int32(lo), x, h, kv))
-        return x, kv, h
+        _, x, kv = jax.lax.while_loop(lambda c: c[0] < lo + k, step, (jnp.int32(lo), x, kv))
+        return x, kv
 
-    def full_layer(x, g, h=None):
+    def full_layer(x, g):
         w = {n: a[g] for n, a in full_w.items()} | {n: StackedWeight(params["full"][n], jnp.int32(g)) for n in stacks}
         part = None
         if cache is not None:
@@ -348,14 +328,14 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
                 w |= unpack_vectors(full_v[g], full_layout)
             ck, cv = (StackedWeight(c, jnp.int32(g), c[g]) for c in (cache.full.k, cache.full.v))
             part = (ck, cv, vis["cache_" + FULL])
-        return _layer(cfg, x, w, rope_f, vis[FULL], part, scalar, h)
+        return _layer(cfg, x, w, rope_f, vis[FULL], part, scalar)
 
     if remat:
         full_layer = jax.checkpoint(full_layer, prevent_cse=False, static_argnums=(1,))
     kv_s, kv_f = [], []
     for g in range(G):
-        x, kv, h = sliding_group(x, g * k, g)
-        x, kf, vf = full_layer(x, g, h)
+        x, kv = sliding_group(x, g * k)
+        x, kf, vf = full_layer(x, g)
         kv_s.append(kv)
         kv_f.append((kf, vf))
     h = rms_norm_fp32(x, params["final_norm"], cfg.rms_norm_eps)
@@ -367,12 +347,12 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
 
 def logits(params: dict, cfg: DiffusionGemmaConfig, h: jax.Array) -> jax.Array:
     """[B, L, D] -> soft-capped float32 logits [B, L, V]. The head's product (float32 sums) is rounded to the model
-    dtype before the float32 soft-cap, as transformers' DiffusionGemmaForBlockDiffusion rounds its lm_head output."""
+    dtype before the float32 soft-cap, as transformers' DiffusionGemmaForBlockDiffusion rounds its lm_head output.
+    The GEMM writes that dtype itself (one rounding in its epilogue, as a bf16 lm_head in PyTorch does): the 26B's
+    [256, 262144] product is then 134 MB instead of 268 of float32 sums converted after it; in the forward
+    15.600 / 15.603 against 15.617 / 15.617 ms (benchmarks/results/2026-12-01_dg_graph_loops_h200.md, call 4)."""
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    if HEAD_IN_MODEL_DTYPE:  # the GEMM accumulates in float32 and rounds once as it writes (cuBLAS's epilogue)
-        z = jnp.einsum("bld,vd->blv", h, head.astype(h.dtype), preferred_element_type=h.dtype)
-    else:  # float32 sums written out, then rounded
-        z = jnp.einsum("bld,vd->blv", h, head.astype(h.dtype), preferred_element_type=jnp.float32).astype(h.dtype)
+    z = jnp.einsum("bld,vd->blv", h, head.astype(h.dtype), preferred_element_type=h.dtype)
     return soft_cap(z.astype(jnp.float32), cfg.final_logit_softcapping)
 
 
