@@ -2,6 +2,11 @@
 (one canvas), the uniform sampler with DiffusionGemma's defaults except confidence=0 (random weights never converge,
 so every canvas runs the 48-step maximum, as in the transformers peer).
 
+The decoder forward is timed two ways: `ms`, one forward per call (5 calls per sync), and `ms_looped`, --looped
+forwards in one device loop as generate() runs them. They differ by the host-side update of the forward's CUDA
+graph, which the first call after each sync waits for (0.4-0.6 ms per forward measured per call since the layer
+loops run inside the graph; benchmarks/results/2026-12-01_dg_graph_loops_h200.md).
+
   python benchmarks/diffusion_gemma_generate.py --out dg.jsonl [--profile]
 Run side by side with ../shared/peers/hf_diffusion_gemma_generate.py (benchmarks/run_dg_bench.sh).
 """
@@ -64,9 +69,10 @@ ap.add_argument("--sorted-copy", action="store_true",
 ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=JSON",
                 help="set a trace-time switch before anything is traced, e.g. "
                      "orl_jax.model.attention.WIDE_LATE_NORMALIZE=false (repeatable; the value is JSON)")
-ap.add_argument("--looped", type=int, default=0, metavar="N",
+ap.add_argument("--looped", type=int, default=8, metavar="N",
                 help="also time N decoder forwards in one program (a fori_loop on the device, as generate() runs "
-                     "them): ms per forward without host dispatch or per-call command-buffer updates between them")
+                     "them): ms per forward without host dispatch or per-call command-buffer updates between them "
+                     "(the number issue #4's target is judged by since session 21; 0: skip)")
 ap.add_argument("--capacity-factor", type=int,
                 help="moe.CAPACITY_FACTOR (slots per expert / mean load; overflow takes further rounds)")
 args = ap.parse_args()
