@@ -191,6 +191,21 @@ sampler = UniformSampler(max_denoising_steps=48, t_max=0.8, t_min=0.4, entropy_b
                          confidence=0.0, rng=args.rng)
 
 
+def median_seconds(run, reps: int, calls: int = 1) -> float:
+    """Median over `reps` of the seconds per call when `calls` calls of run() go out before one sync."""
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready([run() for _ in range(calls)])
+        ts.append((time.perf_counter() - t) / calls)
+    return float(np.median(ts))
+
+
+def compile_dg(fn, options=None):
+    """fn jitted with the compiler options generate() gives DiffusionGemma, plus `options`."""
+    return jax.jit(fn, compiler_options=runtime.DG_COMPILER_OPTIONS | (options or {}))
+
+
 def one_forward(cfg, cache=None, options=None):
     """ms of one decoder forward over a 256-token canvas after the prompt (cache read only; prefilled here unless
     given), and the compiled program's temporary bytes (a scanned weight slice copied for a custom call would show
@@ -198,16 +213,11 @@ def one_forward(cfg, cache=None, options=None):
     if cache is None:
         cache = prefilled(cfg)
     canvas = jnp.asarray(np.random.default_rng(1).integers(0, min(200000, cfg.vocab_size), (1, args.new)), jnp.int32)
-    f = jax.jit(lambda p, c, k: diffusion_gemma.decode(p, cfg, c, k)[:, :, :8],  # as generate() compiles DG
-                compiler_options=runtime.DG_COMPILER_OPTIONS | (options or {}))
+    f = compile_dg(lambda p, c, k: diffusion_gemma.decode(p, cfg, c, k)[:, :, :8], options)
     compiled = f.lower(params, canvas, cache).compile()
     mem = compiled.memory_analysis()
     jax.block_until_ready(compiled(params, canvas, cache))
-    ts = []
-    for _ in range(5):
-        t = time.perf_counter()
-        jax.block_until_ready([compiled(params, canvas, cache) for _ in range(5)])
-        ts.append((time.perf_counter() - t) / 5)
+    sec = median_seconds(lambda: compiled(params, canvas, cache), reps=5, calls=5)
     if args.profile:
         import tempfile
 
@@ -228,7 +238,7 @@ def one_forward(cfg, cache=None, options=None):
             log(what="profile_gap", moe_impl=cfg.moe_impl, **row)
         write_timeline(d, Path(args.out).with_suffix(f".{cfg.moe_impl}.timeline.jsonl.gz"))
     looped = looped_forward(cfg, cache, canvas, options, args.looped) if args.looped else None
-    return float(np.median(ts)) * 1e3, getattr(mem, "temp_size_in_bytes", None), looped
+    return sec * 1e3, getattr(mem, "temp_size_in_bytes", None), looped
 
 
 def looped_forward(cfg, cache, canvas, options, n):
@@ -241,15 +251,9 @@ def looped_forward(cfg, cache, canvas, options, n):
 
         return jax.lax.fori_loop(0, n, body, c)
 
-    compiled = jax.jit(run, compiler_options=runtime.DG_COMPILER_OPTIONS | (options or {})).lower(
-        params, canvas, cache).compile()
+    compiled = compile_dg(run, options).lower(params, canvas, cache).compile()
     jax.block_until_ready(compiled(params, canvas, cache))
-    ts = []
-    for _ in range(3):
-        t = time.perf_counter()
-        jax.block_until_ready(compiled(params, canvas, cache))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts)) * 1e3 / n
+    return median_seconds(lambda: compiled(params, canvas, cache), reps=3) * 1e3 / n
 
 
 def prefilled(cfg):
@@ -280,12 +284,7 @@ def moe_only(impl):
 
     f = jax.jit(run)
     jax.block_until_ready(f(gu, dn, x, w, e))
-    ts = []
-    for _ in range(5):
-        t = time.perf_counter()
-        jax.block_until_ready(f(gu, dn, x, w, e))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts)) * 1e3 * cfg.num_layers / n
+    return median_seconds(lambda: f(gu, dn, x, w, e), reps=5) * 1e3 * cfg.num_layers / n
 
 
 if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the isolated bench ranks them otherwise)
@@ -329,12 +328,7 @@ for impl in IMPLS:
     t = time.perf_counter()
     out = jax.block_until_ready(generate(params, c, prompt, **kw))
     first = time.perf_counter() - t
-    ts = []
-    for _ in range(3):
-        t = time.perf_counter()
-        out = jax.block_until_ready(generate(params, c, prompt, **kw))
-        ts.append(time.perf_counter() - t)
-    sec = float(np.median(ts))
+    sec = median_seconds(lambda: generate(params, c, prompt, **kw), reps=3)
     fwd, com = int(out.total_forwards), int(out.commits)
     log(what="generate", moe_impl=impl, first_call_s=first, seconds=sec, new_tokens=args.new, denoise_forwards=fwd,
         commits=com, ms_per_forward_incl_prefill=sec * 1e3 / max(fwd + com, 1), tokens_per_s=args.new / sec,
