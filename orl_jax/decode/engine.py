@@ -84,10 +84,10 @@ def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeCon
     """Run the compiled loop. Where the options were measured on an H200 (one device, no streaming, no capture,
     called from Python: jax.jit's compiler_options apply to top-level programs only), Qwen3 / QwenDLM take
     runtime.ENGINE_COMPILER_OPTIONS (the loop in CUDA graphs) and DiffusionGemma runtime.DG_COMPILER_OPTIONS
-    (the same, with concurrent graph branches), each unless XLA_FLAGS sets the same thing itself. Everything else compiles with
-    XLA's defaults: a mesh's collectives, the streaming host callback and the capture buffers in the loop (not
-    measured). The graphed program on a GPU also unrolls the layer stack unless cfg.layer_unroll says otherwise
-    (config.py)."""
+    (the same, with concurrent graph branches), each unless XLA_FLAGS sets the same thing itself. Everything else
+    compiles with XLA's defaults: a mesh's collectives, the streaming host callback and the capture buffers in the
+    loop (not measured). The graphed program on a GPU also unrolls the layer stack unless cfg.layer_unroll says
+    otherwise (config.py)."""
     plain = (devices == 1 and not dcfg.stream and not dcfg.capture
              and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, key))))
     if plain and isinstance(cfg, ModelConfig) and "--xla_gpu_enable_command_buffer" not in xla_flags_set():

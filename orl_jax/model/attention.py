@@ -38,6 +38,11 @@ WIDE_LATE_NORMALIZE = True
 # 15.58 / 15.58 ms against 15.63 / 15.62 / 15.61 without, alternating in one process
 # (benchmarks/results/2026-12-01_dg_attention_order_h200.md, call 6). Read at trace time.
 WIDE_SOFTMAX_KERNEL = True
+# ... and on that path the queries go in query-major, [B, K, G, L, H], so the score GEMM (batched over (b, k), rows
+# (g, l)) writes [B, K, G, L, S], the softmax kernel's rows, and PV writes [B, K, G, L, H]. False: the einsums on
+# [B, L, K, G, H] queries, whose score GEMM XLA computes keys-major ([K, S, L G]) and transposes (float32 [2, 8, 256,
+# 1024] per 26B full layer: 11.2 us in the session-21 profile). Read at trace time.
+WIDE_QUERY_MAJOR = True
 
 
 def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]], impl: str = "orl_jax",
@@ -108,21 +113,29 @@ def scaled_attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.A
     b, l, n, h = q.shape
     kv = parts[0][0].shape[2]
     qg = q.reshape(b, l, kv, n // kv, h)  # [B, L, K, G, H]
-    raw = [jnp.einsum("blkgh,bskh->bkgls", qg, k, preferred_element_type=jnp.float32) for k, _, _ in parts]
     if softmax_kernel:
         from orl_jax_kernels.masked_softmax.kernel import masked_softmax
 
-        (_, v, mask), = parts
-        p = masked_softmax(raw[0], mask, scale=scale, dtype=v.dtype, interpret=jax.default_backend() == "cpu")
-        late_normalize = False
+        (k, v, mask), = parts
+        cpu = jax.default_backend() == "cpu"
+        if WIDE_QUERY_MAJOR:  # batch (b, k), rows (g, l): the GEMMs write the layouts the kernel and o want
+            qt = jnp.transpose(qg, (0, 2, 3, 1, 4))  # [B, K, G, L, H]
+            s = jax.lax.dot_general(qt, k, (((4,), (3,)), ((0, 1), (0, 2))), preferred_element_type=jnp.float32)
+            p = masked_softmax(s, mask, scale=scale, dtype=v.dtype, interpret=cpu)  # [B, K, G, L, S]
+            o = jax.lax.dot_general(p, v, (((4,), (1,)), ((0, 1), (0, 2))), preferred_element_type=jnp.float32)
+            return jnp.transpose(o.astype(q.dtype), (0, 3, 1, 2, 4)).reshape(b, l, n, h)
+        s = jnp.einsum("blkgh,bskh->bkgls", qg, k, preferred_element_type=jnp.float32)
+        p = masked_softmax(s, mask, scale=scale, dtype=v.dtype, interpret=cpu)
+        return jnp.einsum("bkgls,bskh->blkgh", p, v, preferred_element_type=jnp.float32).astype(q.dtype).reshape(
+            b, l, n, h)
+    raw = [jnp.einsum("blkgh,bskh->bkgls", qg, k, preferred_element_type=jnp.float32) for k, _, _ in parts]
+    s = jnp.concatenate([jnp.where(m[:, None, None], r * scale, _NEG) for r, (_, _, m) in zip(raw, parts)],
+                        axis=-1)  # [B, K, G, L, S]
+    if late_normalize:
+        p = jnp.exp(s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
+        total = jnp.sum(p, axis=-1)  # [B, K, G, L]
     else:
-        s = jnp.concatenate([jnp.where(m[:, None, None], r * scale, _NEG) for r, (_, _, m) in zip(raw, parts)],
-                            axis=-1)  # [B, K, G, L, S]
-        if late_normalize:
-            p = jnp.exp(s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
-            total = jnp.sum(p, axis=-1)  # [B, K, G, L]
-        else:
-            p = jax.nn.softmax(s, axis=-1)
+        p = jax.nn.softmax(s, axis=-1)
     o, at = 0.0, 0
     for k, v, _ in parts:
         o = o + jnp.einsum("bkgls,bskh->blkgh", p[..., at:at + k.shape[1]].astype(v.dtype), v,
