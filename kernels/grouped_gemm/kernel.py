@@ -95,26 +95,22 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, w_ref, o_ref, *, bk: int, n_chu
     jax.lax.fori_loop(0, (rows + bm - 1) // bm, tile, 0)  # no rows: the expert's weight is not read
 
 
-def _with_rows(kernel, have_rows: bool, have_after: bool):
-    """The kernel with None for the gather's rows when a call passes none, and without the `after` operand."""
-    def call(layer_ref, off_ref, *refs):
-        refs = refs[1:] if have_after else refs  # `after` (an ordering operand) is never read
-        return kernel(layer_ref, off_ref, *refs) if have_rows else kernel(layer_ref, off_ref, None, *refs)
-    return call
+def _with_rows(kernel, have_rows: bool):
+    """The kernel with None for the gather's rows when a call passes none."""
+    return kernel if have_rows else lambda layer_ref, off_ref, *refs: kernel(layer_ref, off_ref, None, *refs)
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret", "bm"))
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: jax.Array | None = None,
                    blocks: Blocks | None = None, interpret: bool = False,
                    offsets: jax.Array | None = None, bm: int | None = None,
-                   rows: jax.Array | None = None, after: jax.Array | None = None) -> jax.Array:
+                   rows: jax.Array | None = None) -> jax.Array:
     """x [M, K] (rows sorted by group) times w [E, K, N], or the layer `layer` of a stack w [L, E, K, N], group by
     group: group_sizes [E] (int, summing to <= M) -> [M, N] in x's dtype. offsets [E + 1]: the groups' first rows
     and their end, when the caller has them (kernels/expert_sort returns them); else computed from group_sizes.
     bm: rows per tile (a power of two >= 16), BM unless given.
     rows [M] (int32): sorted row r is x[rows[r]] for an x of any number of rows, gathered by the kernel's loads
-    (the MoE's tokens: no sorted copy of x is written and read back).
-    after: any array the kernel waits for (kernels/l2_prefetch's output: its weights read into L2 first)."""
+    (the MoE's tokens: no sorted copy of x is written and read back)."""
     k = x.shape[1]
     e, n = w.shape[-3], w.shape[-1]
     stacked = w.ndim == 4
@@ -146,19 +142,17 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: ja
               else pl.BlockSpec((1, k, blocks.bn), ge(lambda g, j: (g, 0, j))))
     xs = x if rows is not None else pad(x)
     gathered = [pad(rows)] if rows is not None else []
-    dep = [] if after is None else [after]
     out = pl.pallas_call(
         _with_rows(functools.partial(_kernel, bk=blocks.bk, n_chunks=k // blocks.bk, bm=bm, stacked=stacked,
-                                     expert_axis=1 if inner else 0), rows is not None, after is not None),
+                                     expert_axis=1 if inner else 0), rows is not None),
         out_shape=jax.ShapeDtypeStruct((m + spare, n), x.dtype),
         grid=grid,
         in_specs=[pl.BlockSpec((1,), ge(lambda g, j: (0,))), pl.BlockSpec((e + 1,), ge(lambda g, j: (0,)))]
-                 + [pl.BlockSpec(a.shape, ge(lambda g, j, nd=a.ndim: (0,) * nd)) for a in dep]
                  + [pl.BlockSpec((m + spare,), ge(lambda g, j: (0,)))] * len(gathered)
                  + [pl.BlockSpec(xs.shape, ge(lambda g, j: (0, 0))), w_spec],
         out_specs=pl.BlockSpec((m + spare, blocks.bn), ge(lambda g, j: (0, j))),
         interpret=interpret,
         **triton_params(blocks.num_warps, pipeline_stages(blocks, bm), interpret),
-    )(layer_arr, offsets, *dep, *gathered, xs, w)
+    )(layer_arr, offsets, *gathered, xs, w)
     live = jnp.arange(m) < offsets[-1]  # rows past the last group: never written
     return jnp.where(live[:, None], out[:m] if spare else out, 0)

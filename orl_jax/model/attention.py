@@ -41,7 +41,9 @@ WIDE_SOFTMAX_KERNEL = True
 # ... and on that path the queries go in query-major, [B, K, G, L, H], so the score GEMM (batched over (b, k), rows
 # (g, l)) writes [B, K, G, L, S], the softmax kernel's rows, and PV writes [B, K, G, L, H]. False: the einsums on
 # [B, L, K, G, H] queries, whose score GEMM XLA computes keys-major ([K, S, L G]) and transposes (float32 [2, 8, 256,
-# 1024] per 26B full layer: 11.2 us in the session-21 profile). Read at trace time.
+# 1024] per 26B full layer: 11.2 us in the session-21 profile). On an H200 the 26B forward took 14.946 / 14.960 ms
+# against 15.036 / 15.015 per forward in a device loop, alternating in one process
+# (benchmarks/results/2026-12-01_dg_query_major_h200.md). Read at trace time.
 WIDE_QUERY_MAJOR = True
 
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from orl_jax.model.layers import ACTIVATIONS, einsum, rms_norm_fp32
-from orl_jax.model.streamed import StackedWeight, as_stacked, xla_ragged_dot
+from orl_jax.model.streamed import as_stacked, xla_ragged_dot
 
 ROUTER_TOPK_F32 = True  # read at trace time; see route
 
@@ -61,13 +61,12 @@ def in_bounds_take(a: jax.Array, idx: jax.Array) -> jax.Array:
 
 
 def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, offsets: jax.Array | None = None,
-                   rows: jax.Array | None = None, after: jax.Array | None = None) -> jax.Array:
+                   rows: jax.Array | None = None) -> jax.Array:
     """x [M, K] whose rows come in contiguous groups (sizes [E]) times w [E, K, N]: row r of group e gets x_r @ w_e.
     offsets [E + 1] (the groups' first rows, then their end), when known, spare the grouped kernel their cumsum.
-    rows [M]: sorted row r is x[rows[r]] (x then has any number of rows). after: an array the grouped kernel waits
-    for (ordering only)."""
+    rows [M]: sorted row r is x[rows[r]] (x then has any number of rows)."""
     if hasattr(w, "ragged_dot"):
-        return w.ragged_dot(x, group_sizes, offsets, rows=rows, after=after)
+        return w.ragged_dot(x, group_sizes, offsets, rows=rows)
     return xla_ragged_dot(x, w, group_sizes, rows=rows)
 
 
@@ -213,11 +212,6 @@ def _sorted_rows(experts: jax.Array, num_experts: int, kernel: bool):
 # --sorted-copy sets False).
 GATHER_IN_KERNEL = True
 
-# On the pallas path, how many leading experts of the layer's gate/up stack kernels/l2_prefetch reads into L2
-# (evict-last loads) while the routing chain runs: the prefetch waits for the MoE's input and the gate/up kernel
-# waits for the prefetch. 0: none. Read at trace time (benchmarks/diffusion_gemma_generate.py --set).
-PREFETCH_EXPERTS = 0
-
 
 def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False) -> jax.Array:
     """Rows sorted by expert and multiplied group by group (`grouped_matmul`): work proportional to T * k. The
@@ -230,13 +224,7 @@ def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kerne
     # is used once fused the whole counting sort into itself (170 us per 26B layer, session 16).
     take = in_bounds_take if offsets is not None else (lambda a, i: jnp.take(a, i, axis=0))  # noqa: E731
     xs, rows = (x, tokens) if GATHER_IN_KERNEL else (take(x, tokens), None)
-    after = None
-    if PREFETCH_EXPERTS and isinstance(gate_up, StackedWeight) and gate_up.stack.ndim == 4:
-        from orl_jax_kernels.l2_prefetch.kernel import prefetch_experts
-
-        after = prefetch_experts(gate_up.stack, gate_up.index, min(PREFETCH_EXPERTS, gate_up.stack.shape[1]), x,
-                                 interpret=jax.default_backend() == "cpu")
-    g, u = jnp.split(grouped_matmul(xs, gate_up, sizes, offsets, rows=rows, after=after), 2, axis=-1)  # [M, F]
+    g, u = jnp.split(grouped_matmul(xs, gate_up, sizes, offsets, rows=rows), 2, axis=-1)  # [M, F] each
     y = grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes, offsets)  # [M, D] in sorted order
     y = take(y, pos).astype(jnp.float32) * weights.reshape(-1, 1)  # [M, D] in (token, choice) order
     return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)  # [T, D]

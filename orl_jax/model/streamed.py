@@ -64,8 +64,8 @@ class StackedWeight:
         return self.stack.dtype
 
     def ragged_dot(self, x: jax.Array, group_sizes: jax.Array, offsets: jax.Array | None = None,
-                   rows: jax.Array | None = None, after: jax.Array | None = None) -> jax.Array:
-        """moe.grouped_matmul's product (rows, after: as there): rows sorted by group times layer `index` of an expert
+                   rows: jax.Array | None = None) -> jax.Array:
+        """moe.grouped_matmul's product (rows: as there): rows sorted by group times layer `index` of an expert
         stack [L, E, K, N], through kernels/grouped_gemm reading the stack in place (offsets: the groups' row
         offsets [E + 1] if the caller has them); shapes or dtypes it does not take fall back to XLA's ragged_dot on
         the slice (a copy, as XLA makes for its own ops)."""
@@ -73,7 +73,7 @@ class StackedWeight:
 
         if self.stack.ndim == 4 and self.stack.dtype == x.dtype and supported(*self.stack.shape[2:]):
             return grouped_matmul(x, self.stack, group_sizes, self.index, interpret=jax.default_backend() == "cpu",
-                                  offsets=offsets, rows=rows, after=after)
+                                  offsets=offsets, rows=rows)
         return xla_ragged_dot(x, self.sliced(), group_sizes, rows=rows)
 
     def einsum(self, spec: str, x: jax.Array) -> jax.Array:
