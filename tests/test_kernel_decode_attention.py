@@ -43,7 +43,12 @@ GROUPED = Blocks(bl=16, bs=32, chunks_per_split=1, group_heads=True)
 @pytest.mark.parametrize("blocks", [Blocks(), Blocks(bl=16, bs=32), Blocks(bl=16, bs=16, chunks_per_split=1),
                                     Blocks(group_heads=True), GROUPED,
                                     Blocks(bl=16, bs=32, chunks_per_split=4),  # the whole cache in one split
-                                    dataclasses.replace(GROUPED, chunks_per_split=4)])
+                                    dataclasses.replace(GROUPED, chunks_per_split=4),
+                                    # the visible keys evenly over the splits: 2 (a split of cache and own keys),
+                                    # 4 of one chunk each, one split holding everything
+                                    Blocks(bl=16, bs=32, chunks_per_split=2, balanced=True),
+                                    dataclasses.replace(GROUPED, balanced=True),
+                                    Blocks(bl=16, bs=32, chunks_per_split=4, balanced=True)])
 def test_kernel_equals_reference_in_interpret_mode(blocks):
     q, kc, vc, cm, kself, vself, sm = _inputs(jax.random.key(0))
     want = attention(q, [(kc, vc, cm), (kself, vself, sm)])
@@ -56,7 +61,8 @@ def test_kernel_equals_reference_in_interpret_mode(blocks):
 
 
 @pytest.mark.parametrize("blocks", [Blocks(bl=16, bs=32, chunks_per_split=1), Blocks(bl=16, bs=32, chunks_per_split=4),
-                                    dataclasses.replace(GROUPED, chunks_per_split=1)])
+                                    dataclasses.replace(GROUPED, chunks_per_split=1),
+                                    Blocks(bl=16, bs=32, chunks_per_split=1, balanced=True)])
 def test_cache_chunks_past_the_visible_slots_are_not_read(blocks):
     """Slots 64.. are past every query's cache (a generation has not filled them): NaN there changes nothing."""
     q, kc, vc, _, kself, vself, sm = _inputs(jax.random.key(1))
@@ -126,7 +132,8 @@ def test_kernel_compiled_on_gpu_bf16(l, s, n, kv, h):
     q, kc, vc, cm, kself, vself, sm = _inputs(jax.random.key(0), l=l, s=s, n=n, kv=kv, h=h, dtype=jnp.bfloat16)
     want = attention(q, [(kc, vc, cm), (kself, vself, sm)])
     # the default splits, grouped heads, and the whole cache in one split (normalized in the kernel)
-    for blocks in (Blocks(), Blocks(group_heads=True), Blocks(bs=64, chunks_per_split=32)):
+    for blocks in (Blocks(), Blocks(group_heads=True), Blocks(bs=64, chunks_per_split=32), Blocks(balanced=True),
+                   Blocks(bl=16, bs=64, chunks_per_split=4, group_heads=True, balanced=True)):
         got = cached_attention(q, kc, vc, cm, kself, vself, sm, scale=q.shape[-1] ** -0.5, blocks=blocks)
         _assert_close_but_the_blind_row(got, want, 2e-2)
     stack = lambda a: jnp.stack([a * 0, a, a * 0])  # noqa: E731  (layer 1 of a stack, read in place)
@@ -152,6 +159,20 @@ def test_kernel_lowers_to_verified_triton_on_any_machine(monkeypatch, group_head
                                                                          layer=a[-1]), *args)
         return
     verified_triton_modules(monkeypatch, lambda *a: cached_attention(*a, scale=h ** -0.5, blocks=blocks), *args)
+
+
+@pytest.mark.parametrize("l,s,n,kv,h,blocks", [
+    (256, 768, 16, 8, 256, Blocks(bl=128, bs=64, chunks_per_split=4, num_warps=8, cache_in_place=True, balanced=True)),
+    (256, 768, 32, 8, 128, Blocks(bl=16, bs=64, chunks_per_split=4, group_heads=True, cache_in_place=True,
+                                  balanced=True))], ids=["dg_sliding", "qwen3_canvas256"])
+def test_balanced_splits_lower_to_verified_triton(monkeypatch, l, s, n, kv, h, blocks):
+    """Blocks.balanced at DiffusionGemma's sliding layers and Qwen3-4B's canvas, the cache stacks read in place."""
+    sd = jax.ShapeDtypeStruct
+    verified_triton_modules(
+        monkeypatch, lambda *a: cached_attention(*a[:-1], scale=1.0, blocks=blocks, layer=a[-1]),
+        sd((1, l, n, h), jnp.bfloat16), sd((4, 1, s, kv, h), jnp.bfloat16), sd((4, 1, s, kv, h), jnp.bfloat16),
+        sd((1, l, s), jnp.int8), sd((1, l, kv, h), jnp.bfloat16), sd((1, l, kv, h), jnp.bfloat16),
+        sd((1, l, l), jnp.int8), sd((), jnp.int32))
 
 
 def test_kernel_reads_a_layer_of_the_cache_stacks_in_place():

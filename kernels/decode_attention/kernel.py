@@ -51,6 +51,12 @@ class Blocks:
     # benchmarks/results/2026-11-30_engine_profile_h200x2.md). Used by attention() when its cache part is a
     # StackedWeight.
     cache_in_place: bool = False
+    # True (where the cache and own keys share one chunk size): the keys a query tile sees, its visible cache chunks
+    # then its own, are divided evenly over ceil((cache chunks + own chunks) / chunks_per_split) splits, at run
+    # time from the visible extent. False: each split holds chunks_per_split cache chunks of fixed slots (those past
+    # the extent stream nothing) and the own keys are one more split, so a partly filled cache leaves whole splits
+    # idle while the longest one sets the kernel's time.
+    balanced: bool = False
 
 
 TUNED: dict[tuple[int, int, int, int], Blocks] = {}  # (queries, cache slots, head dim, heads per kv head)
@@ -141,7 +147,7 @@ def supported(l: int, s: int, h: int, blocks: Blocks = Blocks(), g: int = 1) -> 
 
 
 def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref, ms_ref, o_ref, *stats, scale: float,
-            cs: int, ss: int, cps: int, grouped: bool, stacked: bool):
+            cs: int, ss: int, cps: int, grouped: bool, stacked: bool, balanced: bool):
     if grouped:  # [BL, G, H] -> rows (query, head) of one dot
         bl, g, h = q_ref.shape[1:]
         q = q_ref[0].reshape(bl * g, h)
@@ -151,14 +157,24 @@ def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref
     split = pl.program_id(3)
     layer = layer_ref[0]
     first = split * cps
-    n_cache = (extent_ref[0, 0] + cs - 1) // cs  # the chunks up to the tile's last visible cache slot
+    n_cache = ((extent_ref[0, 0] + cs - 1) // cs).astype(jnp.int32)  # chunks up to the tile's last visible slot
+    n_self = ks_ref.shape[1] // ss
+    self_first = jnp.int32(0)
     if not stats:  # one split: the cache, then the own keys, normalized here
-        cache_trips, self_trips = n_cache.astype(jnp.int32), jnp.int32(ks_ref.shape[1] // ss)
+        cache_trips, self_trips = n_cache, jnp.int32(n_self)
+    elif balanced:  # chunks [first, hi) of the sequence (visible cache chunks, then own chunks); cs == ss
+        total = n_cache + n_self
+        per = (total + pl.num_programs(3) - 1) // pl.num_programs(3)
+        first = (split * per).astype(jnp.int32)
+        hi = jnp.minimum(first + per, total)
+        cache_trips = jnp.maximum(jnp.minimum(hi, n_cache) - first, 0).astype(jnp.int32)
+        self_first = jnp.maximum(first - n_cache, 0).astype(jnp.int32)
+        self_trips = jnp.maximum(hi - jnp.maximum(first, n_cache), 0).astype(jnp.int32)
     else:
         own = split == pl.num_programs(3) - 1  # the last split holds the pass's own keys, the others the cache
         # int32 loop bounds: Triton's scf.for needs bounds of one type (where(own, 1, 0) otherwise lowers to i1)
         cache_trips = ((~own).astype(jnp.int32) * jnp.clip(n_cache - first, 0, cps)).astype(jnp.int32)
-        self_trips = own.astype(jnp.int32) * (ks_ref.shape[1] // ss)
+        self_trips = own.astype(jnp.int32) * n_self
 
     def stream(k_ref, v_ref, m_ref, chunk, start, trips, carry, stacked=False):
         def body(j, carry):
@@ -187,7 +203,7 @@ def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref
     carry = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
              jnp.zeros((rows, h), jnp.float32))
     carry = stream(kc_ref, vc_ref, mc_ref, cs, first, cache_trips, carry, stacked)
-    m, l, acc = stream(ks_ref, vs_ref, ms_ref, ss, 0, self_trips, carry)
+    m, l, acc = stream(ks_ref, vs_ref, ms_ref, ss, self_first, self_trips, carry)
     if not stats:  # o_ref: the block of the [B, L, N, H] output
         out = (acc / l[:, None]).astype(o_ref.dtype)
         if grouped:
@@ -239,6 +255,9 @@ def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask,
     # otherwise the own keys are one more split
     cache_splits = -(-(s // cs) // blocks.chunks_per_split)
     splits = 1 if cache_splits == 1 else cache_splits + 1
+    balanced = blocks.balanced and cs == ss
+    if balanced:  # the visible cache and own chunks evenly over the splits (Blocks.balanced)
+        splits = -(-(s // cs + l // ss) // blocks.chunks_per_split)
     # Per (row, query tile): one past the last cache slot any of its queries sees. Chunks beyond it are not streamed,
     # so slots a generation has not filled yet (a third of a 768-slot cache at a 512-token prompt's first canvas)
     # cost nothing. The same mask feeds every layer, so XLA may share this across layers (CSE in an unrolled stack,
@@ -261,7 +280,7 @@ def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask,
         out_specs = (pl.BlockSpec((1, 1, bl, nh, h), lambda i, j, t, p: (p, i, t, j, 0)), stat_spec, stat_spec)
     outs = pl.pallas_call(
         functools.partial(_kernel, scale=scale, cs=cs, ss=ss, cps=blocks.chunks_per_split, grouped=grouped,
-                          stacked=stacked),
+                          stacked=stacked, balanced=balanced),
         out_shape=out_shape,
         grid=(b, kv if grouped else n, l // bl, splits),
         in_specs=[pl.BlockSpec((1,), lambda i, j, t, p: (0,)),
