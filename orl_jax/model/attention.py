@@ -111,7 +111,8 @@ def scaled_attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.A
     late_normalize: the PV product takes the unnormalized exp(s - max) and its output [.., L, H] is divided by the
     row sums, instead of the probabilities [.., L, S] (fewer passes over the scores when S is long).
     softmax_kernel (one part, shapes kernels/masked_softmax supports): the scale, mask and softmax of the float32
-    scores in that kernel's one pass, its probabilities in the value dtype (WIDE_SOFTMAX_KERNEL)."""
+    scores in that kernel's one pass, its probabilities in the value dtype (WIDE_SOFTMAX_KERNEL); the products
+    query-major when WIDE_QUERY_MAJOR."""
     b, l, n, h = q.shape
     kv = parts[0][0].shape[2]
     qg = q.reshape(b, l, kv, n // kv, h)  # [B, L, K, G, H]
