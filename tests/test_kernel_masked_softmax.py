@@ -42,10 +42,9 @@ def test_refuses_shapes_it_does_not_take():
         masked_softmax(scores, mask[:, :8], scale=1.0, dtype=jnp.float32, interpret=True)
 
 
-@pytest.mark.parametrize("query_major", [True, False])
-def test_attention_of_wide_heads_with_the_kernel_equals_the_einsums(monkeypatch, query_major):
-    """attention(impl="pallas") on heads wider than cuDNN's (cache + self parts joined) with WIDE_SOFTMAX_KERNEL,
-    queries query-major or as they come (WIDE_QUERY_MAJOR)."""
+def test_attention_of_wide_heads_with_the_kernel_equals_the_einsums(monkeypatch):
+    """attention(impl="pallas") on heads wider than cuDNN's (cache + self parts joined) with WIDE_SOFTMAX_KERNEL
+    (the products query-major), two kv heads."""
     ks = jax.random.split(jax.random.key(2), 6)
     b, l, s, n, kv, h = 2, 128, 128, 4, 2, 512  # a long pass: not the attention kernel's (preferred)
     q = jax.random.normal(ks[0], (b, l, n, h))
@@ -60,7 +59,6 @@ def test_attention_of_wide_heads_with_the_kernel_equals_the_einsums(monkeypatch,
 
     monkeypatch.setattr(kernel, "masked_softmax", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(A, "WIDE_SOFTMAX_KERNEL", True)
-    monkeypatch.setattr(A, "WIDE_QUERY_MAJOR", query_major)
     got = A.attention(q, parts, "pallas", scale=1.0)
     assert calls
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)

@@ -156,12 +156,11 @@ def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref
         (bl, h), g = q.shape, 1
     split = pl.program_id(3)
     layer = layer_ref[0]
-    first = split * cps
     n_cache = ((extent_ref[0, 0] + cs - 1) // cs).astype(jnp.int32)  # chunks up to the tile's last visible slot
     n_self = ks_ref.shape[1] // ss
     self_first = jnp.int32(0)
     if not stats:  # one split: the cache, then the own keys, normalized here
-        cache_trips, self_trips = n_cache, jnp.int32(n_self)
+        first, cache_trips, self_trips = jnp.int32(0), n_cache, jnp.int32(n_self)
     elif balanced:  # chunks [first, hi) of the sequence (visible cache chunks, then own chunks); cs == ss
         total = n_cache + n_self
         per = (total + pl.num_programs(3) - 1) // pl.num_programs(3)
@@ -171,6 +170,7 @@ def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref
         self_first = jnp.maximum(first - n_cache, 0).astype(jnp.int32)
         self_trips = jnp.maximum(hi - jnp.maximum(first, n_cache), 0).astype(jnp.int32)
     else:
+        first = split * cps
         own = split == pl.num_programs(3) - 1  # the last split holds the pass's own keys, the others the cache
         # int32 loop bounds: Triton's scf.for needs bounds of one type (where(own, 1, 0) otherwise lowers to i1)
         cache_trips = ((~own).astype(jnp.int32) * jnp.clip(n_cache - first, 0, cps)).astype(jnp.int32)
@@ -251,13 +251,15 @@ def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask,
     if not supported(l, s, h, blocks, g):
         raise ValueError(f"cached_attention: L={l}, S={s}, H={h}, G={g} not supported with {blocks}")
     bl, cs, ss = tile(l, blocks.bl), tile(s, blocks.bs), tile(l, blocks.bs)
-    # the cache in one split: that program also takes the own keys and normalizes (no partials, no merge);
-    # otherwise the own keys are one more split
-    cache_splits = -(-(s // cs) // blocks.chunks_per_split)
-    splits = 1 if cache_splits == 1 else cache_splits + 1
+    # One split (that program also takes the own keys and normalizes: no partials, no merge), or: balanced, the
+    # visible cache and own chunks evenly over the splits (Blocks.balanced); else fixed cache splits and the own keys
+    # one more
     balanced = blocks.balanced and cs == ss
-    if balanced:  # the visible cache and own chunks evenly over the splits (Blocks.balanced)
+    if balanced:
         splits = -(-(s // cs + l // ss) // blocks.chunks_per_split)
+    else:
+        cache_splits = -(-(s // cs) // blocks.chunks_per_split)
+        splits = 1 if cache_splits == 1 else cache_splits + 1
     # Per (row, query tile): one past the last cache slot any of its queries sees. Chunks beyond it are not streamed,
     # so slots a generation has not filled yet (a third of a 768-slot cache at a 512-token prompt's first canvas)
     # cost nothing. The same mask feeds every layer, so XLA may share this across layers (CSE in an unrolled stack,

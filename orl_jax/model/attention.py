@@ -38,13 +38,12 @@ WIDE_LATE_NORMALIZE = True
 # 15.58 / 15.58 ms against 15.63 / 15.62 / 15.61 without, alternating in one process
 # (benchmarks/results/2026-12-01_dg_attention_order_h200.md, call 6). Read at trace time.
 WIDE_SOFTMAX_KERNEL = True
-# ... and on that path the queries go in query-major, [B, K, G, L, H], so the score GEMM (batched over (b, k), rows
-# (g, l)) writes [B, K, G, L, S], the softmax kernel's rows, and PV writes [B, K, G, L, H]. False: the einsums on
-# [B, L, K, G, H] queries, whose score GEMM XLA computes keys-major ([K, S, L G]) and transposes (float32 [2, 8, 256,
-# 1024] per 26B full layer: 11.2 us in the session-21 profile). On an H200 the 26B forward took 14.946 / 14.960 ms
-# against 15.036 / 15.015 per forward in a device loop, alternating in one process
-# (benchmarks/results/2026-12-01_dg_query_major_h200.md). Read at trace time.
-WIDE_QUERY_MAJOR = True
+# On that path the queries go in query-major, [B, K, G, L, H], so the score GEMM (batched over (b, k), rows (g, l))
+# writes [B, K, G, L, S], the softmax kernel's rows, and PV writes [B, K, G, L, H]. The einsums on [B, L, K, G, H]
+# queries before made XLA compute the scores keys-major ([K, S, L G]) and transpose them (float32 [2, 8, 256, 1024]
+# per 26B full layer: 11.2 us in the session-21 profile); on an H200 the 26B forward took 14.946 / 14.960 ms against
+# 15.036 / 15.015 with them per forward in a device loop, alternating in one process
+# (benchmarks/results/2026-12-01_dg_query_major_h200.md; the switch that compared them is in git at a6ef11e).
 
 
 def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]], impl: str = "orl_jax",
@@ -111,8 +110,8 @@ def scaled_attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.A
     late_normalize: the PV product takes the unnormalized exp(s - max) and its output [.., L, H] is divided by the
     row sums, instead of the probabilities [.., L, S] (fewer passes over the scores when S is long).
     softmax_kernel (one part, shapes kernels/masked_softmax supports): the scale, mask and softmax of the float32
-    scores in that kernel's one pass, its probabilities in the value dtype (WIDE_SOFTMAX_KERNEL); the products
-    query-major when WIDE_QUERY_MAJOR."""
+    scores in that kernel's one pass, its probabilities in the value dtype (WIDE_SOFTMAX_KERNEL), the products
+    query-major."""
     b, l, n, h = q.shape
     kv = parts[0][0].shape[2]
     qg = q.reshape(b, l, kv, n // kv, h)  # [B, L, K, G, H]
@@ -120,17 +119,12 @@ def scaled_attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.A
         from orl_jax_kernels.masked_softmax.kernel import masked_softmax
 
         (k, v, mask), = parts
-        cpu = jax.default_backend() == "cpu"
-        if WIDE_QUERY_MAJOR:  # batch (b, k), rows (g, l): the GEMMs write the layouts the kernel and o want
-            qt = jnp.transpose(qg, (0, 2, 3, 1, 4))  # [B, K, G, L, H]
-            s = jax.lax.dot_general(qt, k, (((4,), (3,)), ((0, 1), (0, 2))), preferred_element_type=jnp.float32)
-            p = masked_softmax(s, mask, scale=scale, dtype=v.dtype, interpret=cpu)  # [B, K, G, L, S]
-            o = jax.lax.dot_general(p, v, (((4,), (1,)), ((0, 1), (0, 2))), preferred_element_type=jnp.float32)
-            return jnp.transpose(o.astype(q.dtype), (0, 3, 1, 2, 4)).reshape(b, l, n, h)
-        s = jnp.einsum("blkgh,bskh->bkgls", qg, k, preferred_element_type=jnp.float32)
-        p = masked_softmax(s, mask, scale=scale, dtype=v.dtype, interpret=cpu)
-        return jnp.einsum("bkgls,bskh->blkgh", p, v, preferred_element_type=jnp.float32).astype(q.dtype).reshape(
-            b, l, n, h)
+        # batch (b, k), rows (g, l): the GEMMs write the layouts the kernel and o want (query-major, above)
+        qt = jnp.transpose(qg, (0, 2, 3, 1, 4))  # [B, K, G, L, H]
+        s = jax.lax.dot_general(qt, k, (((4,), (3,)), ((0, 1), (0, 2))), preferred_element_type=jnp.float32)
+        p = masked_softmax(s, mask, scale=scale, dtype=v.dtype, interpret=jax.default_backend() == "cpu")
+        o = jax.lax.dot_general(p, v, (((4,), (1,)), ((0, 1), (0, 2))), preferred_element_type=jnp.float32)
+        return jnp.transpose(o.astype(q.dtype), (0, 3, 1, 2, 4)).reshape(b, l, n, h)  # [B, L, N, H]
     raw = [jnp.einsum("blkgh,bskh->bkgls", qg, k, preferred_element_type=jnp.float32) for k, _, _ in parts]
     s = jnp.concatenate([jnp.where(m[:, None, None], r * scale, _NEG) for r, (_, _, m) in zip(raw, parts)],
                         axis=-1)  # [B, K, G, L, S]
