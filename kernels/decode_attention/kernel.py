@@ -66,13 +66,16 @@ TUNED: dict[tuple[int, int, int, int], Blocks] = {}  # (queries, cache slots, he
 # read in place won at both. Block 32 over 544 slots: 16.1 us per layer (the dataclass defaults 20.5). Canvas 256
 # over 768: the heads of a kv head grouped, 8 chunks of 64 keys per split, 31.9 us (defaults 50.6). Other shapes
 # take the rule of the nearer of the two by pass length: a heuristic, measured at those two shapes only.
+# Both long-pass rules divide the visible keys evenly over their splits (balanced; session 23, same call,
+# 2026-12-01_balanced_splits_h200.md): canvas 256 5.31 / 5.29 ms per step against 5.58 / 5.49, DiffusionGemma's
+# forward 14.882 / 14.898 ms against 14.943 / 14.953. Block 32 was equal with it (3.48 / 3.49 against 3.50 / 3.46).
 SHORT_PASS = Blocks(bl=16, bs=32, chunks_per_split=4, cache_in_place=True)
-LONG_PASS = Blocks(bl=16, bs=64, chunks_per_split=8, group_heads=True, cache_in_place=True)
+LONG_PASS = Blocks(bl=16, bs=64, chunks_per_split=8, group_heads=True, cache_in_place=True, balanced=True)
 # Long passes of wide heads (h >= 256), where they fit shared memory, from the sweep at DiffusionGemma's sliding
 # layers (256 queries over 768 slots, head dim 256, 2 heads per kv head; 2026-11-30_dg_in_place_h200x2.md):
 # 128-query tiles, 8 warps, 4 chunks of 64 keys per split, 32.2 us per layer against 43.1 for LONG_PASS and 64.4
 # for XLA's einsums. The 512-wide full-attention heads do not fit it and keep the fallbacks below (not swept).
-WIDE_HEADS = Blocks(bl=128, bs=64, chunks_per_split=4, num_warps=8, cache_in_place=True)
+WIDE_HEADS = Blocks(bl=128, bs=64, chunks_per_split=4, num_warps=8, cache_in_place=True, balanced=True)
 
 
 def load_tuned(path) -> dict[tuple[int, int, int, int], Blocks]:
