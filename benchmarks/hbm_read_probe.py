@@ -1,11 +1,11 @@
 """How close do DiffusionGemma's expert GEMMs run to what the H200 can read? (issue #4)
 
 The expert kernels are 73% of the 26B forward (gate/up at ~4.27 TB/s, down at ~4.04 in the forward's profile). This
-probe says whether that is the chip's read ceiling or the kernel's. Per layer of a 4-layer weight stack (1 GB of
-gate/up or 0.5 GB of down per layer, far past the 50 MB L2), each variant inside one jitted map over the layers:
+probe says whether that is the chip's read ceiling or the kernel's. Per layer of an 8-layer weight stack (1 GB of
+gate/up or 0.5 GB of down per layer, far past the 50 MB L2), each variant once per layer in one jitted program:
 
-  grouped            kernels/grouped_gemm at its default tiles, 256 tokens x top-8 routed uniformly (all experts)
-  stream bk=.. s=..  the same grid and loads (expert, column tile; K in chunks), the dot replaced by a column sum:
+  grouped bk=..      kernels/grouped_gemm at its default tiles and others, 256 tokens x top-8 routed uniformly
+  stream bk=..       the same grid and loads (expert, column tile; K in chunks), the dot replaced by a column sum:
                      the read of that access pattern with no tensor-core work
   xla_reduce         XLA's sum over K of each expert: [E, K, N] -> [E, N] float32
   xla_copy           XLA's w * 2 (read and write: the 4.2-4.3 TB/s "device copy" of kernels/NOTES.md)
@@ -39,7 +39,7 @@ from orl_jax_kernels.pallas_args import triton_params  # noqa: E402
 
 INTERPRET = os.environ.get("ORL_BENCH_INTERPRET") == "1"  # CPU smoke run (tiny shapes, no timing sense)
 SHAPES = {"gate_up": (2816, 1408), "down": (704, 2816)}  # (K, N) per expert
-E, T, TOPK, LAYERS = 128, 256, 8, 4
+E, T, TOPK, LAYERS = 128, 256, 8, 8
 if INTERPRET:
     SHAPES, E, T, TOPK, LAYERS = {"tiny": (128, 64)}, 4, 8, 2, 2
 
@@ -77,11 +77,11 @@ def probe(name, k, n, record):
     sizes = jnp.bincount(experts, length=E).astype(jnp.int32)
     xs = jax.random.normal(ks[1], (T * TOPK, k), jnp.bfloat16)
     w = (jax.random.normal(ks[2], (LAYERS, E, k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)
-    layers = jnp.arange(LAYERS, dtype=jnp.int32)
     layer_bytes = w[0].nbytes
 
-    def timed(label, f, factor=1.0, **extra):  # f(w, i) on layer i; per layer over one map of the stack
-        g = jax.jit(lambda w: jax.lax.map(lambda i: f(w, i), layers))
+    def timed(label, f, factor=1.0, **extra):  # f(w, i) on layer i; per layer over the stack, unrolled
+        # (a lax.map is a while loop: its predicate's trip to the host costs more than a layer's read)
+        g = jax.jit(lambda w: [f(w, i) for i in range(LAYERS)])
         try:
             us = median_seconds(g, w, reps=3 if INTERPRET else 10) / LAYERS * 1e6
         except Exception as ex:  # a tiling the lowering or the chip rejects
@@ -96,13 +96,13 @@ def probe(name, k, n, record):
     err = float(jnp.max(jnp.abs(got - want)))
     if not err < 1e-2:
         raise SystemExit(f"{name}: the stream kernel's column sums differ from XLA's by {err}")
-    timed("grouped (default tiles)", lambda w, i: grouped_matmul(xs, w, sizes, i, interpret=INTERPRET),
-          blocks=str(b))
     variants = [b] + [dataclasses.replace(b, bk=bk, num_stages=s) for bk, s in ((64, 4), (128, 2), (128, 3))
                       if (bk, s) != (b.bk, b.num_stages) and k % bk == 0]
     variants += [dataclasses.replace(b, num_warps=8)]
     for v in variants:
-        timed(f"stream bk={v.bk} bn={v.bn} warps={v.num_warps} stages={v.num_stages}",
+        tiles = f"bk={v.bk} bn={v.bn} warps={v.num_warps} stages={v.num_stages}" + (" (default)" if v == b else "")
+        timed(f"grouped {tiles}", lambda w, i, v=v: grouped_matmul(xs, w, sizes, i, v, interpret=INTERPRET))
+        timed(f"stream {tiles}",
               lambda w, i, v=v: stream(w, i, bk=v.bk, bn=v.bn, warps=v.num_warps, stages=v.num_stages))
     timed("xla_reduce", lambda w, i: jnp.sum(w[i].astype(jnp.float32), axis=1))
     timed("xla_copy", lambda w, i: w[i] * 2, factor=2.0)
