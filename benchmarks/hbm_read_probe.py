@@ -40,6 +40,7 @@ from orl_jax_kernels.pallas_args import triton_params  # noqa: E402
 INTERPRET = os.environ.get("ORL_BENCH_INTERPRET") == "1"  # CPU smoke run (tiny shapes, no timing sense)
 SHAPES = {"gate_up": (2816, 1408), "down": (704, 2816)}  # (K, N) per expert
 E, T, TOPK, LAYERS = 128, 256, 8, 8
+CALLS = 20  # programs dispatched before one sync (--calls)
 if INTERPRET:
     SHAPES, E, T, TOPK, LAYERS = {"tiny": (128, 64)}, 4, 8, 2, 2
 
@@ -83,11 +84,11 @@ def probe(name, k, n, record):
         # (a lax.map is a while loop: its predicate's trip to the host costs more than a layer's read)
         g = jax.jit(lambda w: [f(w, i) for i in range(LAYERS)])
         try:
-            us = median_seconds(g, w, reps=3 if INTERPRET else 10) / LAYERS * 1e6
+            us = median_seconds(g, w, reps=3 if INTERPRET else 5, calls=1 if INTERPRET else CALLS) / LAYERS * 1e6
         except Exception as ex:  # a tiling the lowering or the chip rejects
             record(shape=name, variant=label, error=repr(ex)[:200], **extra)
             return
-        record(shape=name, variant=label, us=us, tb_s=factor * layer_bytes / us / 1e6, **extra)
+        record(shape=name, variant=label, calls=CALLS, us=us, tb_s=factor * layer_bytes / us / 1e6, **extra)
         print(f"{name} {label}: {us:.1f} us, {factor * layer_bytes / us / 1e6:.2f} TB/s", flush=True)
 
     b = default_blocks(k, n)
@@ -111,7 +112,9 @@ def probe(name, k, n, record):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="hbm_read.jsonl")
+    ap.add_argument("--calls", type=int, default=CALLS, help="programs dispatched before one sync")
     args = ap.parse_args()
+    globals()["CALLS"] = args.calls
     record = recorder(args.out)
     for name, (k, n) in SHAPES.items():
         probe(name, k, n, record)
