@@ -72,7 +72,7 @@ def stream(w, layer, *, bk: int, bn: int, warps: int, stages: int):
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), w)
 
 
-def probe(name, k, n, record):
+def probe(name, k, n, record, calls: int):
     ks = jax.random.split(jax.random.key(k + n), 3)
     experts = jax.lax.top_k(jax.random.normal(ks[0], (T, E)), TOPK)[1].reshape(-1)
     sizes = jnp.bincount(experts, length=E).astype(jnp.int32)
@@ -84,11 +84,11 @@ def probe(name, k, n, record):
         # (a lax.map is a while loop: its predicate's trip to the host costs more than a layer's read)
         g = jax.jit(lambda w: [f(w, i) for i in range(LAYERS)])
         try:
-            us = median_seconds(g, w, reps=3 if INTERPRET else 5, calls=1 if INTERPRET else CALLS) / LAYERS * 1e6
+            us = median_seconds(g, w, reps=3 if INTERPRET else 5, calls=calls) / LAYERS * 1e6
         except Exception as ex:  # a tiling the lowering or the chip rejects
             record(shape=name, variant=label, error=repr(ex)[:200], **extra)
             return
-        record(shape=name, variant=label, calls=CALLS, us=us, tb_s=factor * layer_bytes / us / 1e6, **extra)
+        record(shape=name, variant=label, calls=calls, us=us, tb_s=factor * layer_bytes / us / 1e6, **extra)
         print(f"{name} {label}: {us:.1f} us, {factor * layer_bytes / us / 1e6:.2f} TB/s", flush=True)
 
     b = default_blocks(k, n)
@@ -114,10 +114,9 @@ def main():
     ap.add_argument("--out", default="hbm_read.jsonl")
     ap.add_argument("--calls", type=int, default=CALLS, help="programs dispatched before one sync")
     args = ap.parse_args()
-    globals()["CALLS"] = args.calls
     record = recorder(args.out)
     for name, (k, n) in SHAPES.items():
-        probe(name, k, n, record)
+        probe(name, k, n, record, 1 if INTERPRET else args.calls)
 
 
 if __name__ == "__main__":
