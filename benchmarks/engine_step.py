@@ -91,16 +91,22 @@ def log(**kw):
         f.write(json.dumps(kw) + "\n")
 
 
-def ceilings():
+def ceilings(calls: int = 20):
+    """The chip's rates with the GPU kept busy (`calls` programs per sync, as the step loops run 16 steps per call):
+    HBM read bandwidth (a sum over 2 GiB: what a forward streaming its weights does; the roofline's), copy bandwidth
+    (read + write) and a bf16 GEMM's rate. Timed one program per sync, the same reads come out ~25% slower
+    (benchmarks/hbm_read_probe.py, session 23); rows before session 23 give copy_tb_s timed that way, and their
+    roofline_ms from it."""
     x = jnp.ones((512 * 2**20,), jnp.int32)  # 2 GiB
-    f = jax.jit(lambda x: x + 1)
-    t = median_seconds(lambda: f(x))
-    bw = 2 * x.size * 4 / t
+    read, copy = jax.jit(jnp.sum), jax.jit(lambda x: x + 1)
+    read_bw = x.size * 4 / median_seconds(lambda: read(x), calls=calls)
+    copy_bw = 2 * x.size * 4 / median_seconds(lambda: copy(x), calls=calls)
     a = jax.random.normal(jax.random.key(0), (8192, 8192), jnp.bfloat16)
     g = jax.jit(lambda a: a @ a)
-    tg = median_seconds(lambda: g(a))
-    log(what="ceilings", copy_tb_s=bw / 1e12, gemm_tflop_s=2 * 8192**3 / tg / 1e12)
-    return bw
+    tg = median_seconds(lambda: g(a), calls=calls)
+    log(what="ceilings", read_tb_s=read_bw / 1e12, copy_tb_s=copy_bw / 1e12, calls_per_sync=calls,
+        gemm_tflop_s=2 * 8192**3 / tg / 1e12)
+    return read_bw
 
 
 cfg = preset(args.preset).replace(noise="mask", mask_token_id=preset(args.preset).vocab_size - 1,
@@ -240,7 +246,7 @@ def breakdown_phase(params):
             log(what="breakdown", block=L, part=name, ms=median_seconds(fn, reps=20) * 1e3)
 
 
-bw = ceilings()
+bw = ceilings(20 if jax.default_backend() == "gpu" else 1)  # a CPU smoke run: one 8192^3 GEMM per timing
 t = time.perf_counter()
 params = P.init(specs, jax.random.key(0), MESH)
 jax.block_until_ready(params)
