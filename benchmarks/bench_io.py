@@ -6,6 +6,7 @@ outputs (digest)."""
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 
@@ -45,3 +46,15 @@ def digest(x) -> str:
     """A short digest of an output array (a canvas, generated tokens): variants that must not change numerics
     (launch or loop options) must agree on it."""
     return hashlib.sha256(np.asarray(x).tobytes()).hexdigest()[:12]
+
+
+def set_switch(name: str, value):
+    """Set a module-level trace-time switch named 'package.module.NAME' (a benchmark's --set, or a --gemm-sweep
+    entry's 'set'); its old value."""
+    module, attr = name.rsplit(".", 1)
+    mod = importlib.import_module(module)
+    if not hasattr(mod, attr):
+        raise ValueError(f"switch {name!r}: {module} has no {attr}")
+    old = getattr(mod, attr)
+    setattr(mod, attr, value)
+    return old

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gzip
-import importlib
 import json
 import os
 import sys
@@ -88,7 +87,7 @@ runtime.configure(os.path.expanduser("~/.cache/orl_jax/xla"))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_io import digest, load_tables  # noqa: E402
+from bench_io import digest, load_tables, set_switch  # noqa: E402
 
 from orl_jax import params as P  # noqa: E402
 from orl_jax.config import DG_PRESETS  # noqa: E402
@@ -125,18 +124,6 @@ if args.grouped_bm is not None or args.experts_inner:
     if args.experts_inner:
         grouped_kernel.COLUMNS_INNER = False  # read by grouped_matmul at trace time
         log(what="columns_inner", value=False)
-
-
-def set_switch(name: str, value):
-    """Set a module-level trace-time switch named 'package.module.NAME' (--set, or a --gemm-sweep entry's 'set');
-    its old value."""
-    module, attr = name.rsplit(".", 1)
-    mod = importlib.import_module(module)
-    if not hasattr(mod, attr):
-        raise ValueError(f"switch {name!r}: {module} has no {attr}")
-    old = getattr(mod, attr)
-    setattr(mod, attr, value)
-    return old
 
 
 def set_variant(gather_in_kernel: bool) -> dict:

@@ -18,7 +18,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench_io import digest, load_tables  # noqa: E402
+from bench_io import digest, load_tables, set_switch  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
 from orl_jax import runtime  # noqa: E402
@@ -52,6 +52,9 @@ ap.add_argument("--rng", choices=["threefry", "rbg", "inverse_cdf"], default="in
                 help="the canvas-256 uniform sampler's draw (samplers.categorical)")
 ap.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
                 help="one more XLA option for the step loops (with the engine's), e.g. xla_gpu_enable_triton_gemm=true")
+ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=JSON",
+                help="set a trace-time switch before anything is traced, e.g. "
+                     "orl_jax_kernels.decode_attention.kernel.SPLITS_IN_INPUT_DTYPE=true (repeatable; JSON value)")
 args = ap.parse_args()
 runtime.configure(args.cache_dir, xla_flags=() if args.xla_default else runtime.DEFAULT_XLA_FLAGS)
 
@@ -72,6 +75,8 @@ LOOP_OPTIONS = None if args.plain_compile else runtime.ENGINE_COMPILER_OPTIONS  
 if args.compiler_option:
     LOOP_OPTIONS = dict(LOOP_OPTIONS or {}) | {k: json.loads(v) if v in ("true", "false") or v.isdigit() else v
                                                for k, v in (o.split("=", 1) for o in args.compiler_option)}
+for item in args.set:
+    set_switch(item.partition("=")[0], json.loads(item.partition("=")[2]))
 if args.plain_compile:
     engine._run_graphed = engine._run  # generate() then compiles with XLA's defaults (read at call time)
 
@@ -79,8 +84,8 @@ T0 = time.perf_counter()
 
 
 def log(**kw):
-    kw |= {"phase": args.phase, "rng": args.rng, "compiler_options": args.compiler_option, "tensor": args.tensor,
-           "cached_attention": args.cached_attention,
+    kw |= {"phase": args.phase, "rng": args.rng, "compiler_options": args.compiler_option, "set": args.set,
+           "tensor": args.tensor, "cached_attention": args.cached_attention,
            "cached_matmul": args.cached_matmul, "layer_unroll": cfg.layer_unroll,
            "engine_options": not args.plain_compile,
            "attention_blocks": args.attention_blocks, "xla_flags": os.environ.get("XLA_FLAGS", ""),

@@ -60,6 +60,31 @@ def test_kernel_equals_reference_in_interpret_mode(blocks):
     assert float(jnp.abs(bad - want).max()) > 1e-3
 
 
+@pytest.mark.parametrize("in_input_dtype", [False, True])
+@pytest.mark.parametrize("blocks", [Blocks(bl=16, bs=16, chunks_per_split=1), GROUPED,
+                                    Blocks(bl=16, bs=16, chunks_per_split=4, balanced=True)])
+def test_bf16_splits_in_either_dtype_equal_the_reference(monkeypatch, blocks, in_input_dtype):
+    """bf16 queries over several key splits, their partial outputs kept in float32 or normalized in bf16
+    (SPLITS_IN_INPUT_DTYPE): within bf16's rounding of the reference. The cache is filled to slot 30, so the balanced
+    blocks' 4 visible chunks fall on 3 splits of 2: the last split streams no key (its normalized output must not
+    be 0 / 0)."""
+    from orl_jax_kernels.decode_attention import kernel
+
+    monkeypatch.setattr(kernel, "SPLITS_IN_INPUT_DTYPE", in_input_dtype)
+    jax.clear_caches()
+    q, kc, vc, cm, kself, vself, sm = _inputs(jax.random.key(2), s=128, dtype=jnp.bfloat16)
+    cm = cache_mask(jnp.array([0, 10]), 30, kc.shape[1], q.shape[1]).at[1, 3].set(False)
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    want = attention(f32(q), [(f32(kc), f32(vc), cm), (f32(kself), f32(vself), sm)])
+    got = cached_attention(q, kc, vc, cm, kself, vself, sm, scale=q.shape[-1] ** -0.5, blocks=blocks, interpret=True)
+    assert got.dtype == jnp.bfloat16
+    _assert_close_but_the_blind_row(got, want, 3e-2)
+    err = np.abs(np.asarray(got, np.float32) - np.asarray(want))
+    err[1, 3] = 0  # the blind row (see _assert_close_but_the_blind_row)
+    assert err.mean() < 4e-3, err.mean()
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("blocks", [Blocks(bl=16, bs=32, chunks_per_split=1), Blocks(bl=16, bs=32, chunks_per_split=4),
                                     dataclasses.replace(GROUPED, chunks_per_split=1),
                                     Blocks(bl=16, bs=32, chunks_per_split=1, balanced=True)])
@@ -127,8 +152,14 @@ def test_generate_with_the_kernel_equals_the_default(in_place, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("l,s,n,kv,h", [(32, 544, 32, 8, 128), (256, 768, 32, 8, 128), (32, 864, 8, 4, 64)],
                          ids=["qwen3_4b_block32", "qwen3_4b_canvas256", "h200_recipe"])
-def test_kernel_compiled_on_gpu_bf16(l, s, n, kv, h):
-    """The shapes generate() meets with cached_attention_impl "auto" on a GPU: Qwen3-4B, the recipe's model."""
+@pytest.mark.parametrize("in_input_dtype", [False, True], ids=["f32_splits", "bf16_splits"])
+def test_kernel_compiled_on_gpu_bf16(monkeypatch, l, s, n, kv, h, in_input_dtype):
+    """The shapes generate() meets with cached_attention_impl "auto" on a GPU: Qwen3-4B, the recipe's model; the
+    splits' outputs in float32 or bf16 (SPLITS_IN_INPUT_DTYPE)."""
+    from orl_jax_kernels.decode_attention import kernel
+
+    monkeypatch.setattr(kernel, "SPLITS_IN_INPUT_DTYPE", in_input_dtype)
+    jax.clear_caches()
     q, kc, vc, cm, kself, vself, sm = _inputs(jax.random.key(0), l=l, s=s, n=n, kv=kv, h=h, dtype=jnp.bfloat16)
     want = attention(q, [(kc, vc, cm), (kself, vself, sm)])
     # the default splits, grouped heads, and the whole cache in one split (normalized in the kernel)
@@ -165,8 +196,14 @@ def test_kernel_lowers_to_verified_triton_on_any_machine(monkeypatch, group_head
     (256, 768, 16, 8, 256, Blocks(bl=128, bs=64, chunks_per_split=4, num_warps=8, cache_in_place=True, balanced=True)),
     (256, 768, 32, 8, 128, Blocks(bl=16, bs=64, chunks_per_split=4, group_heads=True, cache_in_place=True,
                                   balanced=True))], ids=["dg_sliding", "qwen3_canvas256"])
-def test_balanced_splits_lower_to_verified_triton(monkeypatch, l, s, n, kv, h, blocks):
-    """Blocks.balanced at DiffusionGemma's sliding layers and Qwen3-4B's canvas, the cache stacks read in place."""
+@pytest.mark.parametrize("in_input_dtype", [False, True])
+def test_balanced_splits_lower_to_verified_triton(monkeypatch, l, s, n, kv, h, blocks, in_input_dtype):
+    """Blocks.balanced at DiffusionGemma's sliding layers and Qwen3-4B's canvas, the cache stacks read in place, the
+    splits' outputs in float32 or bf16 (SPLITS_IN_INPUT_DTYPE)."""
+    from orl_jax_kernels.decode_attention import kernel
+
+    monkeypatch.setattr(kernel, "SPLITS_IN_INPUT_DTYPE", in_input_dtype)
+    jax.clear_caches()
     sd = jax.ShapeDtypeStruct
     verified_triton_modules(
         monkeypatch, lambda *a: cached_attention(*a[:-1], scale=1.0, blocks=blocks, layer=a[-1]),

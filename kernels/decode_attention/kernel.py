@@ -61,6 +61,13 @@ class Blocks:
 
 TUNED: dict[tuple[int, int, int, int], Blocks] = {}  # (queries, cache slots, head dim, heads per kv head)
 
+# Where the keys are split: True, each split writes its output normalized by its own softmax sum, in the queries'
+# dtype (bf16 in the models; as vLLM's paged attention v2 keeps its partial outputs), and combine() weighs it back by
+# that sum in float32; False, each writes its unnormalized float32 sums. True halves the partials' bytes written and
+# read back by the merge (DiffusionGemma's sliding layers: 16.8 MB per layer in float32) at the cost of one bf16
+# rounding of each split's output before the merge (the merged output is rounded to bf16 anyway). Read at trace time.
+SPLITS_IN_INPUT_DTYPE = False
+
 # The library's blocks where the table has no entry, from the H200 sweep at the engine's two shapes (Qwen3-4B, 36
 # layers in a scan; benchmarks/results/2026-11-30_attention_sweep_h200x2.md): 16-query tiles, 4 warps and the cache
 # read in place won at both. Block 32 over 544 slots: 16.1 us per layer (the dataclass defaults 20.5). Canvas 256
@@ -215,18 +222,22 @@ def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref
             o_ref[0, :, 0, :] = out
         return
     m_out, l_out = stats
+    if o_ref.dtype != jnp.float32:  # normalized by this split's sum (SPLITS_IN_INPUT_DTYPE); a split with no keys: 0
+        acc = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    part = acc.astype(o_ref.dtype)
     if grouped:  # m, l laid out [P, B, L, N] either way: combine() reads them without a transpose
-        o_ref[0, 0] = acc.reshape(bl, g, h)
+        o_ref[0, 0] = part.reshape(bl, g, h)
         m_out[0, 0] = m.reshape(bl, g)
         l_out[0, 0] = l.reshape(bl, g)
     else:
-        o_ref[0, 0, :, 0, :] = acc  # unnormalized: the splits are combined outside
+        o_ref[0, 0, :, 0, :] = part  # the splits are combined outside
         m_out[0, 0, :, 0] = m
         l_out[0, 0, :, 0] = l
 
 
-def combine(o, m, l, dtype):
-    """Merge the key splits' partial softmaxes: o [P, B, L, N, H] (unnormalized), m and l [P, B, L, N].
+def combine(o, m, l, dtype, normalized: bool = False):
+    """Merge the key splits' partial softmaxes: o [P, B, L, N, H] (unnormalized float32 sums, or each normalized by
+    its own sum l when `normalized`), m and l [P, B, L, N].
 
     The P splits are few and static, so the merge is written elementwise over them: XLA fuses it into one kernel
     that reads o once. As reductions over P it took three launches per layer (two transposing reductions, then the
@@ -234,6 +245,10 @@ def combine(o, m, l, dtype):
     timed in this form."""
     mx = functools.reduce(jnp.maximum, list(m))  # [B, L, N]
     w = [jnp.exp(m_p - mx)[..., None] for m_p in m]  # [B, L, N, 1]; a split whose keys were all masked weighs 0
+    if normalized:
+        w = [w_p * l_p[..., None] for w_p, l_p in zip(w, l)]
+        den = sum(w)
+        return (sum(w_p * o_p.astype(jnp.float32) for w_p, o_p in zip(w, o)) / den).astype(dtype)
     den = sum(w_p * l_p[..., None] for w_p, l_p in zip(w, l))
     return (sum(w_p * o_p for w_p, o_p in zip(w, o)) / den).astype(dtype)
 
@@ -278,10 +293,11 @@ def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask,
     if splits == 1:  # the normalized output
         out_shape = (jax.ShapeDtypeStruct((b, l, n, h), q.dtype),)
         out_specs = (pl.BlockSpec((1, bl, nh, h), lambda i, j, t, p: (i, t, j, 0)),)
-    else:  # per split: the unnormalized output, then its max and sum [P, B, L, N] (the layout combine() reads)
+    else:  # per split: its output (SPLITS_IN_INPUT_DTYPE), then its max and sum [P, B, L, N] (combine()'s layout)
         stat = jax.ShapeDtypeStruct((splits, b, l, n), f32)
         stat_spec = pl.BlockSpec((1, 1, bl, nh), lambda i, j, t, p: (p, i, t, j))
-        out_shape = (jax.ShapeDtypeStruct((splits, b, l, n, h), f32), stat, stat)
+        part_dtype = q.dtype if SPLITS_IN_INPUT_DTYPE and q.dtype != f32 else f32
+        out_shape = (jax.ShapeDtypeStruct((splits, b, l, n, h), part_dtype), stat, stat)
         out_specs = (pl.BlockSpec((1, 1, bl, nh, h), lambda i, j, t, p: (p, i, t, j, 0)), stat_spec, stat_spec)
     outs = pl.pallas_call(
         functools.partial(_kernel, scale=scale, cs=cs, ss=ss, cps=blocks.chunks_per_split, grouped=grouped,
@@ -301,4 +317,4 @@ def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask,
         **triton_params(blocks.num_warps, blocks.num_stages, interpret),
     )(layer_arr, extent, q, k_cache, v_cache, cache_mask.astype(jnp.int8), k_self, v_self,
       self_mask.astype(jnp.int8))
-    return outs[0] if splits == 1 else combine(*outs, q.dtype)
+    return outs[0] if splits == 1 else combine(*outs, q.dtype, normalized=outs[0].dtype != f32)
