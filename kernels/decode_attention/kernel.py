@@ -65,8 +65,11 @@ TUNED: dict[tuple[int, int, int, int], Blocks] = {}  # (queries, cache slots, he
 # dtype (bf16 in the models; as vLLM's paged attention v2 keeps its partial outputs), and combine() weighs it back by
 # that sum in float32; False, each writes its unnormalized float32 sums. True halves the partials' bytes written and
 # read back by the merge (DiffusionGemma's sliding layers: 16.8 MB per layer in float32) at the cost of one bf16
-# rounding of each split's output before the merge (the merged output is rounded to bf16 anyway). Read at trace time.
-SPLITS_IN_INPUT_DTYPE = False
+# rounding of each split's output before the merge (the merged output is rounded to bf16 anyway). On an H200
+# (benchmarks/results/2026-12-01_balanced_splits_h200.md, call 8): DiffusionGemma's forward 14.835 / 14.847 ms
+# against 14.948 / 14.926, alternating in one process; the Qwen3-4B step equal to -0.08 ms. float32 queries (the
+# parity tests) keep float32 partials. Read at trace time.
+SPLITS_IN_INPUT_DTYPE = True
 
 # The library's blocks where the table has no entry, from the H200 sweep at the engine's two shapes (Qwen3-4B, 36
 # layers in a scan; benchmarks/results/2026-11-30_attention_sweep_h200x2.md): 16-query tiles, 4 warps and the cache
