@@ -6,7 +6,8 @@ separate kernels) costs ~37 us per layer for 32 queries over ~544 keys, 27% of t
 (benchmarks/results/2026-11-29_profile_h200.md). Here one program per (batch row, query head, query tile, key
 split) streams a few chunks of its kv head's cache, or the pass's own keys (the last split), through two
 tensor-core dots with an online (running-max) softmax, reading the visibility masks as int8 tiles; XLA then
-combines the splits' partial results (flash-decoding). The splits are what fills the chip at batch 1: the first
+combines the splits' partial results (flash-decoding; each split's output normalized in the queries' dtype beside its
+float32 max and sum: SPLITS_IN_INPUT_DTYPE). The splits are what fills the chip at batch 1: the first
 version ran one program per (row, head, query tile) over all keys, 32 programs for 132 SMs at block 32, and was
 slower than XLA's einsums (benchmarks/results/2026-11-29_engine_step_h200.md). Cache chunks past the last slot a
 tile sees are not streamed.
@@ -248,12 +249,10 @@ def combine(o, m, l, dtype, normalized: bool = False):
     timed in this form."""
     mx = functools.reduce(jnp.maximum, list(m))  # [B, L, N]
     w = [jnp.exp(m_p - mx)[..., None] for m_p in m]  # [B, L, N, 1]; a split whose keys were all masked weighs 0
-    if normalized:
-        w = [w_p * l_p[..., None] for w_p, l_p in zip(w, l)]
-        den = sum(w)
-        return (sum(w_p * o_p.astype(jnp.float32) for w_p, o_p in zip(w, o)) / den).astype(dtype)
-    den = sum(w_p * l_p[..., None] for w_p, l_p in zip(w, l))
-    return (sum(w_p * o_p for w_p, o_p in zip(w, o)) / den).astype(dtype)
+    wl = [w_p * l_p[..., None] for w_p, l_p in zip(w, l)]
+    if normalized:  # o_p = sum_p / l_p: weighed by its sum
+        w, o = wl, [o_p.astype(jnp.float32) for o_p in o]
+    return (sum(w_p * o_p for w_p, o_p in zip(w, o)) / sum(wl)).astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
