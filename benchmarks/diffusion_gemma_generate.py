@@ -88,6 +88,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_io import digest, load_tables, set_switch  # noqa: E402
+from timing import chip_rates, median_seconds  # noqa: E402
 
 from orl_jax import params as P  # noqa: E402
 from orl_jax.config import DG_PRESETS  # noqa: E402
@@ -162,6 +163,8 @@ def _is_scale(path) -> bool:  # norm weights and per-layer scalars start at 1; e
     return "norm" in name or "scale" in name
 
 
+if jax.default_backend() == "gpu":  # this machine's rates, to compare runs across machines (they differ by ~3%)
+    log(what="ceilings", **chip_rates())
 t = time.perf_counter()
 keys = jax.random.split(jax.random.key(0), len(leaves))
 # one leaf at a time, straight in bf16 and already sharded (experts split over the mesh with --expert), so no
@@ -176,16 +179,6 @@ log(what="init", params_b=n / 1e9, seconds=time.perf_counter() - t)
 prompt = np.random.default_rng(0).integers(0, min(200000, cfg.vocab_size) - 8, (1, args.prompt)).astype(np.int32)
 sampler = UniformSampler(max_denoising_steps=48, t_max=0.8, t_min=0.4, entropy_bound=0.1, stability=1,
                          confidence=0.0, rng=args.rng)
-
-
-def median_seconds(run, reps: int, calls: int = 1) -> float:
-    """Median over `reps` of the seconds per call when `calls` calls of run() go out before one sync."""
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready([run() for _ in range(calls)])
-        ts.append((time.perf_counter() - t) / calls)
-    return float(np.median(ts))
 
 
 def compile_dg(fn, options=None):
@@ -239,7 +232,6 @@ def looped_forward(cfg, cache, canvas, options, n):
         return jax.lax.fori_loop(0, n, body, c)
 
     compiled = compile_dg(run, options).lower(params, canvas, cache).compile()
-    jax.block_until_ready(compiled(params, canvas, cache))
     return median_seconds(lambda: compiled(params, canvas, cache), reps=3) * 1e3 / n
 
 

@@ -19,7 +19,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_io import digest, load_tables, set_switch  # noqa: E402
-from timing import median_seconds  # noqa: E402
+from timing import chip_rates, median_seconds  # noqa: E402
 
 from orl_jax import runtime  # noqa: E402
 
@@ -96,22 +96,12 @@ def log(**kw):
         f.write(json.dumps(kw) + "\n")
 
 
-def ceilings(calls: int = 20):
-    """The chip's rates with the GPU kept busy (`calls` programs per sync, as the step loops run 16 steps per call):
-    HBM read bandwidth (a sum over 2 GiB: what a forward streaming its weights does; the roofline's), copy bandwidth
-    (read + write) and a bf16 GEMM's rate. Timed one program per sync, the same reads come out ~25% slower
-    (benchmarks/hbm_read_probe.py, session 23); rows before session 23 give copy_tb_s timed that way, and their
-    roofline_ms from it."""
-    x = jnp.ones((512 * 2**20,), jnp.int32)  # 2 GiB
-    read, copy = jax.jit(jnp.sum), jax.jit(lambda x: x + 1)
-    read_bw = x.size * 4 / median_seconds(lambda: read(x), calls=calls)
-    copy_bw = 2 * x.size * 4 / median_seconds(lambda: copy(x), calls=calls)
-    a = jax.random.normal(jax.random.key(0), (8192, 8192), jnp.bfloat16)
-    g = jax.jit(lambda a: a @ a)
-    tg = median_seconds(lambda: g(a), calls=calls)
-    log(what="ceilings", read_tb_s=read_bw / 1e12, copy_tb_s=copy_bw / 1e12, calls_per_sync=calls,
-        gemm_tflop_s=2 * 8192**3 / tg / 1e12)
-    return read_bw
+def ceilings(calls: int) -> float:
+    """The chip's rates (timing.chip_rates), logged; the read bandwidth, the roofline's. Rows before session 23
+    give copy_tb_s timed one program per sync, and their roofline_ms from it (too slow a rate: 3.0-3.5 TB/s)."""
+    rates = chip_rates(calls)
+    log(what="ceilings", **rates)
+    return rates["read_tb_s"] * 1e12
 
 
 cfg = preset(args.preset).replace(noise="mask", mask_token_id=preset(args.preset).vocab_size - 1,
