@@ -58,3 +58,11 @@ def set_switch(name: str, value):
     old = getattr(mod, attr)
     setattr(mod, attr, value)
     return old
+
+
+def set_switches(items) -> dict:
+    """set_switch for each 'package.module.NAME=JSON' of a benchmark's --set; {name: value}."""
+    switches = {name: json.loads(value) for name, _, value in (item.partition("=") for item in items)}
+    for name, value in switches.items():
+        set_switch(name, value)
+    return switches

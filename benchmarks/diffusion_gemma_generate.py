@@ -87,7 +87,7 @@ runtime.configure(os.path.expanduser("~/.cache/orl_jax/xla"))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_io import digest, load_tables, set_switch  # noqa: E402
+from bench_io import digest, load_tables, set_switch, set_switches  # noqa: E402
 from timing import chip_rates, median_seconds  # noqa: E402
 
 from orl_jax import params as P  # noqa: E402
@@ -133,10 +133,8 @@ def set_variant(gather_in_kernel: bool) -> dict:
     return dict(gather_in_kernel=gather_in_kernel)
 
 
-for item in args.set:
-    name, _, value = item.partition("=")
-    set_switch(name, json.loads(value))
-    log(what="switch", name=name, value=json.loads(value))
+for name, value in set_switches(args.set).items():
+    log(what="switch", name=name, value=value)
 log(what="variant", **set_variant(not args.sorted_copy))
 load_tables(log, gemm=args.gemm_table, attention=args.attention_table)
 cfg = DG_PRESETS[args.preset].replace(dtype="bfloat16", cached_attention_impl=args.cached_attention)
@@ -196,7 +194,6 @@ def one_forward(cfg, cache=None, options=None):
     f = compile_dg(lambda p, c, k: diffusion_gemma.decode(p, cfg, c, k)[:, :, :8], options)
     compiled = f.lower(params, canvas, cache).compile()
     mem = compiled.memory_analysis()
-    jax.block_until_ready(compiled(params, canvas, cache))
     sec = median_seconds(lambda: compiled(params, canvas, cache), reps=5, calls=5)
     if args.profile:
         import tempfile
@@ -262,7 +259,6 @@ def moe_only(impl):
         return jax.lax.fori_loop(0, n, layer, jnp.zeros_like(x))
 
     f = jax.jit(run)
-    jax.block_until_ready(f(gu, dn, x, w, e))
     return median_seconds(lambda: f(gu, dn, x, w, e), reps=5) * 1e3 * cfg.num_layers / n
 
 

@@ -18,7 +18,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench_io import digest, load_tables, set_switch  # noqa: E402
+from bench_io import digest, load_tables, set_switches  # noqa: E402
 from timing import chip_rates, median_seconds  # noqa: E402
 
 from orl_jax import runtime  # noqa: E402
@@ -75,8 +75,7 @@ LOOP_OPTIONS = None if args.plain_compile else runtime.ENGINE_COMPILER_OPTIONS  
 if args.compiler_option:
     LOOP_OPTIONS = dict(LOOP_OPTIONS or {}) | {k: json.loads(v) if v in ("true", "false") or v.isdigit() else v
                                                for k, v in (o.split("=", 1) for o in args.compiler_option)}
-for item in args.set:
-    set_switch(item.partition("=")[0], json.loads(item.partition("=")[2]))
+set_switches(args.set)
 if args.plain_compile:
     engine._run_graphed = engine._run  # generate() then compiles with XLA's defaults (read at call time)
 

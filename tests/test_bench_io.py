@@ -7,7 +7,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import numpy as np  # noqa: E402
-from bench_io import digest, recorder, write_table  # noqa: E402
+import pytest  # noqa: E402
+from bench_io import digest, recorder, set_switches, write_table  # noqa: E402
 
 
 def test_records_append_and_tables_replace(tmp_path, capsys):
@@ -30,3 +31,14 @@ def test_digest_tells_arrays_apart_by_value_and_dtype():
     b[0, 0] = 1
     assert digest(a) != digest(b)
     assert digest(a) != digest(a.astype(np.int64))
+
+
+def test_set_switches_parses_json_values_and_refuses_unknown_names(monkeypatch):
+    from orl_jax_kernels.decode_attention import kernel
+
+    monkeypatch.setattr(kernel, "SPLITS_IN_INPUT_DTYPE", True)
+    name = "orl_jax_kernels.decode_attention.kernel.SPLITS_IN_INPUT_DTYPE"
+    assert set_switches([f"{name}=false"]) == {name: False}
+    assert kernel.SPLITS_IN_INPUT_DTYPE is False
+    with pytest.raises(ValueError, match="NO_SUCH_SWITCH"):
+        set_switches(["orl_jax_kernels.decode_attention.kernel.NO_SUCH_SWITCH=1"])
