@@ -10,7 +10,7 @@ import pytest
 from triton_ir import verified_triton_modules
 
 from orl_jax.model.attention import attention, cache_mask, full_segments, self_mask
-from orl_jax_kernels.decode_attention.kernel import Blocks, cached_attention, supported
+from orl_jax_kernels.decode_attention.kernel import Blocks, blocks_for, cached_attention, supported
 
 
 def _inputs(key, b=2, l=32, s=96, n=4, kv=2, h=32, dtype=jnp.float32):
@@ -171,6 +171,20 @@ def test_kernel_compiled_on_gpu_bf16(monkeypatch, l, s, n, kv, h, in_input_dtype
     got = cached_attention(q, stack(kc), stack(vc), cm, kself, vself, sm, scale=q.shape[-1] ** -0.5,
                            layer=jnp.int32(1))
     _assert_close_but_the_blind_row(got, want, 2e-2)
+
+
+@pytest.mark.gpu
+def test_kernel_compiled_on_gpu_at_diffusion_gemma_sliding_layers():
+    """DiffusionGemma's sliding layers (256 queries over 768 slots, head dim 256, 2 heads per kv head): the library's
+    blocks and the tiles that fit 255 registers without spills (benchmarks/kernel_registers.py)."""
+    q, kc, vc, cm, kself, vself, sm = _inputs(jax.random.key(0), l=256, s=768, n=16, kv=8, h=256, dtype=jnp.bfloat16)
+    want = attention(q, [(kc, vc, cm), (kself, vself, sm)])
+    wide = dict(bs=64, num_warps=8, cache_in_place=True, balanced=True)
+    for blocks in (blocks_for(256, 768, 256, 2), Blocks(bl=64, chunks_per_split=8, **wide),
+                   Blocks(bl=32, chunks_per_split=8, group_heads=True, **wide),
+                   Blocks(bl=64, chunks_per_split=16, **dict(wide, bs=32, num_stages=3))):
+        got = cached_attention(q, kc, vc, cm, kself, vself, sm, scale=256 ** -0.5, blocks=blocks)
+        _assert_close_but_the_blind_row(got, want, 2e-2)
 
 
 @pytest.mark.parametrize("group_heads,stacked", [(False, False), (True, False), (False, True)])
