@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from orl_jax.model.layers import ACTIVATIONS
 from orl_jax_kernels.pallas_args import layer_operand, triton_params
 from orl_jax_kernels.small_m_gemm.kernel import TUNED, Blocks, blocks_for, pipeline_stages
 
@@ -66,7 +65,7 @@ def supported(k: int, n: int, blocks: Blocks | None = None) -> bool:
 
 
 def _kernel(layer_ref, off_ref, rows_ref, x_ref, w_ref, o_ref, *, bk: int, n_chunks: int, bm: int, stacked: bool,
-            expert_axis: int, act: str | None):
+            expert_axis: int):
     from jax.experimental.pallas import triton as plt
 
     e = pl.program_id(expert_axis)
@@ -86,9 +85,6 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, w_ref, o_ref, *, bk: int, n_chu
             xs = (x_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)] if ids is None
                   else x_ref.at[ids[:, None], (k0 + jnp.arange(bk))[None, :]])
             xb = plt.load(xs, mask=live[:, None], other=0.0)
-            if act is not None:  # x is [gate | up]: this chunk's up columns lie K further on
-                up = plt.load(x_ref.at[pl.ds(r0, bm), pl.ds(n_chunks * bk + k0, bk)], mask=live[:, None], other=0.0)
-                xb = (ACTIVATIONS[act](xb.astype(jnp.float32)) * up.astype(jnp.float32)).astype(xb.dtype)
             wb = w_ref[layer, 0, pl.ds(k0, bk), :] if stacked else w_ref[0, pl.ds(k0, bk), :]
             return acc + jnp.dot(xb, wb, preferred_element_type=jnp.float32)
 
@@ -104,27 +100,22 @@ def _with_rows(kernel, have_rows: bool):
     return kernel if have_rows else lambda layer_ref, off_ref, *refs: kernel(layer_ref, off_ref, None, *refs)
 
 
-@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "bm", "act"))
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "bm"))
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: jax.Array | None = None,
                    blocks: Blocks | None = None, interpret: bool = False,
                    offsets: jax.Array | None = None, bm: int | None = None,
-                   rows: jax.Array | None = None, act: str | None = None) -> jax.Array:
+                   rows: jax.Array | None = None) -> jax.Array:
     """x [M, K] (rows sorted by group) times w [E, K, N], or the layer `layer` of a stack w [L, E, K, N], group by
     group: group_sizes [E] (int, summing to <= M) -> [M, N] in x's dtype. offsets [E + 1]: the groups' first rows
     and their end, when the caller has them (kernels/expert_sort returns them); else computed from group_sizes.
     bm: rows per tile (a power of two >= 16), BM unless given.
     rows [M] (int32): sorted row r is x[rows[r]] for an x of any number of rows, gathered by the kernel's loads
-    (the MoE's tokens: no sorted copy of x is written and read back).
-    act: x is [M, 2K], a gated MLP's [gate | up] (the gate/up product's output) and the product is
-    (act(gate) * up) @ w, the activation computed in float32 as each chunk is loaded (rounded once to x's dtype):
-    the MoE's down projection without a separate activation kernel and its [M, K] intermediate."""
-    if act is not None and (act not in ACTIVATIONS or rows is not None):
-        raise ValueError(f"grouped_matmul: act must be one of {sorted(ACTIVATIONS)} and take no rows, got {act!r}")
-    k = x.shape[1] // 2 if act is not None else x.shape[1]
+    (the MoE's tokens: no sorted copy of x is written and read back)."""
+    k = x.shape[1]
     e, n = w.shape[-3], w.shape[-1]
     stacked = w.ndim == 4
     layer_arr = layer_operand("grouped_matmul", stacked, layer, w.shape)  # stacked: [L, E, K, N]
-    if w.shape[-2] != k or x.shape[1] != (2 * k if act is not None else k) or group_sizes.shape != (e,):
+    if w.shape[-2] != k or group_sizes.shape != (e,):
         raise ValueError(f"grouped_matmul: x {x.shape}, w {w.shape} and group_sizes {group_sizes.shape} do not match")
     if rows is not None and (rows.ndim != 1 or rows.dtype != jnp.int32):
         raise ValueError(f"grouped_matmul: rows must be a 1-D int32 array, got {rows.dtype}{list(rows.shape)}")
@@ -153,7 +144,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: ja
     gathered = [pad(rows)] if rows is not None else []
     out = pl.pallas_call(
         _with_rows(functools.partial(_kernel, bk=blocks.bk, n_chunks=k // blocks.bk, bm=bm, stacked=stacked,
-                                     expert_axis=1 if inner else 0, act=act), rows is not None),
+                                     expert_axis=1 if inner else 0), rows is not None),
         out_shape=jax.ShapeDtypeStruct((m + spare, n), x.dtype),
         grid=grid,
         in_specs=[pl.BlockSpec((1,), ge(lambda g, j: (0,))), pl.BlockSpec((e + 1,), ge(lambda g, j: (0,)))]

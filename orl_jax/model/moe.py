@@ -61,16 +61,12 @@ def in_bounds_take(a: jax.Array, idx: jax.Array) -> jax.Array:
 
 
 def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, offsets: jax.Array | None = None,
-                   rows: jax.Array | None = None, act: str | None = None) -> jax.Array:
+                   rows: jax.Array | None = None) -> jax.Array:
     """x [M, K] whose rows come in contiguous groups (sizes [E]) times w [E, K, N]: row r of group e gets x_r @ w_e.
     offsets [E + 1] (the groups' first rows, then their end), when known, spare the grouped kernel their cumsum.
-    rows [M]: sorted row r is x[rows[r]] (x then has any number of rows). act: x is [M, 2K], a gated MLP's
-    [gate | up], and the product's input is act(gate) * up."""
+    rows [M]: sorted row r is x[rows[r]] (x then has any number of rows)."""
     if hasattr(w, "ragged_dot"):
-        return w.ragged_dot(x, group_sizes, offsets, rows=rows, act=act)
-    if act is not None:
-        g, u = jnp.split(x, 2, axis=-1)
-        x = ACTIVATIONS[act](g) * u
+        return w.ragged_dot(x, group_sizes, offsets, rows=rows)
     return xla_ragged_dot(x, w, group_sizes, rows=rows)
 
 
@@ -215,10 +211,6 @@ def _sorted_rows(experts: jax.Array, num_experts: int, kernel: bool):
 # (benchmarks/results/2026-12-01_dg_gather_rows_h200.md). Read at trace time (benchmarks/diffusion_gemma_generate.py
 # --sorted-copy sets False).
 GATHER_IN_KERNEL = True
-# True: the down product computes act(gate) * up from gate/up's output as it loads it (kernels/grouped_gemm's `act`)
-# instead of a separate activation kernel writing the [M, F] intermediate (4.1 us per DiffusionGemma 26B layer in
-# benchmarks/results/2026-12-01_dg_query_major_h200.md). Not yet timed. Read at trace time.
-GATED_DOWN = False
 
 
 def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False) -> jax.Array:
@@ -232,11 +224,7 @@ def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kerne
     # is used once fused the whole counting sort into itself (170 us per 26B layer, session 16).
     take = in_bounds_take if offsets is not None else (lambda a, i: jnp.take(a, i, axis=0))  # noqa: E731
     xs, rows = (x, tokens) if GATHER_IN_KERNEL else (take(x, tokens), None)
-    h = grouped_matmul(xs, gate_up, sizes, offsets, rows=rows)  # [M, 2F]: gate | up
-    if GATED_DOWN:  # the activation inside the down product's loads
-        y = grouped_matmul(h, down, sizes, offsets, act=act)  # [M, D] in sorted order
-    else:
-        g, u = jnp.split(h, 2, axis=-1)
-        y = grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes, offsets)
+    g, u = jnp.split(grouped_matmul(xs, gate_up, sizes, offsets, rows=rows), 2, axis=-1)  # [M, F] each
+    y = grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes, offsets)  # [M, D] in sorted order
     y = take(y, pos).astype(jnp.float32) * weights.reshape(-1, 1)  # [M, D] in (token, choice) order
     return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)  # [T, D]

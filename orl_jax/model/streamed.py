@@ -20,8 +20,6 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from orl_jax.model.layers import ACTIVATIONS
-
 
 def gemm_dims(spec: str, x_shape, w_shape):
     """(groups E, rows M, contraction K, columns N, output shape) of an einsum `x, w -> out` that is a plain GEMM
@@ -66,20 +64,16 @@ class StackedWeight:
         return self.stack.dtype
 
     def ragged_dot(self, x: jax.Array, group_sizes: jax.Array, offsets: jax.Array | None = None,
-                   rows: jax.Array | None = None, act: str | None = None) -> jax.Array:
+                   rows: jax.Array | None = None) -> jax.Array:
         """moe.grouped_matmul's product (rows: as there): rows sorted by group times layer `index` of an expert
         stack [L, E, K, N], through kernels/grouped_gemm reading the stack in place (offsets: the groups' row
         offsets [E + 1] if the caller has them); shapes or dtypes it does not take fall back to XLA's ragged_dot on
-        the slice (a copy, as XLA makes for its own ops). act: x is a gated MLP's [gate | up] and the product's input
-        act(gate) * up (computed by the kernel as it loads x)."""
+        the slice (a copy, as XLA makes for its own ops)."""
         from orl_jax_kernels.grouped_gemm.kernel import grouped_matmul, supported
 
         if self.stack.ndim == 4 and self.stack.dtype == x.dtype and supported(*self.stack.shape[2:]):
             return grouped_matmul(x, self.stack, group_sizes, self.index, interpret=jax.default_backend() == "cpu",
-                                  offsets=offsets, rows=rows, act=act)
-        if act is not None:
-            g, u = jnp.split(x, 2, axis=-1)
-            x = ACTIVATIONS[act](g) * u
+                                  offsets=offsets, rows=rows)
         return xla_ragged_dot(x, self.sliced(), group_sizes, rows=rows)
 
     def einsum(self, spec: str, x: jax.Array) -> jax.Array:
