@@ -62,8 +62,11 @@ def triton_ir(shape, blocks: kernel.Blocks) -> str:
 
 def allocation(ir: str, blocks: kernel.Blocks) -> dict:
     """Compile the IR for sm_90a; ptxas's registers, spill bytes and the kernel's shared memory."""
-    import triton
-    from triton.backends.compiler import GPUTarget
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+    except ImportError as e:
+        raise SystemExit(f"kernel_registers: needs the `triton` package (pip install triton): {e}") from e
     from triton.backends.nvidia import compiler as nvidia
 
     with tempfile.TemporaryDirectory() as tmp:
