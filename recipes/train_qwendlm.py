@@ -177,6 +177,9 @@ def parse_args(argv=None):
     ap.add_argument("--noise", choices=["uniform", "mask"], default="uniform",
                     help="QwenDLM variant: uniform-state canvas (default) or mask tokens")
     ap.add_argument("--skip-stage2", action="store_true", help="stop after the conversion (no ORL)")
+    ap.add_argument("--residual-ablation", action="store_true",
+                    help="also evaluate each stage-2 model decoding without its residual: what the residual adds, "
+                         "apart from what stage 2's training did to the backbone")
     ap.add_argument("--export-package", metavar="DIR",
                     help="after stage 1, write the converted base and its tokenizer to the new directory DIR "
                          "(bfloat16 safetensors in shards of <= 15 MiB: orl_jax/train/base_package.py)")
@@ -286,6 +289,9 @@ def main(argv=None) -> None:
             from orl_jax.train.stage2 import stage2
 
             methods |= stage2(r, args, out, tok, dlm_cfg, dlm_params, log, args.stage2_methods)
+            if args.residual_ablation:  # each stage-2 model again, decoding without its residual
+                methods |= {name + stages.RESIDUAL_OFF: (params, NoResidual())
+                            for name, (params, _) in list(methods.items()) if name != "QwenDLM"}
     except stages.StageStopped as e:
         log(str(e))
         raise SystemExit(EXIT_STOPPED) from None

@@ -50,7 +50,7 @@ def test_recipe_smoke_end_to_end_and_resume(tmp_path):
         train_qwendlm.main(["--preset", "smoke", "--out", str(out), "--resume", "--no-logit-shift"])
 
 
-def test_stage2_methods_split_over_processes_then_one_evaluation(tmp_path):
+def test_stage2_methods_split_over_processes_then_one_evaluation(tmp_path, monkeypatch):
     """Stage-2 methods trained by separate runs sharing --out (as one process per GPU would), evaluated once."""
     out = tmp_path / "run"
     train_qwendlm.main(["--preset", "smoke", "--out", str(out), "--stage2-methods", "noaec,rcd", "--no-eval"])
@@ -66,10 +66,24 @@ def test_stage2_methods_split_over_processes_then_one_evaluation(tmp_path):
         steps = [json.loads(line)["step"] for line in (out / name / "logs/metrics.jsonl").read_text().splitlines()]
         assert steps[0] == 1 and steps[-1] == 3 and steps == sorted(set(steps)), (name, steps)
         assert (out / name / "params/config.json").stat().st_mtime_ns > before[name]
-    train_qwendlm.main(["--preset", "smoke", "--out", str(out), "--resume"])  # reuses all three, evaluates
+    from orl_jax.train import stages
+
+    residuals, evaluate = {}, stages.evaluate
+
+    def recording(*a, method, **kw):  # the residual each row decodes with
+        residuals[method] = type(kw.get("residual")).__name__
+        return evaluate(*a, method=method, **kw)
+
+    monkeypatch.setattr(stages, "evaluate", recording)
+    # reuses all three, evaluates each also without its residual
+    train_qwendlm.main(["--preset", "smoke", "--out", str(out), "--resume", "--residual-ablation"])
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert [r["method"] for r in rows] == ["AR (greedy)", "QwenDLM weights, AR decoding", "QwenDLM", "QwenDLM+ORL",
-                                           "QwenDLM+ORL (no AEC)", "QwenDLM+RCD"]
+    trained = ["QwenDLM+ORL", "QwenDLM+ORL (no AEC)", "QwenDLM+RCD"]
+    assert [r["method"] for r in rows] == ["AR (greedy)", "QwenDLM weights, AR decoding", "QwenDLM", *trained,
+                                           *[m + ", residual off" for m in trained]]
+    # the uniform family decodes with self-conditioning, the ablation rows without any residual
+    assert {m: residuals[m] for m in trained} == dict.fromkeys(trained, "ORLResidual")
+    assert {residuals[m + ", residual off"] for m in trained} == {"NoResidual"}
     with pytest.raises(SystemExit):
         train_qwendlm.main(["--preset", "smoke", "--out", str(tmp_path / "x"), "--stage2-methods", "orl,ppo"])
 

@@ -283,11 +283,17 @@ def _brief(row) -> dict:
     return {k: v for k, v in dataclasses.asdict(row).items() if k != "hits"}
 
 
+# Suffix of an evaluation row that decodes a stage-2 model without its residual (the recipe's --residual-ablation):
+# what the residual adds at decoding, apart from what the extra training did to the backbone
+RESIDUAL_OFF = ", residual off"
+
+
 def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: dict, log, started: float):
     """AR greedy baseline, then every QwenDLM variant in `methods` at every decoding setting.
 
     methods: {name: (params, residual)}, the residual a mask-family model was trained with (the uniform family
-    always decodes with self-conditioning, ORLResidual)."""
+    decodes with self-conditioning, ORLResidual, except rows named with RESIDUAL_OFF: no residual in either
+    family)."""
     import time
 
     examples = heldout_examples(r, tok, args.seed + 7)
@@ -308,7 +314,8 @@ def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: d
                 default = UniformSampler.entropy_bound
                 bound = bound[0] if bound else default
                 kw = dict(sampler=UniformSampler(max_denoising_steps=steps, confidence=thr, entropy_bound=bound,
-                                                 greedy=True), residual=ORLResidual())
+                                                 greedy=True),
+                          residual=mask_residual if method.endswith(RESIDUAL_OFF) else ORLResidual())
                 setting = f"steps<={steps}, confidence={thr}" + (f", entropy bound={bound}" if bound != default else "")
             else:
                 kw = dict(sampler=MaskSampler(mask_token_id=dlm_cfg.mask_token_id, threshold=max(1 - thr, 0.05)),
@@ -326,7 +333,8 @@ def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: d
              f"QwenDLM: {dlm_cfg.noise} noise, block {r.block_length}, logit shift "
              f"{'on' if dlm_cfg.logit_shift else 'off'}; uniform family: greedy proposals, entropy "
              "bound 0.1, self-conditioning residual (ORLResidual); mask family: threshold fill, residual as "
-             "trained (base: none, ORL: ORLResidual, RCD: RCDResidual). TPF counts "
+             f"trained (base: none, ORL: ORLResidual, RCD: RCDResidual; rows ending '{RESIDUAL_OFF}': that model "
+             "without any residual, in either family). TPF counts "
              "denoising and commit forwards; tokens/s is the batched decode after compilation.",
              f"Run time of this process: {time.perf_counter() - started:.0f} s on {jax.devices()[0].device_kind} "
              "(a resumed run counts only its last call)."]
