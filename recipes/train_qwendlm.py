@@ -226,6 +226,9 @@ def parse_args(argv=None):
             check_package(args.base_package)
         except ValueError as e:
             ap.error(str(e))
+    if args.residual_ablation and (args.skip_stage2 or args.no_eval):
+        ap.error("--residual-ablation adds evaluation rows of the stage-2 models: it has nothing to do with "
+                 f"{'--skip-stage2' if args.skip_stage2 else '--no-eval'}")
     if args.export_package is not None and Path(args.export_package).exists():
         ap.error(f"--export-package {args.export_package!r} exists: the package goes to a new directory")
     args.deadline = None if args.time_limit is None else time.monotonic() + 60 * args.time_limit

@@ -86,6 +86,11 @@ def test_stage2_methods_split_over_processes_then_one_evaluation(tmp_path, monke
     assert {residuals[m + ", residual off"] for m in trained} == {"NoResidual"}
     with pytest.raises(SystemExit):
         train_qwendlm.main(["--preset", "smoke", "--out", str(tmp_path / "x"), "--stage2-methods", "orl,ppo"])
+    for nothing_to_ablate in ("--skip-stage2", "--no-eval"):  # refused before any work, nothing left behind
+        with pytest.raises(SystemExit):
+            train_qwendlm.main(["--preset", "smoke", "--out", str(tmp_path / "y"), "--residual-ablation",
+                                nothing_to_ablate])
+        assert not (tmp_path / "y").exists()
 
 
 
