@@ -4,11 +4,11 @@ Why: a program whose live values pass 255 registers per thread spills them to lo
 DiffusionGemma's sliding layers ([128, 256] float32 accumulator plus the [128, 256] bf16 query tile) were found
 spilling this way (benchmarks/results/2026-12-02_dg_attention_spills_h200.md).
 
-How: the pallas_call is lowered for CUDA on any host, its Triton IR captured from jax's Pallas lowering (a private
-jax module: this dev tool may need a change when jax moves it), compiled by the `triton` package (not an orl_jax
-dependency: `pip install triton`; torch ships it) for sm_90a, and `ptxas -v` (the one Triton bundles) reports the
-allocation. Triton here is the pip package, not the copy inside XLA that compiles the kernel in a real run, so
-counts may differ between versions.
+How: the pallas_call is lowered for CUDA on any host, its Triton IR captured from jax's Pallas lowering
+(kernels/pallas_args.triton_modules, as the tests' IR verification does), compiled by the `triton` package (not an
+orl_jax dependency: `pip install triton`; torch ships it) for sm_90a, and `ptxas -v` (the one Triton bundles)
+reports the allocation. Triton here is the pip package, not the copy inside XLA that compiles the kernel in a real
+run, so counts may differ between versions.
 
   python benchmarks/kernel_registers.py --shape 1,256,16,8,256,768 --blocks '{"bl": 64, "num_warps": 8}' ...
 (shape: batch, queries, query heads, kv heads, head dim, cache slots; no --blocks: the library's choice.)
@@ -29,35 +29,24 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax._src.pallas.triton import pallas_call_registration as registration  # noqa: E402
 
-from kernels.decode_attention import kernel  # noqa: E402
+from orl_jax_kernels.decode_attention import kernel  # noqa: E402
+from orl_jax_kernels.pallas_args import triton_modules  # noqa: E402
 
-H100_SMEM = 232448  # bytes of shared memory one Hopper block may use (227 KB)
+HOPPER_SMEM = 232448  # bytes of shared memory one Hopper (H100 / H200) block may use: 227 KB
 
 
 def triton_ir(shape, blocks: kernel.Blocks) -> str:
     """The Triton IR (text) of cached_attention at `shape` with `blocks`."""
     b, l, n, kv, h, s = shape
-    captured = []
-    lower = registration.lowering.lower_jaxpr_to_triton_module
-
-    def capture(*args, **kwargs):
-        result = lower(*args, **kwargs)
-        captured.append(result.module.operation.get_asm(enable_debug_info=False))
-        return result
-
     bf16, i8 = jnp.bfloat16, jnp.int8
     args = [jax.ShapeDtypeStruct(x, t) for x, t in [((b, l, n, h), bf16), ((b, s, kv, h), bf16), ((b, s, kv, h), bf16),
                                                    ((b, l, s), i8), ((b, l, kv, h), bf16), ((b, l, kv, h), bf16),
                                                    ((b, l, l), i8)]]
-    registration.lowering.lower_jaxpr_to_triton_module = capture
-    try:
+    with triton_modules() as modules:
         fn = lambda *a: kernel.cached_attention(*a, scale=1.0, blocks=blocks)  # noqa: E731
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    finally:
-        registration.lowering.lower_jaxpr_to_triton_module = lower
-    return captured[0]
+    return modules[0].operation.get_asm(enable_debug_info=False)
 
 
 def allocation(ir: str, blocks: kernel.Blocks) -> dict:
@@ -83,7 +72,7 @@ def allocation(ir: str, blocks: kernel.Blocks) -> dict:
                              capture_output=True, text=True, check=True).stderr
     number = lambda pattern: int(re.search(pattern, log).group(1))  # noqa: E731
     return dict(registers=number(r"Used (\d+) registers"), spill_stores=number(r"(\d+) bytes spill stores"),
-                shared=compiled.metadata.shared, fits=compiled.metadata.shared <= H100_SMEM)
+                shared=compiled.metadata.shared, fits=compiled.metadata.shared <= HOPPER_SMEM)
 
 
 def main(argv=None):

@@ -3,6 +3,8 @@ mode) and the layer index of a weight or cache stack read in place (a [1] int32 
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 
@@ -22,3 +24,25 @@ def layer_operand(fn: str, stacked: bool, layer, shape) -> jax.Array:
         raise ValueError(f"{fn}: an operand of shape {shape} with layer={'given' if layer is not None else None}: "
                          f"a stack needs `layer` and a single one none")
     return jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+
+
+@contextlib.contextmanager
+def triton_modules():
+    """The Triton modules (MLIR) Pallas lowers while the block runs, collected as they are made: what the tests verify
+    and benchmarks/kernel_registers.py compiles. jax offers no public hook for them, so this wraps its private Pallas
+    lowering (a dev aid: it needs a change when jax moves that function)."""
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    lower = registration.lowering.lower_jaxpr_to_triton_module
+    modules = []
+
+    def capture(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        modules.append(result.module)
+        return result
+
+    registration.lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        yield modules
+    finally:
+        registration.lowering.lower_jaxpr_to_triton_module = lower

@@ -188,7 +188,7 @@ def test_kernel_compiled_on_gpu_at_diffusion_gemma_sliding_layers():
 
 
 @pytest.mark.parametrize("group_heads,stacked", [(False, False), (True, False), (False, True)])
-def test_kernel_lowers_to_verified_triton_on_any_machine(monkeypatch, group_heads, stacked):
+def test_kernel_lowers_to_verified_triton_on_any_machine(group_heads, stacked):
     """Pallas -> Triton IR at the Qwen3-4B decode shape, cross-platform, through MLIR's verifier (no GPU needed):
     catches an op the Triton lowering does not support, or mixed-type loop bounds, before a GPU session."""
     sd = jax.ShapeDtypeStruct
@@ -200,10 +200,10 @@ def test_kernel_lowers_to_verified_triton_on_any_machine(monkeypatch, group_head
     if stacked:  # 36 layers of cache, read at a traced layer index
         args = (args[0], sd((36, b, s, kv, h), jnp.bfloat16), sd((36, b, s, kv, h), jnp.bfloat16), *args[3:],
                 sd((), jnp.int32))
-        verified_triton_modules(monkeypatch, lambda *a: cached_attention(*a[:-1], scale=h ** -0.5, blocks=blocks,
-                                                                         layer=a[-1]), *args)
+        verified_triton_modules(lambda *a: cached_attention(*a[:-1], scale=h ** -0.5, blocks=blocks, layer=a[-1]),
+                                *args)
         return
-    verified_triton_modules(monkeypatch, lambda *a: cached_attention(*a, scale=h ** -0.5, blocks=blocks), *args)
+    verified_triton_modules(lambda *a: cached_attention(*a, scale=h ** -0.5, blocks=blocks), *args)
 
 
 @pytest.mark.parametrize("l,s,n,kv,h,blocks", [
@@ -220,7 +220,7 @@ def test_balanced_splits_lower_to_verified_triton(monkeypatch, l, s, n, kv, h, b
     jax.clear_caches()
     sd = jax.ShapeDtypeStruct
     verified_triton_modules(
-        monkeypatch, lambda *a: cached_attention(*a[:-1], scale=1.0, blocks=blocks, layer=a[-1]),
+        lambda *a: cached_attention(*a[:-1], scale=1.0, blocks=blocks, layer=a[-1]),
         sd((1, l, n, h), jnp.bfloat16), sd((4, 1, s, kv, h), jnp.bfloat16), sd((4, 1, s, kv, h), jnp.bfloat16),
         sd((1, l, s), jnp.int8), sd((1, l, kv, h), jnp.bfloat16), sd((1, l, kv, h), jnp.bfloat16),
         sd((1, l, l), jnp.int8), sd((), jnp.int32))
@@ -293,7 +293,7 @@ def test_large_head_dims_get_blocks_that_fit_shared_memory(monkeypatch):
 
 
 @pytest.mark.parametrize("l, s, kv, h", [(256, 768, 2, 512), (256, 768, 8, 256), (512, 1024, 8, 256)])
-def test_diffusion_gemma_layer_shapes_lower_to_verified_triton(monkeypatch, l, s, kv, h):
+def test_diffusion_gemma_layer_shapes_lower_to_verified_triton(l, s, kv, h):
     """The 26B layers at their library blocks, scale 1.0: the full-attention layer at canvas 256 over 768 slots
     (head dim 512, 2 kv heads), the sliding layer there (WIDE_HEADS, run on the H200 in session 9) and the
     sliding layer in a 512-token prefill (the same blocks over a longer pass, not run on a GPU)."""
@@ -302,7 +302,7 @@ def test_diffusion_gemma_layer_shapes_lower_to_verified_triton(monkeypatch, l, s
     sd = jax.ShapeDtypeStruct
     blocks = blocks_for(l, s, h, 16 // kv)
     verified_triton_modules(
-        monkeypatch, lambda *a: cached_attention(*a, scale=1.0, blocks=blocks),
+        lambda *a: cached_attention(*a, scale=1.0, blocks=blocks),
         sd((1, l, 16, h), jnp.bfloat16), sd((1, s, kv, h), jnp.bfloat16), sd((1, s, kv, h), jnp.bfloat16),
         sd((1, l, s), jnp.int8), sd((1, l, kv, h), jnp.bfloat16), sd((1, l, kv, h), jnp.bfloat16),
         sd((1, l, l), jnp.int8))

@@ -50,10 +50,10 @@ def test_rejects_wrong_inputs():
         expert_sort(jnp.zeros((8,), jnp.int32), 8, 0, interpret=True)
 
 
-def test_lowers_to_verified_triton_at_the_canvas(monkeypatch):
+def test_lowers_to_verified_triton_at_the_canvas():
     """Pallas -> Triton IR for 256 tokens x top-8 of 128 experts, and a length that pads, no GPU needed."""
     for m in (2048, 1000):
-        verified_triton_modules(monkeypatch, lambda e: expert_sort(e, 128, 8),
+        verified_triton_modules(lambda e: expert_sort(e, 128, 8),
                                 jax.ShapeDtypeStruct((m,), jnp.int32))
 
 

@@ -118,15 +118,15 @@ def test_default_tiles_take_64_row_chunks_and_long_k_2_stages_unless_a_table_say
     assert default_blocks(2816, 1408) == tuned
 
 
-def test_kernel_lowers_to_verified_triton_at_the_expert_shapes(monkeypatch):
+def test_kernel_lowers_to_verified_triton_at_the_expert_shapes():
     """Pallas -> Triton IR at DiffusionGemma's shapes (2048 routed rows, a stack of 128 experts), no GPU needed."""
     sd = jax.ShapeDtypeStruct
     for k, n, bm in ((2816, 1408, BM), (704, 2816, BM), (2816, 1408, 32)):
-        verified_triton_modules(monkeypatch, lambda x, w, s, i, bm=bm: grouped_matmul(x, w, s, i, bm=bm),
+        verified_triton_modules(lambda x, w, s, i, bm=bm: grouped_matmul(x, w, s, i, bm=bm),
                                 sd((2048, k), jnp.bfloat16), sd((25, 128, k, n), jnp.bfloat16),
                                 sd((128,), jnp.int32), sd((), jnp.int32))
     # gate/up as the MoE calls it: the 256 tokens' rows gathered by the kernel
-    verified_triton_modules(monkeypatch, lambda x, w, s, i, r: grouped_matmul(x, w, s, i, rows=r),
+    verified_triton_modules(lambda x, w, s, i, r: grouped_matmul(x, w, s, i, rows=r),
                             sd((256, 2816), jnp.bfloat16), sd((25, 128, 2816, 1408), jnp.bfloat16),
                             sd((128,), jnp.int32), sd((), jnp.int32), sd((2048,), jnp.int32))
 

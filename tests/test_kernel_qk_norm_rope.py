@@ -90,21 +90,20 @@ def test_rejects_mismatched_or_unsupported_shapes():
 
 
 @pytest.mark.parametrize("rows", [32, 256], ids=["block32", "canvas256"])
-def test_kernel_lowers_to_verified_triton_at_the_qwen3_4b_shapes(monkeypatch, rows):
+def test_kernel_lowers_to_verified_triton_at_the_qwen3_4b_shapes(rows):
     sd = jax.ShapeDtypeStruct
-    verified_triton_modules(monkeypatch, lambda x, c, s, a, b: qk_norm_rope(x, c, s, a, b, 1e-6),
+    verified_triton_modules(lambda x, c, s, a, b: qk_norm_rope(x, c, s, a, b, 1e-6),
                             sd((1, rows, 8, 6, 128), jnp.bfloat16), sd((1, rows, 128), jnp.float32),
                             sd((1, rows, 128), jnp.float32), sd((128,), jnp.bfloat16), sd((128,), jnp.bfloat16))
 
 
 @pytest.mark.parametrize("gemma", [False, True], ids=["qwen3", "gemma"])
-def test_stacked_kernel_lowers_to_verified_triton(monkeypatch, gemma):
+def test_stacked_kernel_lowers_to_verified_triton(gemma):
     """The engine's form (norms from the packed stack by layer index) at Qwen3-4B's block-32 shape, and DiffusionGemma's
     sliding layers at canvas 256 (8 kv heads x 2 query heads, head dim 256)."""
     sd = jax.ShapeDtypeStruct
     g, h, rows, n = (2, 256, 256, 8 * 2816) if gemma else (4, 128, 32, 5376)
-    verified_triton_modules(monkeypatch,
-                            lambda x, c, s, v, i: qk_norm_rope_stacked(x, c, s, v, i, (n - 2 * h, n - h), 1e-6,
+    verified_triton_modules(lambda x, c, s, v, i: qk_norm_rope_stacked(x, c, s, v, i, (n - 2 * h, n - h), 1e-6,
                                                                        gemma=gemma),
                             sd((1, rows, 8, g + 2, h), jnp.bfloat16), sd((1, rows, h), jnp.float32),
                             sd((1, rows, h), jnp.float32), sd((25, n), jnp.bfloat16), sd((), jnp.int32))

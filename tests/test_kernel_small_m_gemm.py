@@ -112,12 +112,12 @@ def test_compiled_on_gpu_bf16():
 
 
 @pytest.mark.parametrize("stacked", [False, True])
-def test_kernel_lowers_to_verified_triton_on_any_machine(stacked, monkeypatch):
+def test_kernel_lowers_to_verified_triton_on_any_machine(stacked):
     """Pallas -> Triton IR at the Qwen3-4B gate/up shape (cross-platform export, MLIR verifier, no GPU needed)."""
     sd = jax.ShapeDtypeStruct
     w = sd((36, 2560, 19456) if stacked else (2560, 19456), jnp.bfloat16)
     layer = sd((), jnp.int32) if stacked else None
-    verified_triton_modules(monkeypatch, lambda x, w, i: small_m_matmul(x, w, i, Blocks(bn=128, bk=128, splits=2)),
+    verified_triton_modules(lambda x, w, i: small_m_matmul(x, w, i, Blocks(bn=128, bk=128, splits=2)),
                             sd((32, 2560), jnp.bfloat16), w, layer)
 
 
@@ -184,9 +184,9 @@ def test_many_groups_run_unsplit_and_write_the_output_dtype(monkeypatch):
     assert "reduce_sum" not in jaxpr and "f32[1,4" not in jaxpr  # no partial sums to add
 
 
-def test_unsplit_expert_kernel_lowers_to_verified_triton(monkeypatch):
+def test_unsplit_expert_kernel_lowers_to_verified_triton():
     sd = jax.ShapeDtypeStruct
     verified_triton_modules(
-        monkeypatch, lambda x, w, i, r: batched_small_m_matmul(x, w, i, r, Blocks(bn=128, bk=64, splits=1)),
+        lambda x, w, i, r: batched_small_m_matmul(x, w, i, r, Blocks(bn=128, bk=64, splits=1)),
         sd((128, 64, 704), jnp.bfloat16), sd((5, 128, 704, 2816), jnp.bfloat16), sd((), jnp.int32),
         sd((128,), jnp.int32))
