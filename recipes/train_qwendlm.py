@@ -155,7 +155,7 @@ NUMERIC_FLAGS = {
     "l_anchor": (float, "ORL's anchor weight (capped reverse KL to the rollout's tempered policy on confident "
                  "positions)", ">= 0"),
     "adapter_lr_scale": (float, "stage 2: the adapter's learning rate as a multiple of --lr2", ">= 0"),
-    "ar_weight": (float, "stage 1: weight of the next-token loss on the clean rows (DiffusionObjective.ar_weight)",
+    "ar_weight": (float, "stage 1, RCD and ORL: weight of the next-token loss on the clean rows",
                   ">= 0"),
 }
 VALID = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0, "in (0, 1]": lambda v: 0 < v <= 1,

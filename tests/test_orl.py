@@ -118,6 +118,35 @@ def test_round_on_a_four_device_mesh_equals_one_device(setup):
     assert not any(a.is_deleted() for a in jax.tree.leaves(params)), "a step donated the caller's params"
 
 
+def test_ar_weight_adds_the_clean_rows_next_token_loss(setup):
+    """ORLLossConfig.ar_weight adds w x the AR model's next-token loss of each verified row's prompt + response,
+    computed here by a plain causal forward of those tokens alone (states after them change nothing)."""
+    cfg, params, loss_fn, step = setup
+    state = step.init_state(params, jax.random.key(0))
+    only_first = lambda responses: [r % 2 == 0 for r in range(len(responses))]  # noqa: E731
+    _, _, arrays = orl_iteration(state, step, cfg, PROMPTS, only_first, jax.random.key(5), SAMPLER, OCFG)
+    w = 0.5
+    ar_fn = make_orl_loss(cfg, SAMPLER, len(PROMPTS) * OCFG.group_size,
+                          dataclasses.replace(OCFG.loss, ar_weight=w))
+    (l0, parts0), (l1, parts1) = loss_fn(params, arrays, None), ar_fn(params, arrays, None)
+    nll, count = 0.0, 0
+    for r, n in enumerate(arrays["clean_len"]):
+        if n == 0:
+            continue  # a padding row
+        row = jnp.asarray(arrays["tokens"][r:r + 1, :n])
+        logp = jax.nn.log_softmax(qwen3.forward(params, cfg, row), axis=-1)[0, :-1]
+        nll -= float(jnp.sum(jnp.take_along_axis(logp, row[0, 1:, None], axis=-1)))
+        count += int(n) - 1
+    assert count > 0 and int((arrays["clean_len"] > 0).sum()) == len(PROMPTS)  # the verified rows only
+    np.testing.assert_allclose(float(parts1["ar_loss"]), nll / count, rtol=1e-5)
+    np.testing.assert_allclose(float(l1), float(l0) + w * nll / count, rtol=1e-5)
+    assert "ar_loss" not in parts0
+    with pytest.raises(ValueError, match="ar_weight"):
+        make_orl_loss(cfg.replace(prefix_attention="block_causal"), SAMPLER, 4, OCFG.loss.__class__(ar_weight=1.0))
+    with pytest.raises(ValueError, match="ar_weight"):
+        ORLLossConfig(ar_weight=-1.0)
+
+
 def test_remat_replay_gives_the_same_loss_and_gradients(setup):
     cfg, params, loss_fn, step = setup
     state = step.init_state(params, jax.random.key(0))

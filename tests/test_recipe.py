@@ -38,6 +38,8 @@ def test_recipe_smoke_end_to_end_and_resume(tmp_path):
     stage1 = [json.loads(line) for line in (out / "stage1/logs/metrics.jsonl").read_text().splitlines()]
     assert all(m["tokens"] > 0 for m in stage1), "a conversion batch had no supervised response tokens"
     assert all(m["ar_loss"] > 0 for m in stage1), "the preset's next-token term (ar_weight) is not trained"
+    rcd = [json.loads(line) for line in (out / "stage2_rcd/logs/metrics.jsonl").read_text().splitlines()]
+    assert all(m["ar_loss"] > 0 for m in rcd), "RCD dropped the conversion's next-token term"
     orl = [json.loads(line) for line in (out / "stage2_orl/logs/metrics.jsonl").read_text().splitlines()]
     assert len(orl) == 2 and all(0.0 <= m["verified"] <= 1.0 and m["rollout_tpf"] > 0 for m in orl)
     with pytest.raises(SystemExit, match="--resume"):

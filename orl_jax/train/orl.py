@@ -71,12 +71,14 @@ def pad_replay(batch: ReplayBatch, rows: int, width: int, states: int) -> dict:
         "prev": np.full(states, -1, np.int32), "response_id": np.zeros(states, np.int32),
         "entropy": np.zeros((states, L), np.float32), "unresolved": np.zeros((states, L), bool),
         "valid": np.zeros((states, L), bool), "state_valid": np.arange(states) < S,
+        "clean_len": np.zeros(rows, np.int32),  # padding rows: nothing to predict
     }
     out["tokens"][:R, :N] = batch.tokens
     out["z"][:R, :N] = batch.z
     out["a"][:R, :N] = batch.a
     out["positions"][:R, :N] = batch.positions
     out["mask"][:R, :N, :N] = batch.mask
+    out["clean_len"][:R] = batch.clean_len
     for k in ("state_row", "state_start", "context_end", "targets", "step", "prev", "response_id", "entropy",
               "unresolved", "valid"):
         out[k][:S] = getattr(batch, k)
@@ -92,9 +94,14 @@ def make_orl_loss(cfg, sampler, num_responses: int, loss_cfg: ORLLossConfig, res
     """loss_fn(params, arrays, key) for train/step.py: the ORL loss of a padded replay batch (pad_replay).
     remat: recompute each layer in the backward pass (long replay rows)."""
     residual = ORLResidual() if residual is None else residual
+    if loss_cfg.ar_weight > 0 and cfg.prefix_attention != "causal":
+        raise ValueError(f"ORLLossConfig.ar_weight={loss_cfg.ar_weight} needs causal clean rows (the next-token loss "
+                         f"would see its targets), got cfg.prefix_attention={cfg.prefix_attention!r}")
 
     def loss_fn(params, arrays, key):
-        logits = replay_logits(params, cfg, residual, replay_arrays_batch(arrays), remat=remat)  # [S, L, V]
+        out = replay_logits(params, cfg, residual, replay_arrays_batch(arrays), remat=remat,
+                            clean_ar=loss_cfg.ar_weight > 0)
+        logits, ar = out if loss_cfg.ar_weight > 0 else (out, None)  # [S, L, V]
         logits = policy_logits(sampler, logits)  # the policy is what the sampler draws from (mask: no [MASK])
         beh = jax.lax.stop_gradient(behaviour_logp(sampler, logits, arrays["step"]))
         if hasattr(sampler, "t_max"):
@@ -102,9 +109,12 @@ def make_orl_loss(cfg, sampler, num_responses: int, loss_cfg: ORLLossConfig, res
         else:
             temps = jnp.full(arrays["step"].shape, max(sampler.temperature, 1.0), jnp.float32)
         # gates use the behaviour entropy the rollout captured (== that of `beh`: same params, same temperature)
-        return orl_loss(loss_cfg, logits, arrays["targets"], beh, arrays["entropy"], arrays["valid"],
-                        arrays["unresolved"], temps, arrays["prev"], arrays["response_id"], num_responses,
-                        arrays["state_valid"])
+        loss, parts = orl_loss(loss_cfg, logits, arrays["targets"], beh, arrays["entropy"], arrays["valid"],
+                               arrays["unresolved"], temps, arrays["prev"], arrays["response_id"], num_responses,
+                               arrays["state_valid"])
+        if ar is None:
+            return loss, parts
+        return loss + loss_cfg.ar_weight * ar, parts | {"ar_loss": ar}
 
     return loss_fn
 

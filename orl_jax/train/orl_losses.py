@@ -14,6 +14,11 @@ still unresolved. Defaults are our reading of the method [I] and meant to be swe
   zero when sg(H(s)) < aec_gate (already confident) or when s' has no unresolved position.
 - Per response: (sum over its states of L_pred + l_anchor L_anchor + l_aec L_AEC) / its number of states;
   the batch loss is the mean over responses that have states.
+- ar_weight (our addition [I], not in the method): plus ar_weight times the next-token loss of the replay rows'
+  clean tokens (prompt + verified response; train/replay.replay_logits(clean_ar=True)). It keeps the causal pass
+  that prefill and commits run trained as the conversion trained it (stage 1's ar_weight). RCD without that term
+  lost up to 10 points of held-out accuracy; ORL at 3e-5 lost 9-13 with it and without it
+  (benchmarks/results/2026-12-02_rcd_ar_term_h200/).
 """
 
 from __future__ import annotations
@@ -33,9 +38,10 @@ class ORLLossConfig:
     aec_gate: float = 0.01  # AEC off when the previous state is already this confident
     l_anchor: float = 1.0
     l_aec: float = 10.0  # AEC values are ~1e-3; sweep 1..100
+    ar_weight: float = 0.0  # next-token loss on the replayed clean tokens (see the module docstring); 0 = off
 
     def __post_init__(self):
-        for name in ("pred_gate", "anchor_cap", "rho", "aec_gate", "l_anchor", "l_aec"):
+        for name in ("pred_gate", "anchor_cap", "rho", "aec_gate", "l_anchor", "l_aec", "ar_weight"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
                 raise ValueError(f"ORLLossConfig.{name} must be a number >= 0, got {v!r}")

@@ -43,6 +43,7 @@ class ReplayBatch:
     entropy: np.ndarray  # [S, L] behaviour normalized entropy captured by the rollout
     unresolved: np.ndarray  # [S, L] positions the step had not resolved before it ran
     valid: np.ndarray  # [S, L] positions inside the response (before its end)
+    clean_len: np.ndarray  # [R] clean tokens of each row (prompt + verified response; the states follow)
 
 
 def select_states(recs: list[int], blocks: list[int], max_states: int | None, rng=None) -> list[int]:
@@ -147,12 +148,14 @@ def build_replay(prompts, out, verified, *, block_length: int, pad_id: int, pref
         step=np.asarray(st["step"], np.int32), prev=np.asarray(st["prev"], np.int32), response_id=resp,
         entropy=np.asarray(st["entropy"], np.float32).reshape(n_states, L),
         unresolved=np.asarray(st["unresolved"], bool).reshape(n_states, L),
-        valid=np.asarray(st["valid"], bool).reshape(n_states, L))
+        valid=np.asarray(st["valid"], bool).reshape(n_states, L), clean_len=np.asarray(n_clean, np.int32))
 
 
-def replay_logits(params, cfg, residual, batch: ReplayBatch, remat: bool = False) -> jax.Array:
+def replay_logits(params, cfg, residual, batch: ReplayBatch, remat: bool = False, clean_ar: bool = False):
     """Logits [S, L, V] of every replayed state under `params` (one forward over the packed rows). Qwen3-family
-    models (QwenDLM); the residual form must be the rollout's. remat: recompute each layer in the backward pass."""
+    models (QwenDLM); the residual form must be the rollout's. remat: recompute each layer in the backward pass.
+    clean_ar: also return the next-token loss of the rows' clean tokens (their causal pass, the AR model that
+    prefill and commits run), averaged over every predicted token of the batch: (logits, ar_loss)."""
     tokens = jnp.asarray(batch.tokens)
     x = residual.embed(params, cfg, tokens, jnp.asarray(batch.z), jnp.asarray(batch.a))
     h, _, _ = qwen3.backbone(params, cfg, x, jnp.asarray(batch.positions), jnp.asarray(batch.mask), remat=remat)
@@ -161,7 +164,13 @@ def replay_logits(params, cfg, residual, batch: ReplayBatch, remat: bool = False
     if cfg.logit_shift:  # the row before each position; the first reads the clean context's last token
         cols = jnp.concatenate([jnp.asarray(batch.context_end)[:, None], cols[:, :-1]], axis=1)
     hs = h[jnp.asarray(batch.state_row)[:, None], cols]  # [S, L, D]
-    return qwen3.logits(params, cfg, hs)
+    logits = qwen3.logits(params, cfg, hs)
+    if not clean_ar:
+        return logits
+    w = (jnp.arange(1, tokens.shape[1])[None] < jnp.asarray(batch.clean_len)[:, None]).astype(jnp.float32)
+    lg = qwen3.logits(params, cfg, h[:, :-1])  # [R, N - 1, V]; column j predicts token j + 1
+    nll = jax.nn.logsumexp(lg, axis=-1) - jnp.take_along_axis(lg, tokens[:, 1:, None], axis=-1)[..., 0]
+    return logits, jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
 def policy_logits(sampler, logits: jax.Array) -> jax.Array:

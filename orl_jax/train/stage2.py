@@ -10,6 +10,10 @@ The RCD baseline trains the same converted model off-policy: the block-diffusion
 training states, with the residual computed by the frozen converted model (DiffusionObjective(reference_params))
 and plain cross-entropy, for as many updates as ORL takes rounds. The frozen reference is a sharded argument of
 the jitted step (TrainStep.bind), never constants baked into it.
+Both RCD and ORL keep the conversion's next-token term on clean rows (r.ar_weight, as stage 1 trained the base;
+ORLLossConfig.ar_weight): without it, RCD at 1e-4 from the h200 base lost 3-10 points of held-out accuracy at
+five of six settings, its residual on or off; with it, it was +0.8 to +5.5 points
+(benchmarks/results/2026-12-02_rcd_ar_term_h200/). It did not keep ORL at 3e-5 from losing 9-13 points.
 """
 
 from __future__ import annotations
@@ -138,8 +142,8 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
 
 
 def run_rcd(r, args, out: Path, tok, cfg, params, log):
-    loss_fn = diffusion_loss_fn(DiffusionObjective(block_length=r.block_length, remat=r.remat), cfg,
-                                with_reference=True)
+    obj = DiffusionObjective(block_length=r.block_length, remat=r.remat, ar_weight=r.ar_weight)
+    loss_fn = diffusion_loss_fn(obj, cfg, with_reference=True)
     optim = stage2_optim(r)
     log(f"stage 2 baseline: RCD (off-policy residuals from the frozen converted model), {r.orl_rounds} updates")
     return _run_stage("stage2_rcd", out, cfg, lambda: params, loss_fn, optim,
@@ -153,7 +157,7 @@ def stage2(r, args, out: Path, tok, cfg, params, log, methods=("orl", "noaec", "
     form (our variant: it trains the policy that already reads its residual, where ORL's adapter starts at zero).
     The residual is the one a mask-family model was trained with, hence decodes with: ORL's adapter on the
     previous step's soft token, RCD's interpolated embedding."""
-    base = ORLLossConfig(l_aec=r.l_aec, pred_gate=r.pred_gate, l_anchor=r.l_anchor)
+    base = ORLLossConfig(l_aec=r.l_aec, pred_gate=r.pred_gate, l_anchor=r.l_anchor, ar_weight=r.ar_weight)
     log(f"stage 2 ({', '.join(methods)}): ORL, {r.orl_rounds} rounds of {r.orl_prompts} prompts x "
         f"{r.orl_group} responses")
     rcd = functools.cache(lambda: run_rcd(r, args, out, tok, cfg, params, log))  # orl_rcd starts from it
