@@ -86,6 +86,34 @@ def test_staircase_visibility_by_gradients(rollout):
         assert np.all(g[hidden] == 0), "a state saw its own clean answer, a later block or another state"
 
 
+def test_states_read_their_own_capture_records(rollout):
+    """Each replayed state carries its (record, row)'s canvas, z, a and entropy, read here from the whole capture
+    on the host (build_replay gathers only the chosen states on the device); unresolved = [MASK] positions (mask
+    family) or what the block's previous step did not accept (uniform; all at a block's first step)."""
+    cfg, params, out, batch, _, _ = rollout
+    cap = {k: np.asarray(v) for k, v in out.capture.items()}
+    n = int(out.total_forwards)
+    pairs = [(rec, b) for b in range(len(PROMPTS)) for rec in range(n) if cap["active"][rec, b]]
+    assert len(pairs) == len(batch.step)
+    for k, (rec, b) in enumerate(pairs):
+        r, s0 = batch.state_row[k], batch.state_start[k]
+        assert r == b and batch.step[k] == cap["step"][rec]
+        np.testing.assert_array_equal(batch.tokens[r, s0:s0 + BL], cap["canvas"][rec, b])
+        np.testing.assert_array_equal(batch.z[r, s0:s0 + BL], cap["z"][rec, b])
+        np.testing.assert_array_equal(batch.a[r, s0:s0 + BL], cap["a"][rec, b])
+        np.testing.assert_array_equal(batch.entropy[k], cap["entropy"][rec, b])
+        prev = batch.prev[k]
+        if cfg.noise == "mask":
+            want = cap["canvas"][rec, b] == cfg.mask_token_id
+        elif prev < 0:
+            want = np.ones(BL, bool)
+        else:
+            assert pairs[prev][1] == b and cap["block"][pairs[prev][0]] == cap["block"][rec]
+            want = ~cap["resolved"][pairs[prev][0], b]
+        np.testing.assert_array_equal(batch.unresolved[k], want)
+    assert (batch.prev >= 0).any()  # some states have a predecessor: the uniform branch above is exercised
+
+
 def test_unverified_responses_are_dropped(rollout):
     cfg, params, out, _, _, _ = rollout
     batch = build_replay(PROMPTS, out, [False, True], block_length=BL, pad_id=0,
