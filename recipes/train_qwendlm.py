@@ -67,6 +67,7 @@ class Recipe:
     eval_settings: tuple[tuple, ...]
     # stage 2 (ORL): rounds of `orl_prompts` train prompts x `orl_group` sampled responses, one update each
     orl_rounds: int = 10
+    rcd_steps: int = 0  # the RCD baseline's updates (0: orl_rounds); each costs ~1/6 of an ORL round on the H200
     orl_prompts: int = 4
     orl_group: int = 4
     orl_states: int = 8  # replayed states per verified response
@@ -140,8 +141,11 @@ PRESETS = {
 NUMERIC_FLAGS = {
     "stage0_steps": (int, "stage-0 (AR pretraining) steps", "> 0"),
     "stage1_steps": (int, "stage-1 (conversion) steps", "> 0"),
-    "orl_rounds": (int, "stage-2 rounds (ORL) and updates (RCD); lowering it below a run's saved round count ends "
-                        "that stage there, raising it continues a finished stage from its last checkpoint", "> 0"),
+    "orl_rounds": (int, "stage-2 rounds (ORL; RCD's updates too unless --rcd-steps); lowering it below a run's "
+                        "saved round count ends that stage there, raising it continues a finished stage from its "
+                        "last checkpoint", "> 0"),
+    "rcd_steps": (int, "stage 2: the RCD baseline's updates (0: --orl-rounds); raising it continues a finished RCD "
+                       "stage", ">= 0"),
     "orl_prompts": (int, "stage 2: prompts per ORL round", "> 0"),
     "orl_group": (int, "stage 2: sampled responses per prompt", "> 0"),
     "orl_prompt_pool": (int, "stage 2: cycle the rounds through a fixed set of this many train prompts (0: fresh "

@@ -68,6 +68,11 @@ def test_stage2_methods_split_over_processes_then_one_evaluation(tmp_path, monke
         steps = [json.loads(line)["step"] for line in (out / name / "logs/metrics.jsonl").read_text().splitlines()]
         assert steps[0] == 1 and steps[-1] == 3 and steps == sorted(set(steps)), (name, steps)
         assert (out / name / "params/config.json").stat().st_mtime_ns > before[name]
+    # --rcd-steps gives RCD its own update count: it continues to 5 while ORL stays at its 3 rounds
+    train_qwendlm.main(["--preset", "smoke", "--out", str(out), "--resume", "--stage2-methods", "rcd",
+                        "--orl-rounds", "3", "--rcd-steps", "5", "--no-eval"])
+    steps = [json.loads(line)["step"] for line in (out / "stage2_rcd/logs/metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 5
     from orl_jax.train import stages
 
     residuals, evaluate = {}, stages.evaluate

@@ -8,8 +8,8 @@ finished stage continues it from its last checkpoint (the rate is constant after
 updates, so a run grown over several calls trains as one long run would, but for that warmup's length).
 The RCD baseline trains the same converted model off-policy: the block-diffusion objective on randomly noised
 training states, with the residual computed by the frozen converted model (DiffusionObjective(reference_params))
-and plain cross-entropy, for as many updates as ORL takes rounds. The frozen reference is a sharded argument of
-the jitted step (TrainStep.bind), never constants baked into it.
+and plain cross-entropy, for r.rcd_steps updates (default: as many as ORL takes rounds). The frozen reference is
+a sharded argument of the jitted step (TrainStep.bind), never constants baked into it.
 Both RCD and ORL keep the conversion's next-token term on clean rows (r.ar_weight, as stage 1 trained the base;
 ORLLossConfig.ar_weight): without it, RCD at 1e-4 from the h200 base lost 3-10 points of held-out accuracy at
 five of six settings, its residual on or off; with it, it was +0.8 to +5.5 points
@@ -51,7 +51,12 @@ from orl_jax.train.step import make_train_step
 WARMUP_MAX = 20  # stage 2's longest warmup, in updates (every run so far had <= 200 rounds: <= 20)
 
 
-def stage2_optim(r) -> OptimConfig:
+def rcd_steps(r) -> int:
+    """The RCD baseline's update count: r.rcd_steps, or as many as ORL takes rounds."""
+    return r.rcd_steps or r.orl_rounds
+
+
+def stage2_optim(r, steps: int | None = None) -> OptimConfig:
     """ORL's and RCD's optimizer: r.lr2, no weight decay, the adapter group (r.adapter_lr_scale times the rate, its
     own clipping), a warmup of a tenth of the updates, then a constant rate (min_lr_ratio=1).
 
@@ -61,8 +66,9 @@ def stage2_optim(r) -> OptimConfig:
     a tenth, the 1e-5 run spent half of its 100 rounds below 5e-6, and ORL moved TPF by 5%
     (benchmarks/results/2026-11-29_train_qwendlm_h200x2). The warmup is capped at WARMUP_MAX rounds, so a run
     continued to more rounds (load_export) never falls back into a longer warmup."""
-    warmup = min(max(r.orl_rounds // 10, 1), WARMUP_MAX)
-    return OptimConfig(lr=r.lr2, warmup_steps=warmup, total_steps=max(r.orl_rounds, 1),
+    steps = r.orl_rounds if steps is None else steps
+    warmup = min(max(steps // 10, 1), WARMUP_MAX)
+    return OptimConfig(lr=r.lr2, warmup_steps=warmup, total_steps=max(steps, 1),
                        min_lr_ratio=1.0, weight_decay=0.0,
                        groups={"adapter": dataclasses.replace(ADAPTER_GROUP["adapter"], lr_scale=r.adapter_lr_scale)})
 
@@ -144,10 +150,10 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
 def run_rcd(r, args, out: Path, tok, cfg, params, log):
     obj = DiffusionObjective(block_length=r.block_length, remat=r.remat, ar_weight=r.ar_weight)
     loss_fn = diffusion_loss_fn(obj, cfg, with_reference=True)
-    optim = stage2_optim(r)
-    log(f"stage 2 baseline: RCD (off-policy residuals from the frozen converted model), {r.orl_rounds} updates")
-    return _run_stage("stage2_rcd", out, cfg, lambda: params, loss_fn, optim,
-                      lambda: conversion_data(r, tok, args.seed + 3), r.orl_rounds, log, frozen=params,
+    steps = rcd_steps(r)
+    log(f"stage 2 baseline: RCD (off-policy residuals from the frozen converted model), {steps} updates")
+    return _run_stage("stage2_rcd", out, cfg, lambda: params, loss_fn, stage2_optim(r, steps),
+                      lambda: conversion_data(r, tok, args.seed + 3), steps, log, frozen=params,
                       deadline=args.deadline, continue_finished=True)
 
 
