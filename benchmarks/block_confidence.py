@@ -1,0 +1,135 @@
+"""What keeps a block open: at every denoising state of a mask-family QwenDLM's own decoding, is each still-masked
+position's argmax already the token the block ends with, and is it confident enough to be filled?
+
+Why: TPF is set by the steps a block needs before its last position clears the fill threshold. If most positions
+are right long before they are confident, a model that is confident when it is right (what ORL's L_pred and AEC
+aim at) has room to decode in fewer steps; if they are wrong, it has not.
+
+How: the held-out examples of a recipe preset are decoded with generate(capture=True) at one fill threshold and no
+residual (the base's decoding), every captured state is replayed (train/replay.py: the same logits the engine
+computed, tests/test_replay.py) against the block's final tokens, and the shares are counted over the states'
+unresolved positions inside the response: at the first step of each block, and over every step.
+
+  python benchmarks/block_confidence.py --package .carry/pkg_h200_mask --preset h200 --examples 256 \
+      --threshold 0.999 --out confidence.json
+CPU is enough for the h200 preset's 27 M-parameter base (~15 minutes for 256 examples on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "recipes"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from orl_jax.data import tasks  # noqa: E402
+from orl_jax.data.prompt_format import format_prompt, response_until_stop, stop_token_ids  # noqa: E402
+from orl_jax.decode.engine import generate  # noqa: E402
+from orl_jax.decode.residual import NoResidual  # noqa: E402
+from orl_jax.decode.samplers import MaskSampler  # noqa: E402
+from orl_jax.train.replay import build_replay, policy_logits, replay_logits  # noqa: E402
+
+
+def _shares(right, pmax, m, thr) -> dict:
+    return {"unresolved positions": int(m.sum()),
+            "argmax right": float(right[m].mean()),
+            "confident (p_max > threshold)": float((pmax[m] > thr).mean()),
+            "right, not confident": float((right & (pmax <= thr))[m].mean()),
+            "wrong, confident": float((~right & (pmax > thr))[m].mean()),
+            "right, p_max > 0.9": float((right & (pmax > 0.9))[m].mean()),
+            "wrong, p_max > 0.9": float((~right & (pmax > 0.9))[m].mean())}
+
+
+def analyze(params, cfg, tok, examples, *, threshold: float, max_steps: int, max_new_tokens: int,
+            batch: int = 32) -> dict:
+    """The counts described in the module docstring, plus the decoding's accuracy and TPF (as evaluate counts it)."""
+    if cfg.noise != "mask":
+        raise ValueError(f"block_confidence reads [MASK] positions: cfg.noise must be 'mask', got {cfg.noise!r}")
+    sampler = MaskSampler(mask_token_id=cfg.mask_token_id, threshold=threshold)
+    stops, L = stop_token_ids(tok), cfg.block_length
+    right, pmax, unres, first, hits = [], [], [], [], []
+    tokens, forwards = 0, 0
+    for c in range(0, len(examples), batch):
+        exs = examples[c:c + batch]
+        prompts = [format_prompt(tok, ex.prompt) for ex in exs]
+        out = generate(params, cfg, prompts, key=jax.random.key(0), max_new_tokens=max_new_tokens,
+                       eos_token_id=stops, sampler=sampler, max_steps=max_steps, residual=NoResidual(), capture=True)
+        for ex, row in zip(exs, np.asarray(out.tokens)):
+            resp = response_until_stop(tok, row)
+            hits.append(bool(tasks.verify(ex, tok.decode(resp, skip_special_tokens=True))))
+            tokens += min(len(resp) + 1, len(row))
+        forwards += int(np.sum(np.asarray(out.forwards))) + int(out.commits) * len(exs)
+        for b in range(len(exs)):  # one response per replay: a row is as wide as its prompt, answer and states
+            rb = build_replay(prompts, out, [i == b for i in range(len(exs))], block_length=L, pad_id=0,
+                              mask_token_id=cfg.mask_token_id)
+            lg = policy_logits(sampler, replay_logits(params, cfg, NoResidual(), rb))
+            right.append(np.asarray(jnp.argmax(lg, -1)) == rb.targets)
+            pmax.append(np.asarray(jnp.max(jax.nn.softmax(lg, axis=-1), -1)))
+            unres.append(rb.unresolved & rb.valid)
+            first.append(rb.prev < 0)
+    right, pmax, unres, first = (np.concatenate(x) for x in (right, pmax, unres, first))
+    m1 = unres[first]
+    return {"examples": len(examples), "threshold": threshold, "max_steps": max_steps,
+            "accuracy": float(np.mean(hits)), "tpf": tokens / max(forwards, 1),
+            "blocks": int(first.sum()), "denoising steps per block": float(len(first) / max(first.sum(), 1)),
+            "first step of a block": _shares(right[first], pmax[first], m1, threshold),
+            "every step": _shares(right, pmax, unres, threshold),
+            "per block at its first step": {
+                "positions to fill": float(m1.sum(1).mean()),
+                "argmax right": float((right[first] & m1).sum(1).mean()),
+                "confident": float(((pmax[first] > threshold) & m1).sum(1).mean())}}
+
+
+def main(argv=None) -> dict:
+    import train_qwendlm as recipe
+
+    from orl_jax.data.tokenizer import load_tokenizer
+    from orl_jax.train import base_package, stages
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--package", required=True, help="a base package (recipes/train_qwendlm.py --export-package)")
+    ap.add_argument("--preset", default="h200", choices=sorted(recipe.PRESETS), help="whose held-out examples")
+    ap.add_argument("--examples", type=int, default=256)
+    ap.add_argument("--threshold", type=float, default=0.999)
+    ap.add_argument("--max-steps", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0, help="the recipe's --seed (held-out examples: seed + 7)")
+    ap.add_argument("--out", help="write the result here as JSON")
+    args = ap.parse_args(argv)
+    if args.examples <= 0:
+        ap.error(f"--examples must be positive, got {args.examples}")
+    if not 0 < args.threshold <= 1:
+        ap.error(f"--threshold must be in (0, 1], got {args.threshold}")
+    if args.max_steps <= 0:
+        ap.error(f"--max-steps must be positive, got {args.max_steps}")
+    try:
+        pkg = base_package.check_package(args.package)
+    except ValueError as e:
+        ap.error(str(e))
+    r = recipe.PRESETS[args.preset]
+    tok = load_tokenizer(pkg)
+    cfg, params = base_package.read_package(pkg)
+    cfg = cfg.replace(dtype="float32", attention_impl="xla")  # float32 on any host
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+    examples = stages.heldout_examples(r, tok, args.seed + 7)[:args.examples]
+    res = analyze(params, cfg, tok, examples, threshold=args.threshold, max_steps=args.max_steps,
+                  max_new_tokens=r.eval_max_new)
+    res |= {"package": str(pkg), "preset": args.preset}
+    text = json.dumps(res, indent=1)
+    if args.out:
+        tmp = f"{args.out}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text + "\n")
+        os.replace(tmp, args.out)
+    print(text)
+    return res
+
+
+if __name__ == "__main__":
+    main()
