@@ -1,9 +1,11 @@
 """What keeps a block open: at every denoising state of a mask-family QwenDLM's own decoding, is each still-masked
-position's argmax already the token the block ends with, and is it confident enough to be filled?
+position's argmax already the token the decoding ends up filling there ("final"), and is it confident enough to be
+filled now? "final" is agreement with the model's own output, not correctness against a reference answer.
 
 Why: TPF is set by the steps a block needs before its last position clears the fill threshold. If most positions
-are right long before they are confident, a model that is confident when it is right (what ORL's L_pred and AEC
-aim at) has room to decode in fewer steps; if they are wrong, it has not.
+already predict their final token long before they are confident, filling them sooner would leave the output as it
+is (approximately: a fill changes later contexts) at a higher TPF; what a model must learn for that is confidence
+on those positions and not on the others (what ORL's L_pred and AEC aim at).
 
 How: the held-out examples of a recipe preset are decoded with generate(capture=True) at one fill threshold and no
 residual (the base's decoding), every captured state is replayed (train/replay.py: the same logits the engine
@@ -37,14 +39,16 @@ from orl_jax.decode.samplers import MaskSampler  # noqa: E402
 from orl_jax.train.replay import build_replay, policy_logits, replay_logits  # noqa: E402
 
 
-def _shares(right, pmax, m, thr) -> dict:
+def _shares(final, pmax, m, thr) -> dict:
+    """Shares of the unresolved positions m. With greedy fills "not final, confident" is 0: a confident position is
+    filled with its argmax at that step."""
     return {"unresolved positions": int(m.sum()),
-            "argmax right": float(right[m].mean()),
+            "argmax is the final token": float(final[m].mean()),
             "confident (p_max > threshold)": float((pmax[m] > thr).mean()),
-            "right, not confident": float((right & (pmax <= thr))[m].mean()),
-            "wrong, confident": float((~right & (pmax > thr))[m].mean()),
-            "right, p_max > 0.9": float((right & (pmax > 0.9))[m].mean()),
-            "wrong, p_max > 0.9": float((~right & (pmax > 0.9))[m].mean())}
+            "final, not confident": float((final & (pmax <= thr))[m].mean()),
+            "not final, confident": float((~final & (pmax > thr))[m].mean()),
+            "final, p_max > 0.9": float((final & (pmax > 0.9))[m].mean()),
+            "not final, p_max > 0.9": float((~final & (pmax > 0.9))[m].mean())}
 
 
 def analyze(params, cfg, tok, examples, *, threshold: float, max_steps: int, max_new_tokens: int,
@@ -83,7 +87,7 @@ def analyze(params, cfg, tok, examples, *, threshold: float, max_steps: int, max
             "every step": _shares(right, pmax, unres, threshold),
             "per block at its first step": {
                 "positions to fill": float(m1.sum(1).mean()),
-                "argmax right": float((right[first] & m1).sum(1).mean()),
+                "argmax is the final token": float((right[first] & m1).sum(1).mean()),
                 "confident": float(((pmax[first] > threshold) & m1).sum(1).mean())}}
 
 

@@ -45,7 +45,8 @@ def test_counts_come_from_the_evaluated_decoding(tmp_path):
         shares = res[part]
         assert shares["unresolved positions"] > 0
         assert all(0.0 <= v <= 1.0 for k, v in shares.items() if k != "unresolved positions")
-        assert shares["right, not confident"] + shares["wrong, confident"] <= 1.0 + 1e-9
+        assert shares["not final, confident"] == 0.0  # greedy fills: a confident position is filled with its argmax
+        assert shares["final, not confident"] <= shares["argmax is the final token"]
     per_block = res["per block at its first step"]
     assert 0 < per_block["positions to fill"] <= cfg.block_length
     assert res["denoising steps per block"] >= 1.0
