@@ -31,11 +31,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from orl_jax.data import tasks  # noqa: E402
-from orl_jax.data.prompt_format import format_prompt, response_until_stop, stop_token_ids  # noqa: E402
-from orl_jax.decode.engine import generate  # noqa: E402
 from orl_jax.decode.residual import NoResidual  # noqa: E402
 from orl_jax.decode.samplers import MaskSampler  # noqa: E402
+from orl_jax.train.evaluate import evaluate  # noqa: E402
 from orl_jax.train.replay import build_replay, policy_logits, replay_logits  # noqa: E402
 
 
@@ -53,41 +51,36 @@ def _shares(final, pmax, m, thr) -> dict:
 
 def analyze(params, cfg, tok, examples, *, threshold: float, max_steps: int, max_new_tokens: int,
             batch: int = 32) -> dict:
-    """The counts described in the module docstring, plus the decoding's accuracy and TPF (as evaluate counts it)."""
+    """The counts described in the module docstring, plus the decoding's accuracy and TPF: the recipe's evaluation
+    (train/evaluate.py) in batches of `batch`, with capture, its states replayed as each batch finishes."""
     if cfg.noise != "mask":
         raise ValueError(f"block_confidence reads [MASK] positions: cfg.noise must be 'mask', got {cfg.noise!r}")
     sampler = MaskSampler(mask_token_id=cfg.mask_token_id, threshold=threshold)
-    stops, L = stop_token_ids(tok), cfg.block_length
-    right, pmax, unres, first, hits = [], [], [], [], []
-    tokens, forwards = 0, 0
-    for c in range(0, len(examples), batch):
-        exs = examples[c:c + batch]
-        prompts = [format_prompt(tok, ex.prompt) for ex in exs]
-        out = generate(params, cfg, prompts, key=jax.random.key(0), max_new_tokens=max_new_tokens,
-                       eos_token_id=stops, sampler=sampler, max_steps=max_steps, residual=NoResidual(), capture=True)
-        for ex, row in zip(exs, np.asarray(out.tokens)):
-            resp = response_until_stop(tok, row)
-            hits.append(bool(tasks.verify(ex, tok.decode(resp, skip_special_tokens=True))))
-            tokens += min(len(resp) + 1, len(row))
-        forwards += int(np.sum(np.asarray(out.forwards))) + int(out.commits) * len(exs)
-        for b in range(len(exs)):  # one response per replay: a row is as wide as its prompt, answer and states
-            rb = build_replay(prompts, out, [i == b for i in range(len(exs))], block_length=L, pad_id=0,
-                              mask_token_id=cfg.mask_token_id)
+    final, pmax, unres, first = [], [], [], []
+
+    def replay(rows, out, n):
+        for b in range(n):  # one response per replay: a row is as wide as its prompt, answer and states
+            rb = build_replay(rows, out, [i == b for i in range(len(rows))], block_length=cfg.block_length,
+                              pad_id=0, mask_token_id=cfg.mask_token_id)
             lg = policy_logits(sampler, replay_logits(params, cfg, NoResidual(), rb))
-            right.append(np.asarray(jnp.argmax(lg, -1)) == rb.targets)
+            final.append(np.asarray(jnp.argmax(lg, -1)) == rb.targets)
             pmax.append(np.asarray(jnp.max(jax.nn.softmax(lg, axis=-1), -1)))
             unres.append(rb.unresolved & rb.valid)
             first.append(rb.prev < 0)
-    right, pmax, unres, first = (np.concatenate(x) for x in (right, pmax, unres, first))
+
+    row = evaluate(params, cfg, tok, examples, method="base", setting="-", max_new_tokens=max_new_tokens,
+                   batch_size=batch, sampler=sampler, max_steps=max_steps, residual=NoResidual(), capture=True,
+                   on_output=replay)
+    final, pmax, unres, first = (np.concatenate(x) for x in (final, pmax, unres, first))
     m1 = unres[first]
     return {"examples": len(examples), "threshold": threshold, "max_steps": max_steps,
-            "accuracy": float(np.mean(hits)), "tpf": tokens / max(forwards, 1),
+            "accuracy": row.accuracy, "tpf": row.tpf,
             "blocks": int(first.sum()), "denoising steps per block": float(len(first) / max(first.sum(), 1)),
-            "first step of a block": _shares(right[first], pmax[first], m1, threshold),
-            "every step": _shares(right, pmax, unres, threshold),
+            "first step of a block": _shares(final[first], pmax[first], m1, threshold),
+            "every step": _shares(final, pmax, unres, threshold),
             "per block at its first step": {
                 "positions to fill": float(m1.sum(1).mean()),
-                "argmax is the final token": float((right[first] & m1).sum(1).mean()),
+                "argmax is the final token": float((final[first] & m1).sum(1).mean()),
                 "confident": float(((pmax[first] > threshold) & m1).sum(1).mean())}}
 
 

@@ -37,8 +37,10 @@ def _batches(xs, size):
 
 
 def evaluate(params, cfg, tokenizer, examples: Sequence, *, method: str, setting: str, max_new_tokens: int,
-             batch_size: int = 16, seed: int = 0, ar: bool = False, **generate_kwargs) -> EvalRow:
-    """Decode every example's prompt, verify the responses, measure TPF and speed."""
+             batch_size: int = 16, seed: int = 0, ar: bool = False, on_output=None, **generate_kwargs) -> EvalRow:
+    """Decode every example's prompt, verify the responses, measure TPF and speed. on_output(rows, out, n): called
+    with each batch's prompt rows (padded to batch_size with copies of the last), its generate() output and its
+    number of real rows (benchmarks/block_confidence.py replays the captured states)."""
     stops = stop_token_ids(tokenizer)
     correct, tokens_total, forwards_total, seconds = 0, 0, 0, 0.0
     hits: dict[str, list[bool]] = {}
@@ -59,6 +61,8 @@ def evaluate(params, cfg, tokenizer, examples: Sequence, *, method: str, setting
         t = time.perf_counter()
         out = jax.block_until_ready(run())
         seconds += time.perf_counter() - t
+        if on_output is not None:
+            on_output(rows, out, len(batch))
         toks = np.asarray(out[0] if ar else out.tokens)[:len(batch)]
         for ex, row in zip(batch, toks):
             resp = response_until_stop(tokenizer, row)

@@ -44,6 +44,20 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array):
     return jnp.sum(nll * weights), jnp.sum(weights)
 
 
+def next_token_loss(logits: jax.Array, tokens: jax.Array, weights: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy of causal rows: logits [B, N, V] of every position, tokens [B, N], weights
+    [B, N - 1] (1 where token i + 1 is a target of position i)."""
+    s, n = cross_entropy(logits[:, :-1], tokens[:, 1:], weights)
+    return s / jnp.maximum(n, 1.0)
+
+
+def check_causal_clean_rows(cfg: ModelConfig, name: str, weight: float) -> None:
+    """A next-token loss on the clean rows (weight > 0) needs them causal: block-causal rows see their targets."""
+    if weight > 0 and cfg.prefix_attention != "causal":
+        raise ValueError(f"{name}={weight} needs causal clean rows (the next-token loss would see the targets), "
+                         f"got cfg.prefix_attention={cfg.prefix_attention!r}")
+
+
 def causal_lm_loss(params, cfg: ModelConfig, batch: dict, key=None, *, remat: bool = False):
     """Stage 0: next-token cross-entropy. batch: tokens [B, N], loss_mask [B, N] (1 where token i+1 is a target
     of position i), optional segment_ids/positions for packed rows."""
@@ -178,9 +192,7 @@ class DiffusionObjective:
         RCD's own form, (1 - a) E[MASK] + a z at [MASK] positions with a the normalized entropy of the reference's
         distribution (as RCDResidual at inference); uniform family (no [MASK]): through the adapter g_phi, as
         self-conditioning (our adaptation)."""
-        if self.ar_weight > 0 and cfg.prefix_attention != "causal":
-            raise ValueError(f"ar_weight={self.ar_weight} needs causal clean rows (the next-token loss would see the "
-                             f"targets), got cfg.prefix_attention={cfg.prefix_attention!r}")
+        check_causal_clean_rows(cfg, "ar_weight", self.ar_weight)
         tokens = batch["tokens"]
         b, n = tokens.shape
         seg, pos, plen = packed_rows(batch)
@@ -225,7 +237,6 @@ class DiffusionObjective:
         metrics = {"loss": loss, "tokens": cnt, "denoise_acc": acc}
         if ar_logits is not None:  # stage 0's targets: every next token inside an example
             w_ar = ((seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)).astype(jnp.float32)
-            s_ar, n_ar = cross_entropy(ar_logits[:, :-1], tokens[:, 1:], w_ar)
-            metrics |= {"diffusion_loss": loss, "ar_loss": s_ar / jnp.maximum(n_ar, 1.0)}
+            metrics |= {"diffusion_loss": loss, "ar_loss": next_token_loss(ar_logits, tokens, w_ar)}
             loss = loss + self.ar_weight * metrics["ar_loss"]
         return loss, metrics

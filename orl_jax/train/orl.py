@@ -29,8 +29,17 @@ import numpy as np
 from orl_jax.checks import int_at_least
 from orl_jax.decode.engine import generate
 from orl_jax.decode.residual import ORLResidual, RCDResidual
+from orl_jax.train.objectives import check_causal_clean_rows
 from orl_jax.train.orl_losses import ORLLossConfig, orl_loss
-from orl_jax.train.replay import ReplayBatch, behaviour_logp, build_replay, policy_logits, replay_logits
+from orl_jax.train.replay import (
+    ReplayBatch,
+    behaviour_logp,
+    build_replay,
+    clean_next_token_loss,
+    policy_logits,
+    replay_hidden,
+    state_logits,
+)
 
 
 @dataclass(frozen=True)
@@ -94,15 +103,13 @@ def make_orl_loss(cfg, sampler, num_responses: int, loss_cfg: ORLLossConfig, res
     """loss_fn(params, arrays, key) for train/step.py: the ORL loss of a padded replay batch (pad_replay).
     remat: recompute each layer in the backward pass (long replay rows)."""
     residual = ORLResidual() if residual is None else residual
-    if loss_cfg.ar_weight > 0 and cfg.prefix_attention != "causal":
-        raise ValueError(f"ORLLossConfig.ar_weight={loss_cfg.ar_weight} needs causal clean rows (the next-token loss "
-                         f"would see its targets), got cfg.prefix_attention={cfg.prefix_attention!r}")
+    check_causal_clean_rows(cfg, "ORLLossConfig.ar_weight", loss_cfg.ar_weight)
 
     def loss_fn(params, arrays, key):
-        out = replay_logits(params, cfg, residual, replay_arrays_batch(arrays), remat=remat,
-                            clean_ar=loss_cfg.ar_weight > 0)
-        logits, ar = out if loss_cfg.ar_weight > 0 else (out, None)  # [S, L, V]
-        logits = policy_logits(sampler, logits)  # the policy is what the sampler draws from (mask: no [MASK])
+        batch = replay_arrays_batch(arrays)
+        h = replay_hidden(params, cfg, residual, batch, remat=remat)
+        # the policy is what the sampler draws from (mask: no [MASK])
+        logits = policy_logits(sampler, state_logits(params, cfg, batch, h))  # [S, L, V]
         beh = jax.lax.stop_gradient(behaviour_logp(sampler, logits, arrays["step"]))
         if hasattr(sampler, "t_max"):
             temps = jax.vmap(sampler.temperature)(arrays["step"])
@@ -112,8 +119,9 @@ def make_orl_loss(cfg, sampler, num_responses: int, loss_cfg: ORLLossConfig, res
         loss, parts = orl_loss(loss_cfg, logits, arrays["targets"], beh, arrays["entropy"], arrays["valid"],
                                arrays["unresolved"], temps, arrays["prev"], arrays["response_id"], num_responses,
                                arrays["state_valid"])
-        if ar is None:
+        if loss_cfg.ar_weight == 0:
             return loss, parts
+        ar = clean_next_token_loss(params, cfg, batch, h)
         return loss + loss_cfg.ar_weight * ar, parts | {"ar_loss": ar}
 
     return loss_fn

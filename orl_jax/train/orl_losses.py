@@ -15,7 +15,7 @@ still unresolved. Defaults are our reading of the method [I] and meant to be swe
 - Per response: (sum over its states of L_pred + l_anchor L_anchor + l_aec L_AEC) / its number of states;
   the batch loss is the mean over responses that have states.
 - ar_weight (our addition [I], not in the method): plus ar_weight times the next-token loss of the replay rows'
-  clean tokens (prompt + verified response; train/replay.replay_logits(clean_ar=True)). It keeps the causal pass
+  clean tokens (prompt + verified response; train/replay.clean_next_token_loss). It keeps the causal pass
   that prefill and commits run trained as the conversion trained it (stage 1's ar_weight). RCD without that term
   lost up to 10 points of held-out accuracy; ORL at 3e-5 lost 9-13 with it and without it
   (benchmarks/results/2026-12-02_rcd_ar_term_h200/).

@@ -24,6 +24,7 @@ import numpy as np
 from orl_jax.decode.samplers import MaskSampler, UniformSampler, exclude_token
 from orl_jax.model import qwen3
 from orl_jax.model.attention import block_segments
+from orl_jax.train.objectives import next_token_loss
 
 
 @dataclass
@@ -106,13 +107,13 @@ def build_replay(prompts, out, verified, *, block_length: int, pad_id: int, pref
         recs = [i for i in range(n_rec) if cap["active"][i, b]]
         per_row.append(select_states(recs, [int(cap["block"][i]) for i in recs], max_states, rng))
     # the chosen states' captured arrays, in the order the loop below takes them (state k = k-th pair)
-    cap |= gather_states(out.capture, [(rec, b) for b, recs in zip(rows, per_row) for rec in recs])
+    got = gather_states(out.capture, [(rec, b) for b, recs in zip(rows, per_row) for rec in recs])
     p_len = [len(prompts[b]) for b in rows]
     n_clean = [p + int(lengths[b]) for p, b in zip(p_len, rows)]
     width = max([c + len(r) * L for c, r in zip(n_clean, per_row)] + [1])
-    R, D = len(rows), cap["z"].shape[-1]
+    R, D = len(rows), got["z"].shape[-1]
     tokens = np.full((R, width), pad_id, np.int32)
-    z = np.zeros((R, width, D), cap["z"].dtype)
+    z = np.zeros((R, width, D), got["z"].dtype)
     a = np.zeros((R, width), np.float32)
     positions = np.zeros((R, width), np.int32)
     mask = np.zeros((R, width, width), bool)
@@ -133,18 +134,18 @@ def build_replay(prompts, out, verified, *, block_length: int, pad_id: int, pref
             k = len(st["row"])  # this state's index, and its row in the gathered arrays
             blk = int(cap["block"][rec])
             s0 = nc + j * L
-            tokens[r, s0:s0 + L] = cap["canvas"][k]
-            z[r, s0:s0 + L] = cap["z"][k]
-            a[r, s0:s0 + L] = cap["a"][k]
+            tokens[r, s0:s0 + L] = got["canvas"][k]
+            z[r, s0:s0 + L] = got["z"][k]
+            a[r, s0:s0 + L] = got["a"][k]
             positions[r, s0:s0 + L] = p + blk * L + np.arange(L)
             mask[r, s0:s0 + L, :min(p + blk * L, nc)] = True  # clean prompt + earlier blocks
             mask[r, s0:s0 + L, s0:s0 + L] = True  # itself
             block_targets = toks[b, blk * L:(blk + 1) * L]
             inside = (blk * L + np.arange(L)) < lengths[b]
             if mask_token_id is not None:
-                unresolved = cap["canvas"][k] == mask_token_id
+                unresolved = got["canvas"][k] == mask_token_id
             elif blk in last_of_block:
-                unresolved = ~cap["resolved"][last_of_block[blk]]
+                unresolved = ~got["resolved"][last_of_block[blk]]
             else:
                 unresolved = np.ones(L, bool)
             st["row"].append(r)
@@ -153,7 +154,7 @@ def build_replay(prompts, out, verified, *, block_length: int, pad_id: int, pref
             st["targets"].append(block_targets)
             st["step"].append(int(cap["step"][rec]))
             st["prev"].append(last_of_block.get(blk, -1))
-            st["entropy"].append(cap["entropy"][k])
+            st["entropy"].append(got["entropy"][k])
             st["unresolved"].append(unresolved)
             st["valid"].append(inside)
             last_of_block[blk] = k
@@ -173,26 +174,34 @@ def build_replay(prompts, out, verified, *, block_length: int, pad_id: int, pref
         valid=np.asarray(st["valid"], bool).reshape(n_states, L), clean_len=np.asarray(n_clean, np.int32))
 
 
-def replay_logits(params, cfg, residual, batch: ReplayBatch, remat: bool = False, clean_ar: bool = False):
-    """Logits [S, L, V] of every replayed state under `params` (one forward over the packed rows). Qwen3-family
-    models (QwenDLM); the residual form must be the rollout's. remat: recompute each layer in the backward pass.
-    clean_ar: also return the next-token loss of the rows' clean tokens (their causal pass, the AR model that
-    prefill and commits run), averaged over every predicted token of the batch: (logits, ar_loss)."""
-    tokens = jnp.asarray(batch.tokens)
-    x = residual.embed(params, cfg, tokens, jnp.asarray(batch.z), jnp.asarray(batch.a))
+def replay_hidden(params, cfg, residual, batch: ReplayBatch, remat: bool = False) -> jax.Array:
+    """Final hidden states [R, N, D] of the packed rows under `params` (one forward). Qwen3-family models (QwenDLM);
+    the residual form must be the rollout's. remat: recompute each layer in the backward pass."""
+    x = residual.embed(params, cfg, jnp.asarray(batch.tokens), jnp.asarray(batch.z), jnp.asarray(batch.a))
     h, _, _ = qwen3.backbone(params, cfg, x, jnp.asarray(batch.positions), jnp.asarray(batch.mask), remat=remat)
+    return h
+
+
+def state_logits(params, cfg, batch: ReplayBatch, h: jax.Array) -> jax.Array:
+    """Logits [S, L, V] of every replayed state, from the rows' hidden states h (replay_hidden)."""
     L = batch.targets.shape[1]
     cols = jnp.asarray(batch.state_start)[:, None] + jnp.arange(L)[None]  # [S, L]
     if cfg.logit_shift:  # the row before each position; the first reads the clean context's last token
         cols = jnp.concatenate([jnp.asarray(batch.context_end)[:, None], cols[:, :-1]], axis=1)
-    hs = h[jnp.asarray(batch.state_row)[:, None], cols]  # [S, L, D]
-    logits = qwen3.logits(params, cfg, hs)
-    if not clean_ar:
-        return logits
+    return qwen3.logits(params, cfg, h[jnp.asarray(batch.state_row)[:, None], cols])  # from [S, L, D]
+
+
+def replay_logits(params, cfg, residual, batch: ReplayBatch, remat: bool = False) -> jax.Array:
+    """Logits [S, L, V] of every replayed state under `params`: what the engine computed at that step."""
+    return state_logits(params, cfg, batch, replay_hidden(params, cfg, residual, batch, remat))
+
+
+def clean_next_token_loss(params, cfg, batch: ReplayBatch, h: jax.Array) -> jax.Array:
+    """The next-token loss of the rows' clean tokens (their causal pass: the AR model that prefill and commits
+    run), averaged over every predicted token of the batch; h from replay_hidden."""
+    tokens = jnp.asarray(batch.tokens)
     w = (jnp.arange(1, tokens.shape[1])[None] < jnp.asarray(batch.clean_len)[:, None]).astype(jnp.float32)
-    lg = qwen3.logits(params, cfg, h[:, :-1])  # [R, N - 1, V]; column j predicts token j + 1
-    nll = jax.nn.logsumexp(lg, axis=-1) - jnp.take_along_axis(lg, tokens[:, 1:, None], axis=-1)[..., 0]
-    return logits, jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
+    return next_token_loss(qwen3.logits(params, cfg, h), tokens, w)
 
 
 def policy_logits(sampler, logits: jax.Array) -> jax.Array:
