@@ -108,6 +108,9 @@ class Recipe:
     # stage 1 also trains the clean (causal) rows with stage 0's next-token loss, at this weight (0: off); +3-8
     # points on the h200 preset (benchmarks/results/2026-11-30_conversion_ar_loss_h200x2)
     ar_weight: float = 1.0
+    # ORL: weight of the certainty-forcing term (ORLLossConfig.l_cert, our addition after dParallel: the entropy of
+    # the positions whose argmax already is the verified token); 0 = the method as specified
+    l_cert: float = 0.0
 
 
 PRESETS = {
@@ -161,6 +164,8 @@ NUMERIC_FLAGS = {
     "adapter_lr_scale": (float, "stage 2: the adapter's learning rate as a multiple of --lr2", ">= 0"),
     "ar_weight": (float, "stage 1, RCD and ORL: weight of the next-token loss on the clean rows",
                   ">= 0"),
+    "l_cert": (float, "ORL: weight of certainty forcing (entropy of the unresolved positions already predicted "
+                      "right; our addition, 0 = off)", ">= 0"),
 }
 VALID = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0, "in (0, 1]": lambda v: 0 < v <= 1,
          "in (0, 1)": lambda v: 0 < v < 1}

@@ -192,6 +192,10 @@ def test_mask_family_round_is_finite_and_learns(residual):
         la = float(make_orl_loss(cfg, s, len(PROMPTS) * ocfg.group_size, every, residual)(p0, arrays, None)[1][
             "l_anchor"])
         assert (la > 1e-4) == anchored, (temperature, la)
+    # certainty forcing (our l_cert) finds positions whose argmax already is the verified token, and stays finite
+    lc = make_orl_loss(cfg, sampler, len(PROMPTS) * ocfg.group_size, dataclasses.replace(ocfg.loss, l_cert=1.0),
+                       residual)(p0, arrays, None)[1]["l_cert"]
+    assert 0 < float(lc) < np.log(cfg.vocab_size)
     assert np.isfinite(float(m["grad_norm"]))
     # g_phi is trained in ORL's form, and unused in RCD's
     assert (float(m["grad_norm/adapter"]) > 0) == isinstance(residual, ORLResidual)

@@ -11,6 +11,7 @@ from orl_jax.train.orl_losses import (
     ORLLossConfig,
     aec_loss,
     anchor_loss,
+    certainty_loss,
     orl_loss,
     per_response_mean,
     pred_loss,
@@ -57,6 +58,27 @@ def test_pred_loss_only_on_uncertain_positions():
     valid = jnp.asarray([[True, True, True]])
     np.testing.assert_allclose(float(pred_loss(logits, targets, ent, valid, 0.02)[0]),
                                (-math.log(0.5) - math.log(0.2)) / 2, rtol=1e-5)
+
+
+def test_certainty_loss_on_positions_already_right():
+    p = jnp.asarray([[[0.5, 0.3, 0.2], [0.1, 0.8, 0.1], [0.2, 0.2, 0.6], [0.9, 0.05, 0.05]]])
+    logits = jnp.log(p)
+    targets = jnp.asarray([[0, 0, 2, 0]])  # position 1's argmax (1) is wrong: left to L_pred
+    unresolved = jnp.asarray([[True, True, True, False]])  # position 3 is already filled
+    ent = lambda q: -sum(v * math.log(v) for v in q)  # noqa: E731
+    want = (ent([0.5, 0.3, 0.2]) + ent([0.2, 0.2, 0.6])) / 2
+    np.testing.assert_allclose(float(certainty_loss(logits, targets, unresolved)[0]), want, rtol=1e-5)
+    # its gradient raises the right token's logit (sharpening towards the argmax) at positions 0 and 2 only
+    g = np.asarray(jax.grad(lambda lg: certainty_loss(lg, targets, unresolved)[0])(logits))[0]
+    assert g[0, 0] < 0 and g[2, 2] < 0 and np.all(g[1] == 0) and np.all(g[3] == 0)
+    # in the batch loss it adds l_cert times itself to the state's sum
+    args = dict(targets=targets, beh_logp=jnp.log(p), beh_entropy=jnp.full((1, 4), 0.5), valid=jnp.ones((1, 4), bool),
+                unresolved=unresolved, temperature=jnp.ones(1), prev=jnp.asarray([-1]), response_id=jnp.asarray([0]),
+                num_responses=1)
+    off, _ = orl_loss(ORLLossConfig(), logits, **args)
+    on, parts = orl_loss(ORLLossConfig(l_cert=2.0), logits, **args)
+    np.testing.assert_allclose(float(on) - float(off), 2 * want, rtol=1e-5)
+    np.testing.assert_allclose(float(parts["l_cert"]), want, rtol=1e-5)
 
 
 def test_per_response_normalization():

@@ -19,6 +19,12 @@ still unresolved. Defaults are our reading of the method [I] and meant to be swe
   that prefill and commits run trained as the conversion trained it (stage 1's ar_weight). RCD without that term
   lost up to 10 points of held-out accuracy; ORL at 3e-5 lost 9-13 with it and without it
   (benchmarks/results/2026-12-02_rcd_ar_term_h200/).
+- l_cert (our addition [I], after dParallel's "certainty forcing"; 0 = off, the method as specified): plus l_cert
+  times the mean entropy (nats) of the current policy over each state's unresolved valid positions whose current
+  argmax already is the verified token, in the per-state sum. L_pred's cross-entropy is dominated by the positions
+  the model gets wrong; on the h200 base the argmax at a block's first step is already the final token at 93% of
+  the positions, but only 64% clear a strict fill threshold (benchmarks/block_confidence.py). This term sharpens
+  exactly those, with its own normalization, and leaves the wrong ones to L_pred.
 """
 
 from __future__ import annotations
@@ -39,9 +45,10 @@ class ORLLossConfig:
     l_anchor: float = 1.0
     l_aec: float = 10.0  # AEC values are ~1e-3; sweep 1..100
     ar_weight: float = 0.0  # next-token loss on the replayed clean tokens (see the module docstring); 0 = off
+    l_cert: float = 0.0  # certainty forcing on positions already predicted right (module docstring); 0 = off
 
     def __post_init__(self):
-        for name in ("pred_gate", "anchor_cap", "rho", "aec_gate", "l_anchor", "l_aec", "ar_weight"):
+        for name in ("pred_gate", "anchor_cap", "rho", "aec_gate", "l_anchor", "l_aec", "ar_weight", "l_cert"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
                 raise ValueError(f"ORLLossConfig.{name} must be a number >= 0, got {v!r}")
@@ -71,6 +78,15 @@ def anchor_loss(logits, beh_logp, beh_entropy, valid, gate: float, cap: float):
     logp = jax.nn.log_softmax(logits, axis=-1)
     kl = jnp.sum(jnp.exp(logp) * (logp - jax.lax.stop_gradient(beh_logp)), axis=-1)  # [S, L]
     return _masked_mean(jnp.minimum(kl, cap), valid & (beh_entropy <= gate))
+
+
+def certainty_loss(logits, targets, unresolved):
+    """[S] mean entropy (nats) over the unresolved positions whose argmax (no gradient through the choice) is the
+    target; 0 for a state without any."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)  # [S, L]
+    right = jnp.argmax(jax.lax.stop_gradient(logits), axis=-1) == targets
+    return _masked_mean(ent, unresolved & right)
 
 
 def state_entropy(logits, unresolved, temperature=1.0):
@@ -109,10 +125,14 @@ def orl_loss(cfg: ORLLossConfig, logits, targets, beh_logp, beh_entropy, valid, 
     la = anchor_loss(logits, beh_logp, beh_entropy, valid, cfg.pred_gate, cfg.anchor_cap)
     h, has_u = state_entropy(logits, unresolved & valid, temperature)
     lc = aec_loss(h, has_u, prev, cfg.rho, cfg.aec_gate)
-    per_state = jnp.where(state_valid, lp + cfg.l_anchor * la + cfg.l_aec * lc, 0.0)
-    loss = per_response_mean(per_state, response_id, num_responses, state_valid)
+    per_state = lp + cfg.l_anchor * la + cfg.l_aec * lc
     parts = {"l_pred": _mean_over(lp, state_valid), "l_anchor": _mean_over(la, state_valid),
              "l_aec": _mean_over(lc, state_valid), "entropy": _mean_over(h, state_valid)}
+    if cfg.l_cert:
+        lr = certainty_loss(logits, targets, unresolved & valid)
+        per_state, parts = per_state + cfg.l_cert * lr, parts | {"l_cert": _mean_over(lr, state_valid)}
+    per_state = jnp.where(state_valid, per_state, 0.0)
+    loss = per_response_mean(per_state, response_id, num_responses, state_valid)
     return loss, parts
 
 

@@ -163,16 +163,18 @@ def stage2(r, args, out: Path, tok, cfg, params, log, methods=("orl", "noaec", "
     form (our variant: it trains the policy that already reads its residual, where ORL's adapter starts at zero).
     The residual is the one a mask-family model was trained with, hence decodes with: ORL's adapter on the
     previous step's soft token, RCD's interpolated embedding."""
-    base = ORLLossConfig(l_aec=r.l_aec, pred_gate=r.pred_gate, l_anchor=r.l_anchor, ar_weight=r.ar_weight)
+    base = ORLLossConfig(l_aec=r.l_aec, pred_gate=r.pred_gate, l_anchor=r.l_anchor, ar_weight=r.ar_weight,
+                         l_cert=r.l_cert)
+    cert = f" (l_cert {r.l_cert:g})" if r.l_cert else ""  # our addition, not the method: named in the report
     log(f"stage 2 ({', '.join(methods)}): ORL, {r.orl_rounds} rounds of {r.orl_prompts} prompts x "
         f"{r.orl_group} responses")
     rcd = functools.cache(lambda: run_rcd(r, args, out, tok, cfg, params, log))  # orl_rcd starts from it
-    runs = {"orl": ("QwenDLM+ORL", ORLResidual(),
+    runs = {"orl": ("QwenDLM+ORL" + cert, ORLResidual(),
                     lambda: run_orl("stage2_orl", r, args, out, tok, cfg, params, base, log)),
-            "noaec": ("QwenDLM+ORL (no AEC)", ORLResidual(),
+            "noaec": ("QwenDLM+ORL (no AEC)" + cert, ORLResidual(),
                       lambda: run_orl("stage2_orl_noaec", r, args, out, tok, cfg, params,
                                       dataclasses.replace(base, l_aec=0.0), log)),
             "rcd": ("QwenDLM+RCD", RCDResidual(), rcd),
-            "orl_rcd": ("QwenDLM+RCD+ORL", RCDResidual(),
+            "orl_rcd": ("QwenDLM+RCD+ORL" + cert, RCDResidual(),
                         lambda: run_orl("stage2_orl_rcd", r, args, out, tok, cfg, rcd(), base, log, RCDResidual()))}
     return {runs[m][0]: (runs[m][2](), runs[m][1]) for m in methods}
