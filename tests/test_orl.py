@@ -192,6 +192,14 @@ def test_mask_family_round_is_finite_and_learns(residual):
         la = float(make_orl_loss(cfg, s, len(PROMPTS) * ocfg.group_size, every, residual)(p0, arrays, None)[1][
             "l_anchor"])
         assert (la > 1e-4) == anchored, (temperature, la)
+    # only the positions the decoder still decides ([MASK]) train: other targets at filled positions change nothing,
+    # unless decided_only=False (every position of the response)
+    filled = arrays["valid"] & ~arrays["unresolved"]
+    assert filled.any() and (arrays["valid"] & arrays["unresolved"]).any()
+    moved = dict(arrays, targets=np.where(filled, (arrays["targets"] + 1) % cfg.vocab_size, arrays["targets"]))
+    every_pos = make_orl_loss(cfg, sampler, len(PROMPTS) * ocfg.group_size, ocfg.loss, residual, decided_only=False)
+    assert float(loss_fn(p0, moved, None)[1]["l_pred"]) == float(parts["l_pred"])
+    assert float(every_pos(p0, moved, None)[1]["l_pred"]) != float(every_pos(p0, arrays, None)[1]["l_pred"])
     # certainty forcing (our l_cert) finds positions whose argmax already is the verified token, and stays finite
     lc = make_orl_loss(cfg, sampler, len(PROMPTS) * ocfg.group_size, dataclasses.replace(ocfg.loss, l_cert=1.0),
                        residual)(p0, arrays, None)[1]["l_cert"]

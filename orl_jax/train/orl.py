@@ -99,10 +99,21 @@ def replay_arrays_batch(arrays: dict) -> ReplayBatch:
     return ReplayBatch(**{k: v for k, v in arrays.items() if k in fields})
 
 
-def make_orl_loss(cfg, sampler, num_responses: int, loss_cfg: ORLLossConfig, residual=None, remat: bool = False):
+def make_orl_loss(cfg, sampler, num_responses: int, loss_cfg: ORLLossConfig, residual=None, remat: bool = False,
+                  decided_only: bool = True):
     """loss_fn(params, arrays, key) for train/step.py: the ORL loss of a padded replay batch (pad_replay).
-    remat: recompute each layer in the backward pass (long replay rows)."""
+    remat: recompute each layer in the backward pass (long replay rows).
+
+    Which positions L_pred and the anchor train: those the decoder still decides at the state. In the uniform family
+    that is every position of the response in the block (each step re-samples the whole canvas). In the mask family
+    a filled position is final (no edits): its logits are never read again, so with decided_only (the default) only
+    the state's [MASK] positions count. decided_only=False trains every position of the response, as earlier sessions
+    did (until session 26): on the h200 base ~17% of L_pred's positions and ~36% of the anchor's were filled ones."""
     residual = ORLResidual() if residual is None else residual
+    if cfg.noise == "mask" and decided_only:
+        trained = lambda a: a["valid"] & a["unresolved"]  # noqa: E731
+    else:
+        trained = lambda a: a["valid"]  # noqa: E731
     check_causal_clean_rows(cfg, "ORLLossConfig.ar_weight", loss_cfg.ar_weight)
 
     def loss_fn(params, arrays, key):
@@ -116,7 +127,7 @@ def make_orl_loss(cfg, sampler, num_responses: int, loss_cfg: ORLLossConfig, res
         else:
             temps = jnp.full(arrays["step"].shape, max(sampler.temperature, 1.0), jnp.float32)
         # gates use the behaviour entropy the rollout captured (== that of `beh`: same params, same temperature)
-        loss, parts = orl_loss(loss_cfg, logits, arrays["targets"], beh, arrays["entropy"], arrays["valid"],
+        loss, parts = orl_loss(loss_cfg, logits, arrays["targets"], beh, arrays["entropy"], trained(arrays),
                                arrays["unresolved"], temps, arrays["prev"], arrays["response_id"], num_responses,
                                arrays["state_valid"])
         if loss_cfg.ar_weight == 0:
