@@ -152,11 +152,12 @@ def write_report(rows: Sequence[EvalRow], out_dir: str | Path, title: str, notes
                   f"{m['tpf_ratio']:.2f}x |" if m["setting"] else f"| {m['method']} | none that accurate | | | |"
                   for m in matched]
     (out / "report.md").write_text("\n".join(lines) + "\n")
-    _plot(rows, out / "accuracy_vs_tpf.png", title)
+    plot_accuracy_vs_tpf(rows, out / "accuracy_vs_tpf.png", title)
     return out / "report.md"
 
 
-def _plot(rows, path, title):
+def plot_accuracy_vs_tpf(rows, path, title, ylim=(-2, 102)):
+    """One accuracy-vs-TPF curve per method of `rows` (EvalRow), written as a PNG (also benchmarks/frontier_plot.py)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -168,7 +169,7 @@ def _plot(rows, path, title):
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
     ax.set_xlabel("tokens per forward")
     ax.set_ylabel("held-out accuracy (%)")
-    ax.set_ylim(-2, 102)
+    ax.set_ylim(*ylim)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
