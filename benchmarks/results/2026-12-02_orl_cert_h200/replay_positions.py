@@ -1,10 +1,12 @@
-"""Session 26: which positions ORL's L_pred and anchor trained before fd3aa88 (every position of the response), on
-one round of the h200 base's rollouts (fill 0.9, temperature 1), as the recipe's ORL rounds roll out.
+"""Session 26, two counts on one round of the h200 base's rollouts (fill 0.9, temperature 1), as the recipe's ORL
+rounds roll out: (1) which positions ORL's L_pred and anchor trained before fd3aa88 (every position of the
+response); (2) how many of the verified responses' tokens were filled with a sample other than the argmax of the
+state that filled them (the noise a verified trajectory could teach).
 
-Run from the repository root on CPU (~30 s):
-  python benchmarks/results/2026-12-02_orl_cert_h200/lpred_positions.py 8
+Run from the repository root on CPU (~1 minute):
+  python benchmarks/results/2026-12-02_orl_cert_h200/replay_positions.py 8
 Output of that run: verified 0.625; gate 0.02: L_pred positions 235, of which filled 41 (17.4%); anchor positions
-2921, of which filled 1064; 113 states.
+2921, of which filled 1064; 113 states; 2 of 2064 filled positions (0.10%) took a non-argmax sample.
 """
 
 import sys
@@ -19,10 +21,11 @@ import train_qwendlm as recipe  # noqa: E402
 from orl_jax.data import tasks  # noqa: E402
 from orl_jax.data.prompt_format import format_prompt, response_until_stop, stop_token_ids  # noqa: E402
 from orl_jax.data.tokenizer import load_tokenizer  # noqa: E402
+from orl_jax.decode.residual import ORLResidual  # noqa: E402
 from orl_jax.decode.samplers import MaskSampler  # noqa: E402
 from orl_jax.train import base_package  # noqa: E402
 from orl_jax.train.orl import ORLConfig, rollout  # noqa: E402
-from orl_jax.train.replay import build_replay  # noqa: E402
+from orl_jax.train.replay import build_replay, policy_logits, replay_logits  # noqa: E402
 from orl_jax.train.stage2 import train_prompts  # noqa: E402
 
 G = 4
@@ -49,3 +52,17 @@ for gate in (0.02, 0.0005):
           f"({(pred & ~masked).sum() / max(pred.sum(), 1):.1%}); anchor positions {anchor.sum()}, of which filled "
           f"{(anchor & ~masked).sum()}")
 print("positions", valid.sum(), "[MASK]", masked.sum(), "states", len(b.step), "first states", (b.prev < 0).sum())
+
+filled = non_argmax = 0
+for row in np.flatnonzero(ok):  # each verified response alone, every state of it
+    rb = build_replay(rows, out, [i == row for i in range(len(rows))], block_length=cfg.block_length, pad_id=0,
+                      mask_token_id=cfg.mask_token_id, max_states=10_000)
+    argmax = np.asarray(policy_logits(sampler, replay_logits(params, cfg, ORLResidual(), rb))).argmax(-1)
+    masked = rb.unresolved & rb.valid
+    for s in range(len(rb.step)):  # filled at s: [MASK] at s, not at the block's next state (or none follows)
+        nxt = np.flatnonzero(rb.prev == s)
+        here = masked[s] & (~masked[nxt[0]] if len(nxt) else True)
+        filled += here.sum()
+        non_argmax += (here & (argmax[s] != rb.targets[s])).sum()
+print(f"filled positions of verified responses {filled}, with a non-argmax sample {non_argmax} "
+      f"({non_argmax / max(filled, 1):.2%})")
