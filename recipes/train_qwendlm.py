@@ -109,7 +109,8 @@ class Recipe:
     # points on the h200 preset (benchmarks/results/2026-11-30_conversion_ar_loss_h200x2)
     ar_weight: float = 1.0
     # ORL: weight of the certainty-forcing term (ORLLossConfig.l_cert, our addition after dParallel: the entropy of
-    # the positions whose argmax already is the verified token); 0 = the method as specified
+    # the positions whose argmax already is the verified token); 0 = the method as specified. On the h200 base it
+    # bought TPF at a worse accuracy cost than a looser threshold (benchmarks/results/2026-12-02_orl_cert_h200/)
     l_cert: float = 0.0
 
 
