@@ -180,6 +180,10 @@ def test_mask_family_round_is_finite_and_learns(residual):
     parts = loss_fn(p0, arrays, None)[1]
     assert all(np.isfinite(float(v)) for v in parts.values())
     assert float(parts["l_pred"]) > 0
+    # the replay reproduces the rollout's behaviour distributions (float32), and the metric would see it if not
+    assert float(parts["replay_entropy_gap"]) < 1e-4
+    shifted = dict(arrays, entropy=np.clip(arrays["entropy"] + 0.05, 0, 1))
+    assert float(loss_fn(p0, shifted, None)[1]["replay_entropy_gap"]) > 0.02
     # sampled at temperature 1 with one update per rollout, the behaviour distribution is the policy itself: the
     # capped reverse KL is exactly 0 where the update is taken (it acts only through a temperature != 1)
     assert float(parts["l_anchor"]) == 0.0

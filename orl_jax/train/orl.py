@@ -30,7 +30,7 @@ from orl_jax.checks import int_at_least
 from orl_jax.decode.engine import generate
 from orl_jax.decode.residual import ORLResidual, RCDResidual
 from orl_jax.train.objectives import check_causal_clean_rows
-from orl_jax.train.orl_losses import ORLLossConfig, orl_loss
+from orl_jax.train.orl_losses import ORLLossConfig, normalized_entropy, orl_loss
 from orl_jax.train.replay import (
     ReplayBatch,
     behaviour_logp,
@@ -130,12 +130,23 @@ def make_orl_loss(cfg, sampler, num_responses: int, loss_cfg: ORLLossConfig, res
         loss, parts = orl_loss(loss_cfg, logits, arrays["targets"], beh, arrays["entropy"], trained(arrays),
                                arrays["unresolved"], temps, arrays["prev"], arrays["response_id"], num_responses,
                                arrays["state_valid"])
+        parts = parts | {"replay_entropy_gap": replay_entropy_gap(beh, arrays)}
         if loss_cfg.ar_weight == 0:
             return loss, parts
         ar = clean_next_token_loss(params, cfg, batch, h)
         return loss + loss_cfg.ar_weight * ar, parts | {"ar_loss": ar}
 
     return loss_fn
+
+
+def replay_entropy_gap(beh_logp, arrays) -> jax.Array:
+    """Mean |replayed - captured| behaviour normalized entropy over the batch's response positions: how closely the
+    replay reproduced what the rollout computed. 0 up to rounding when it does (float32: ~1e-6, tests/test_replay.py);
+    bf16 and a different attention path (the replay's packed staircase against the engine's cache) add rounding.
+    Logged every round, so a replay that sees the wrong context shows up in the metrics."""
+    m = arrays["valid"] & arrays["state_valid"][:, None]
+    gap = jnp.abs(normalized_entropy(beh_logp) - arrays["entropy"])
+    return jnp.sum(jnp.where(m, gap, 0.0)) / jnp.maximum(jnp.sum(m), 1)
 
 
 def rollout(params, cfg, prompts: Sequence[Sequence[int]], key, sampler, orl_cfg: ORLConfig, *,

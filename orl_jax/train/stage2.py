@@ -136,7 +136,8 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
             if stop or (rnd + 1) % max(r.orl_rounds // 4, 1) == 0 or rnd + 1 == r.orl_rounds:
                 ck.save(state, {"round": rnd + 1}, step=rnd + 1)
             if (rnd + 1) % max(r.orl_rounds // 10, 1) == 0:
-                update = f"loss {m['loss']:.4f}" if "loss" in m else "no update (no verified response)"
+                update = (f"loss {m['loss']:.4f}, replay entropy gap {m['replay_entropy_gap']:.1e}" if "loss" in m
+                          else "no update (no verified response)")
                 log(f"{name} round {rnd + 1}/{r.orl_rounds}: verified {m['verified']:.2f}, rollout TPF "
                     f"{m['rollout_tpf']:.2f}, {update}; rollout {m['rollout_s']:.2f} s, replay {m['replay_s']:.2f} s, "
                     f"update {m['update_s']:.2f} s")
