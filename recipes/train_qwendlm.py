@@ -112,6 +112,9 @@ class Recipe:
     # the positions whose argmax already is the verified token); 0 = the method as specified. On the h200 base it
     # bought TPF at a worse accuracy cost than a looser threshold (benchmarks/results/2026-12-02_orl_cert_h200/)
     l_cert: float = 0.0
+    # ORL: weight of stage 1's conversion objective on a batch of ground-truth train rows in every update (our
+    # addition, PPO-ptx style: a counterweight to ORL's steady drift from strict-decoding accuracy); 0 = off
+    orl_sup_weight: float = 0.0
 
 
 PRESETS = {
@@ -165,6 +168,8 @@ NUMERIC_FLAGS = {
     "adapter_lr_scale": (float, "stage 2: the adapter's learning rate as a multiple of --lr2", ">= 0"),
     "ar_weight": (float, "stage 1, RCD and ORL: weight of the next-token loss on the clean rows",
                   ">= 0"),
+    "orl_sup_weight": (float, "ORL: weight of the conversion objective on ground-truth train rows in every update "
+                              "(our addition, 0 = off)", ">= 0"),
     "l_cert": (float, "ORL: weight of certainty forcing (entropy of the unresolved positions already predicted "
                       "right; our addition, 0 = off)", ">= 0"),
 }

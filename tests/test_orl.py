@@ -147,6 +147,33 @@ def test_ar_weight_adds_the_clean_rows_next_token_loss(setup):
         ORLLossConfig(ar_weight=-1.0)
 
 
+def test_supervised_term_adds_the_conversion_objective_on_its_batch(setup):
+    """make_orl_loss(supervised=(fn, w)) adds w x fn's loss of arrays["supervised"] (the recipe's --orl-sup-weight:
+    stage 1's objective on ground-truth rows), with the step's key; a round carrying such a batch updates."""
+    from orl_jax.train.objectives import DiffusionObjective
+    from orl_jax.train.stages import diffusion_loss_fn
+
+    cfg, params, loss_fn, _ = setup
+    sup_fn = diffusion_loss_fn(DiffusionObjective(block_length=BL), cfg)
+    seg = np.repeat(np.asarray([[1] * 12 + [2] * 12]), 4, axis=0)  # rows split over the 4 test devices
+    pos = np.concatenate([np.arange(12), np.arange(12)])[None].repeat(4, 0)
+    rows = {"tokens": np.random.default_rng(0).integers(1, 200, seg.shape).astype(np.int32),
+            "segment_ids": seg.astype(np.int32), "positions": pos.astype(np.int32),
+            "prompt_mask": (pos < 4).astype(np.int32)}
+    w = 0.3
+    mixed = make_orl_loss(cfg, SAMPLER, len(PROMPTS) * OCFG.group_size, OCFG.loss, supervised=(sup_fn, w))
+    step = make_train_step(mixed, _optimizer(), make_mesh(data=1, fsdp=-1, tensor=1), qwen3.param_specs(cfg))
+    state, m, arrays = orl_iteration(step.init_state(params, jax.random.key(0)), step, cfg, PROMPTS,
+                                     lambda rs: [True] * len(rs), jax.random.key(1), SAMPLER, OCFG,
+                                     supervised_batch=rows)
+    assert int(state.step) == 1 and np.isfinite(float(m["sup_loss"])), sorted(m)
+    key = jax.random.key(7)
+    ls, _ = sup_fn(params, rows, key)
+    (l1, parts), (l0, _) = mixed(params, arrays, key), loss_fn(params, arrays, key)
+    np.testing.assert_allclose(float(parts["sup_loss"]), float(ls), rtol=1e-6)
+    np.testing.assert_allclose(float(l1), float(l0) + w * float(ls), rtol=1e-5)
+
+
 def test_remat_replay_gives_the_same_loss_and_gradients(setup):
     cfg, params, loss_fn, step = setup
     state = step.init_state(params, jax.random.key(0))

@@ -100,7 +100,7 @@ def replay_arrays_batch(arrays: dict) -> ReplayBatch:
 
 
 def make_orl_loss(cfg, sampler, num_responses: int, loss_cfg: ORLLossConfig, residual=None, remat: bool = False,
-                  decided_only: bool = True):
+                  decided_only: bool = True, supervised: tuple[Callable, float] | None = None):
     """loss_fn(params, arrays, key) for train/step.py: the ORL loss of a padded replay batch (pad_replay).
     remat: recompute each layer in the backward pass (long replay rows).
 
@@ -108,7 +108,13 @@ def make_orl_loss(cfg, sampler, num_responses: int, loss_cfg: ORLLossConfig, res
     that is every position of the response in the block (each step re-samples the whole canvas). In the mask family
     a filled position is final (no edits): its logits are never read again, so with decided_only (the default) only
     the state's [MASK] positions count. decided_only=False trains every position of the response, as earlier sessions
-    did (until session 26): on the h200 base ~17% of L_pred's positions and ~36% of the anchor's were filled ones."""
+    did (until session 26): on the h200 base ~17% of L_pred's positions and ~36% of the anchor's were filled ones.
+
+    supervised: (sup_loss(params, batch, key) -> (loss, parts), weight), our addition (not the method): each update
+    also takes weight x the supervised loss of arrays["supervised"], a batch of train data (the recipe: stage 1's
+    conversion objective on ground-truth answers), as PPO-ptx mixes pretraining gradients into RL updates. ORL's
+    updates drift the h200 base away from strict-decoding accuracy by a steady amount per update
+    (benchmarks/results/2026-12-02_orl_cert_h200/); a supervised term is the standard counterweight."""
     residual = ORLResidual() if residual is None else residual
     if cfg.noise == "mask" and decided_only:
         trained = lambda a: a["valid"] & a["unresolved"]  # noqa: E731
@@ -131,10 +137,14 @@ def make_orl_loss(cfg, sampler, num_responses: int, loss_cfg: ORLLossConfig, res
                                arrays["unresolved"], temps, arrays["prev"], arrays["response_id"], num_responses,
                                arrays["state_valid"])
         parts = parts | {"replay_entropy_gap": replay_entropy_gap(beh, arrays)}
-        if loss_cfg.ar_weight == 0:
-            return loss, parts
-        ar = clean_next_token_loss(params, cfg, batch, h)
-        return loss + loss_cfg.ar_weight * ar, parts | {"ar_loss": ar}
+        if loss_cfg.ar_weight:
+            ar = clean_next_token_loss(params, cfg, batch, h)
+            loss, parts = loss + loss_cfg.ar_weight * ar, parts | {"ar_loss": ar}
+        if supervised is not None:
+            sup_loss, weight = supervised
+            ls, sp = sup_loss(params, arrays["supervised"], key)
+            loss, parts = loss + weight * ls, parts | {"sup_loss": ls} | {f"sup/{k}": v for k, v in sp.items()}
+        return loss, parts
 
     return loss_fn
 
@@ -174,14 +184,16 @@ def _selection_rng(key, orl_cfg: ORLConfig):
 
 
 def orl_iteration(state, step_fn, cfg, prompts, verify: Callable[[list[np.ndarray]], Sequence[bool]], key,
-                  sampler, orl_cfg: ORLConfig, *, eos_token_ids=(), pad_token_id: int = 0):
+                  sampler, orl_cfg: ORLConfig, *, eos_token_ids=(), pad_token_id: int = 0,
+                  supervised_batch: dict | None = None):
     """One on-policy round: rollout (current params) -> verify -> replay -> exactly one update.
 
     verify(responses) -> one bool per response, given all len(prompts) * G response token arrays at once (row r
     answers prompt r // G), so a verifier can check them in parallel (tasks.verify_many). The rollout runs over the
     step's mesh (rows split over its data axes). Returns (state, metrics, replay arrays); metrics include the
     verified share, the rollout's TPF, and where the round's wall time went (rollout_s: generate(), read back;
-    replay_s: verify and pack on the host; update_s: the step, waited for).
+    replay_s: verify and pack on the host; update_s: the step, waited for). supervised_batch: the round's batch for
+    a loss made with make_orl_loss(supervised=...), passed to the update as arrays["supervised"].
     """
     t0 = time.perf_counter()
     rows, out = rollout(state.params, cfg, prompts, key, sampler, orl_cfg, eos_token_ids=eos_token_ids,
@@ -199,6 +211,8 @@ def orl_iteration(state, step_fn, cfg, prompts, verify: Callable[[list[np.ndarra
     L = cfg.block_length
     width = orl_cfg.max_prompt + orl_cfg.max_new_tokens + L + orl_cfg.max_states * L
     arrays = pad_replay(batch, n, width, n * orl_cfg.max_states)
+    if supervised_batch is not None:
+        arrays["supervised"] = supervised_batch
     t2 = time.perf_counter()
     metrics = {"verified": float(np.mean(ok)), "rollout_tpf": float(np.mean(np.asarray(out.tpf))),
                "replayed_states": int(len(batch.step)), "rollout_s": t1 - t0, "replay_s": t2 - t1}

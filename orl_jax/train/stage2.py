@@ -18,6 +18,7 @@ five of six settings, its residual on or off; with it, it was +0.8 to +5.5 point
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from pathlib import Path
@@ -48,6 +49,7 @@ from orl_jax.train.stages import (
 )
 from orl_jax.train.step import make_train_step
 
+SUPERVISED_KEYS = ("tokens", "segment_ids", "positions", "prompt_mask")  # what diffusion_loss_fn reads
 WARMUP_MAX = 20  # stage 2's longest warmup, in updates (every run so far had <= 200 rounds: <= 20)
 
 
@@ -108,13 +110,22 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
                MaskSampler(mask_token_id=cfg.mask_token_id, threshold=r.orl_threshold,
                            temperature=r.orl_temperature))
     optim = stage2_optim(r)
-    step = make_train_step(make_orl_loss(cfg, sampler, G * P, loss_cfg, ocfg.residual, remat=r.remat),
+    # r.orl_sup_weight > 0 (our addition): each update also trains stage 1's conversion objective on a batch of
+    # ground-truth train rows (make_orl_loss(supervised=...)). Its data order restarts on --resume (approximate).
+    sup, sup_rows = None, None
+    if r.orl_sup_weight:
+        obj = DiffusionObjective(block_length=r.block_length, remat=r.remat, ar_weight=r.ar_weight)
+        sup = (diffusion_loss_fn(obj, cfg), r.orl_sup_weight)
+        sup_rows = iter(conversion_data(r, tok, args.seed + 5))
+    step = make_train_step(make_orl_loss(cfg, sampler, G * P, loss_cfg, ocfg.residual, remat=r.remat,
+                                         supervised=sup),
                            make_optimizer(optim),
                            make_mesh(data=1, fsdp=-1, tensor=1), qwen3.param_specs(cfg))
     stops = stop_token_ids(tok)
     key = jax.random.key(args.seed + 2)
     with (CheckpointManager(out / name / "ckpt", max_to_keep=2, deadline=args.deadline) as ck,
-          MetricsWriter(out / name / "logs") as w):
+          MetricsWriter(out / name / "logs") as w,
+          contextlib.closing(sup_rows) if sup_rows is not None else contextlib.nullcontext()):  # its prefetch thread
         restored = ck.restore_latest(step.abstract_state(jax.random.key(2)))
         state, start = (restored[0], int(restored[1]["round"])) if restored else (
             step.init_state(params, jax.random.key(2)), 0)
@@ -128,8 +139,10 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
                          for t in responses]
                 return tasks.verify_many([exs[r // G] for r in range(len(responses))], texts)
 
+            rows = None if sup_rows is None else {k: v for k, v in next(sup_rows).items() if k in SUPERVISED_KEYS}
             state, m, _ = orl_iteration(state, step, cfg, prompts, verify, jax.random.fold_in(key, rnd), sampler,
-                                        ocfg, eos_token_ids=stops, pad_token_id=cfg.pad_token_id or 0)
+                                        ocfg, eos_token_ids=stops, pad_token_id=cfg.pad_token_id or 0,
+                                        supervised_batch=rows)
             m = {k: float(v) for k, v in jax.device_get(m).items() if np.ndim(v) == 0}
             w.write(rnd + 1, m)
             stop = ck.should_stop(rnd + 1)
@@ -166,7 +179,9 @@ def stage2(r, args, out: Path, tok, cfg, params, log, methods=("orl", "noaec", "
     previous step's soft token, RCD's interpolated embedding."""
     base = ORLLossConfig(l_aec=r.l_aec, pred_gate=r.pred_gate, l_anchor=r.l_anchor, ar_weight=r.ar_weight,
                          l_cert=r.l_cert)
-    cert = f" (l_cert {r.l_cert:g})" if r.l_cert else ""  # our addition, not the method: named in the report
+    # our additions, not the method: named in the report
+    cert = (f" (l_cert {r.l_cert:g})" if r.l_cert else "") + (f" (+sup {r.orl_sup_weight:g})" if r.orl_sup_weight
+                                                                else "")
     log(f"stage 2 ({', '.join(methods)}): ORL, {r.orl_rounds} rounds of {r.orl_prompts} prompts x "
         f"{r.orl_group} responses")
     rcd = functools.cache(lambda: run_rcd(r, args, out, tok, cfg, params, log))  # orl_rcd starts from it
