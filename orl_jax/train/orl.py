@@ -116,10 +116,7 @@ def make_orl_loss(cfg, sampler, num_responses: int, loss_cfg: ORLLossConfig, res
     updates drift the h200 base away from strict-decoding accuracy by a steady amount per update
     (benchmarks/results/2026-12-02_orl_cert_h200/); a supervised term is the standard counterweight."""
     residual = ORLResidual() if residual is None else residual
-    if cfg.noise == "mask" and decided_only:
-        trained = lambda a: a["valid"] & a["unresolved"]  # noqa: E731
-    else:
-        trained = lambda a: a["valid"]  # noqa: E731
+    decided = cfg.noise == "mask" and decided_only  # L_pred / anchor on [MASK] positions only
     check_causal_clean_rows(cfg, "ORLLossConfig.ar_weight", loss_cfg.ar_weight)
 
     def loss_fn(params, arrays, key):
@@ -133,7 +130,8 @@ def make_orl_loss(cfg, sampler, num_responses: int, loss_cfg: ORLLossConfig, res
         else:
             temps = jnp.full(arrays["step"].shape, max(sampler.temperature, 1.0), jnp.float32)
         # gates use the behaviour entropy the rollout captured (== that of `beh`: same params, same temperature)
-        loss, parts = orl_loss(loss_cfg, logits, arrays["targets"], beh, arrays["entropy"], trained(arrays),
+        loss, parts = orl_loss(loss_cfg, logits, arrays["targets"], beh, arrays["entropy"],
+                               arrays["valid"] & arrays["unresolved"] if decided else arrays["valid"],
                                arrays["unresolved"], temps, arrays["prev"], arrays["response_id"], num_responses,
                                arrays["state_valid"])
         parts = parts | {"replay_entropy_gap": replay_entropy_gap(beh, arrays)}

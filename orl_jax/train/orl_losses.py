@@ -58,9 +58,14 @@ class ORLLossConfig:
             raise ValueError(f"ORLLossConfig.rho must be in [0, 1], got {self.rho}")
 
 
+def entropy(logp: jax.Array) -> jax.Array:
+    """[..., V] log-probs -> entropy in nats (>= 0)."""
+    return jnp.maximum(-jnp.sum(jnp.exp(logp) * logp, axis=-1), 0.0)
+
+
 def normalized_entropy(logp: jax.Array) -> jax.Array:
     """[..., V] log-probs -> entropy / log V in [0, 1]."""
-    return jnp.maximum(-jnp.sum(jnp.exp(logp) * logp, axis=-1), 0.0) / math.log(logp.shape[-1])
+    return entropy(logp) / math.log(logp.shape[-1])
 
 
 def _masked_mean(x, m):
@@ -85,10 +90,8 @@ def anchor_loss(logits, beh_logp, beh_entropy, valid, gate: float, cap: float):
 def certainty_loss(logits, targets, unresolved):
     """[S] mean entropy (nats) over the unresolved positions whose argmax (no gradient through the choice) is the
     target; 0 for a state without any."""
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)  # [S, L]
     right = jnp.argmax(jax.lax.stop_gradient(logits), axis=-1) == targets
-    return _masked_mean(ent, unresolved & right)
+    return _masked_mean(entropy(jax.nn.log_softmax(logits, axis=-1)), unresolved & right)
 
 
 def state_entropy(logits, unresolved, temperature=1.0):

@@ -41,6 +41,7 @@ from orl_jax.train.orl import ORLConfig, make_orl_loss, orl_iteration
 from orl_jax.train.orl_losses import ORLLossConfig
 from orl_jax.train.stages import (
     ADAPTER_GROUP,
+    DIFFUSION_BATCH_KEYS,
     StageStopped,
     _run_stage,
     conversion_data,
@@ -49,7 +50,6 @@ from orl_jax.train.stages import (
 )
 from orl_jax.train.step import make_train_step
 
-SUPERVISED_KEYS = ("tokens", "segment_ids", "positions", "prompt_mask")  # what diffusion_loss_fn reads
 WARMUP_MAX = 20  # stage 2's longest warmup, in updates (every run so far had <= 200 rounds: <= 20)
 
 
@@ -139,7 +139,7 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
                          for t in responses]
                 return tasks.verify_many([exs[r // G] for r in range(len(responses))], texts)
 
-            rows = None if sup_rows is None else {k: v for k, v in next(sup_rows).items() if k in SUPERVISED_KEYS}
+            rows = None if sup_rows is None else {k: v for k, v in next(sup_rows).items() if k in DIFFUSION_BATCH_KEYS}
             state, m, _ = orl_iteration(state, step, cfg, prompts, verify, jax.random.fold_in(key, rnd), sampler,
                                         ocfg, eos_token_ids=stops, pad_token_id=cfg.pad_token_id or 0,
                                         supervised_batch=rows)
@@ -179,18 +179,18 @@ def stage2(r, args, out: Path, tok, cfg, params, log, methods=("orl", "noaec", "
     previous step's soft token, RCD's interpolated embedding."""
     base = ORLLossConfig(l_aec=r.l_aec, pred_gate=r.pred_gate, l_anchor=r.l_anchor, ar_weight=r.ar_weight,
                          l_cert=r.l_cert)
-    # our additions, not the method: named in the report
-    cert = (f" (l_cert {r.l_cert:g})" if r.l_cert else "") + (f" (+sup {r.orl_sup_weight:g})" if r.orl_sup_weight
+    # our additions to ORL, not the method: named in the report
+    ours = (f" (l_cert {r.l_cert:g})" if r.l_cert else "") + (f" (+sup {r.orl_sup_weight:g})" if r.orl_sup_weight
                                                                 else "")
     log(f"stage 2 ({', '.join(methods)}): ORL, {r.orl_rounds} rounds of {r.orl_prompts} prompts x "
         f"{r.orl_group} responses")
     rcd = functools.cache(lambda: run_rcd(r, args, out, tok, cfg, params, log))  # orl_rcd starts from it
-    runs = {"orl": ("QwenDLM+ORL" + cert, ORLResidual(),
+    runs = {"orl": ("QwenDLM+ORL" + ours, ORLResidual(),
                     lambda: run_orl("stage2_orl", r, args, out, tok, cfg, params, base, log)),
-            "noaec": ("QwenDLM+ORL (no AEC)" + cert, ORLResidual(),
+            "noaec": ("QwenDLM+ORL (no AEC)" + ours, ORLResidual(),
                       lambda: run_orl("stage2_orl_noaec", r, args, out, tok, cfg, params,
                                       dataclasses.replace(base, l_aec=0.0), log)),
             "rcd": ("QwenDLM+RCD", RCDResidual(), rcd),
-            "orl_rcd": ("QwenDLM+RCD+ORL" + cert, RCDResidual(),
+            "orl_rcd": ("QwenDLM+RCD+ORL" + ours, RCDResidual(),
                         lambda: run_orl("stage2_orl_rcd", r, args, out, tok, cfg, rcd(), base, log, RCDResidual()))}
     return {runs[m][0]: (runs[m][2](), runs[m][1]) for m in methods}

@@ -74,12 +74,15 @@ def conversion_data(r, tok, seed: int):
     return make_dataset(rows, seq_len=n, batch_size=r.batch, seed=seed)
 
 
+DIFFUSION_BATCH_KEYS = ("tokens", "segment_ids", "positions", "prompt_mask")  # what diffusion_loss_fn reads
+
+
 def diffusion_loss_fn(obj: DiffusionObjective, cfg, with_reference: bool = False):
     """loss_fn(params, batch, key) of the block-diffusion objective on conversion_data batches; with_reference:
     loss_fn(params, batch, key, reference_params) (RCD: residuals from a frozen model, passed in each step)."""
 
     def loss_fn(p, b, key, reference=None):
-        batch = {k: b[k] for k in ("tokens", "segment_ids", "positions", "prompt_mask")}
+        batch = {k: b[k] for k in DIFFUSION_BATCH_KEYS}
         return obj.loss(p, cfg, batch, key, reference_params=reference)
 
     return loss_fn if with_reference else (lambda p, b, key: loss_fn(p, b, key))
