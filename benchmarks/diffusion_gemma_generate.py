@@ -65,9 +65,6 @@ ap.add_argument("--experts-inner", action="store_true",
                      "(before session 17)")
 ap.add_argument("--sorted-copy", action="store_true",
                 help="moe.GATHER_IN_KERNEL = False: XLA writes the sorted copy of the MoE input for the gate/up kernel")
-ap.add_argument("--dense-apart", action="store_true",
-                help="moe.DENSE_AS_EXPERTS = False: the dense MLP through its own cuBLAS GEMMs, not as leading "
-                     "pseudo-experts of the grouped expert kernels (before session 27)")
 ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=JSON",
                 help="set a trace-time switch before anything is traced, e.g. "
                      "orl_jax.model.attention.WIDE_LATE_NORMALIZE=false (repeatable; the value is JSON)")
@@ -119,9 +116,6 @@ if args.capacity_factor is not None:
 if args.xla_sort:
     moe.SORT_KERNEL = False  # read by moe.experts_mlp at trace time
     log(what="sort_kernel", value=False)
-if args.dense_apart:
-    moe.DENSE_AS_EXPERTS = False  # read by diffusion_gemma.dense_in_experts at trace time
-    log(what="dense_as_experts", value=False)
 if args.grouped_bm is not None or args.experts_inner:
     from orl_jax_kernels.grouped_gemm import kernel as grouped_kernel
 

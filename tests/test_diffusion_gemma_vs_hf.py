@@ -707,39 +707,6 @@ def test_pallas_experts_inside_the_model_equal_the_dense_path(dg_ours, monkeypat
     np.testing.assert_allclose(np.asarray(got), np.asarray(dense), atol=2e-5)
 
 
-def test_dense_mlp_inside_the_expert_kernels_changes_no_logit(dg_ours, monkeypatch):
-    """moe.DENSE_AS_EXPERTS (on by default): with the pallas MoE the dense MLP (F 48 = 3 x the experts' 16, as 2112 =
-    3 x 704 at 26B) runs as leading pseudo-experts of the grouped kernels, its stacks read in place. In fp32 the
-    forward's and the cached decoder's logits equal those of the separate dense MLP."""
-    from orl_jax.model import moe
-    from orl_jax_kernels.grouped_gemm import kernel as grouped
-
-    cfg, params = dg_ours
-    cfg = cfg.replace(moe_impl="pallas")
-    assert dg.dense_in_experts(cfg)
-    leads, real = [], grouped.grouped_matmul
-    monkeypatch.setattr(grouped, "grouped_matmul", lambda *a, **k: leads.append(k.get("lead")) or real(*a, **k))
-    tokens = jnp.asarray(_tokens((2, 24), 52))
-    prompt, canvas = jnp.asarray(_tokens((2, 11), 7)), jnp.asarray(_tokens((2, cfg.block_length), 8))
-
-    def both():
-        jax.clear_caches()
-        fwd = np.asarray(jax.jit(dg.forward, static_argnums=(1,))(params, cfg, tokens))
-        _, cache = jax.jit(dg.prefill, static_argnums=(1, 4))(params, cfg, prompt, jnp.asarray([11, 7], jnp.int32), 19)
-        return fwd, np.asarray(jax.jit(dg.decode, static_argnums=(1,))(params, cfg, canvas, cache))
-
-    folded = both()
-    assert leads and all(lead is not None and lead.groups == 3 * lead.per_slice for lead in leads)
-    monkeypatch.setattr(moe, "DENSE_AS_EXPERTS", False)
-    assert not dg.dense_in_experts(cfg)
-    leads.clear()
-    apart = both()
-    assert leads and all(lead is None for lead in leads)
-    for got, want in zip(folded, apart):
-        assert np.abs(want).max() > 1.0
-        np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
-
-
 def test_forward_is_differentiable_with_and_without_remat(dg_ours):
     """The cache-free pass scans each group's sliding layers (reverse-differentiable, unlike the cached passes'
     while loops); remat changes memory, not the gradient."""

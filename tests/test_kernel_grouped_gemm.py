@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from triton_ir import verified_triton_modules
 
-from orl_jax_kernels.grouped_gemm.kernel import BM, Lead, grouped_matmul, supported
-from orl_jax_kernels.grouped_gemm.reference import grouped_matmul_reference, lead_as_experts
+from orl_jax_kernels.grouped_gemm.kernel import BM, grouped_matmul, supported
+from orl_jax_kernels.grouped_gemm.reference import grouped_matmul_reference
 from orl_jax_kernels.small_m_gemm.kernel import Blocks
 
 BLOCKS = Blocks(bn=128, bk=64, splits=1)
@@ -62,49 +62,6 @@ def test_gathered_rows_in_interpret_mode(stacked, columns_inner, monkeypatch):
     assert np.abs(np.asarray(shifted) - np.asarray(want)).max() > 0.1
     with pytest.raises(ValueError, match="rows must be"):
         grouped_matmul(x, one, sizes, layer, BLOCKS, interpret=True, rows=rows.astype(jnp.float32))
-
-
-@pytest.mark.parametrize("gated", [True, False], ids=["gate_up", "down"])
-def test_lead_groups_multiply_slices_of_the_lead_weight(gated):
-    """Lead: 3 slices x 3 row tiles before 4 experts. gated: slice s of a [K, 2 F] gated weight is [gate_s | up_s]
-    (the tiles' two halves read apart, rows gathered); else rows s K .. of a [3 K, N] weight. Equal to ragged_dot
-    with the slices materialized (reference.lead_as_experts); layer 1 of the stacks, and one-layer weights."""
-    ks = jax.random.split(jax.random.key(9), 5)
-    e, k, n, slices, t, bm = 4, 128, 256, 3, 40, 16
-    lead = Lead(groups=slices * 3, per_slice=3, gated=gated)
-    sizes = jnp.array([16, 16, 8] * slices + [5, 0, 20, 3], jnp.int32)
-    m = int(sizes.sum()) + 3
-    w = jax.random.normal(ks[0], (2, e, k, n)) * 0.1
-    lw = jax.random.normal(ks[1], (2, k, slices * n) if gated else (2, slices * k, n)) * 0.1
-    if gated:
-        x, rows = jax.random.normal(ks[2], (t, k)), jax.random.randint(ks[3], (m,), 0, t, jnp.int32)
-        xr = jnp.take(x, rows, axis=0)
-    else:
-        x, rows = jax.random.normal(ks[2], (m, k)), None
-        xr = x
-    want = grouped_matmul_reference(xr, jnp.concatenate([lead_as_experts(lw[1], lead, k, n), w[1]]), sizes)
-    got = grouped_matmul(x, w, sizes, jnp.int32(1), BLOCKS, interpret=True, rows=rows, lead=lead, lead_w=lw, bm=bm)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    assert not np.asarray(got[-3:]).any()
-    one = grouped_matmul(x, w[1], sizes, None, BLOCKS, interpret=True, rows=rows, lead=lead, lead_w=lw[1], bm=bm)
-    np.testing.assert_allclose(np.asarray(one), np.asarray(want), rtol=1e-5, atol=1e-5)
-    # the check can fail: slices in another order give other rows
-    swapped = jnp.concatenate([lead_as_experts(jnp.flip(lw[1], -1 if gated else 0), lead, k, n), w[1]])
-    assert np.abs(np.asarray(got) - np.asarray(grouped_matmul_reference(xr, swapped, sizes))).max() > 0.1
-
-
-def test_lead_groups_reject_weights_that_do_not_split():
-    x, w, sizes = jnp.ones((40, 128)), jnp.ones((2, 4, 128, 256)), jnp.ones(13, jnp.int32)
-    lead = Lead(groups=9, per_slice=3, gated=True)
-    with pytest.raises(ValueError, match="do not match"):  # group_sizes without the lead groups
-        grouped_matmul(x, w, jnp.ones(4, jnp.int32), jnp.int32(0), BLOCKS, interpret=True, lead=lead,
-                       lead_w=jnp.ones((2, 128, 768)))
-    with pytest.raises(ValueError, match="come together"):
-        grouped_matmul(x, w, sizes, jnp.int32(0), BLOCKS, interpret=True, lead=lead)
-    for bad in (jnp.ones((2, 128, 700)), jnp.ones((2, 64, 768)), jnp.ones((3, 128, 768)),
-                jnp.ones((2, 128, 768), jnp.bfloat16)):
-        with pytest.raises(ValueError, match="does not split"):
-            grouped_matmul(x, w, sizes, jnp.int32(0), BLOCKS, interpret=True, lead=lead, lead_w=bad)
 
 
 def test_given_offsets_replace_the_cumsum_of_the_group_sizes():
@@ -172,15 +129,6 @@ def test_kernel_lowers_to_verified_triton_at_the_expert_shapes():
     verified_triton_modules(lambda x, w, s, i, r: grouped_matmul(x, w, s, i, rows=r),
                             sd((256, 2816), jnp.bfloat16), sd((25, 128, 2816, 1408), jnp.bfloat16),
                             sd((128,), jnp.int32), sd((), jnp.int32), sd((2048,), jnp.int32))
-    # with the dense MLP (F 2112) as 3 x 4 leading groups: its [D, 2 F] gate/up and [F, D] down stacks
-    gated, sliced = Lead(12, 4, True), Lead(12, 4, False)
-    verified_triton_modules(lambda x, w, s, i, r, lw: grouped_matmul(x, w, s, i, rows=r, lead=gated, lead_w=lw),
-                            sd((512, 2816), jnp.bfloat16), sd((25, 128, 2816, 1408), jnp.bfloat16),
-                            sd((140,), jnp.int32), sd((), jnp.int32), sd((2816,), jnp.int32),
-                            sd((25, 2816, 4224), jnp.bfloat16))
-    verified_triton_modules(lambda x, w, s, i, lw: grouped_matmul(x, w, s, i, lead=sliced, lead_w=lw),
-                            sd((2816, 704), jnp.bfloat16), sd((25, 128, 704, 2816), jnp.bfloat16),
-                            sd((140,), jnp.int32), sd((), jnp.int32), sd((25, 2112, 2816), jnp.bfloat16))
 
 
 def test_moe_pallas_path_equals_the_dense_path(monkeypatch):
@@ -245,30 +193,6 @@ def test_compiled_on_gpu_gathers_rows_at_the_gate_up_shape():
     want = grouped_matmul_reference(jnp.take(x, rows, axis=0), w[1], sizes).astype(jnp.float32)
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-2
     assert not np.asarray(got[-7:]).any()
-
-
-@pytest.mark.gpu
-def test_compiled_on_gpu_lead_groups_at_the_dense_mlp_shapes():
-    """Triton-compiled with DiffusionGemma's dense MLP as 3 x 4 leading groups of 64 rows (bf16): gate/up (rows
-    gathered, [D, 2 F] lead stack) and down ([F, D]), layer 1 of two."""
-    ks = jax.random.split(jax.random.key(10), 6)
-    t, e = 256, 8
-    sizes = jnp.asarray([64] * 12 + [0, 3, BM + 40, 16, 0, 1, 64, 20], jnp.int32)
-    m = int(sizes.sum()) + 7
-    rows = jnp.concatenate([jnp.tile(jnp.arange(t, 2 * t, dtype=jnp.int32), 3),
-                            jax.random.randint(ks[0], (m - 3 * t,), 0, t, jnp.int32)])
-    bf = lambda key, shape: (jax.random.normal(key, shape, jnp.float32) * 0.05).astype(jnp.bfloat16)  # noqa: E731
-    for gated, (k, n), x, lw in ((True, (2816, 1408), bf(ks[1], (2 * t, 2816)), bf(ks[2], (2, 2816, 4224))),
-                                 (False, (704, 2816), bf(ks[3], (m, 704)), bf(ks[4], (2, 2112, 2816)))):
-        lead = Lead(12, 4, gated)
-        w = bf(ks[5], (2, e, k, n))
-        r = rows if gated else None
-        got = grouped_matmul(x, w, sizes, jnp.int32(1), rows=r, lead=lead, lead_w=lw).astype(jnp.float32)
-        xr = jnp.take(x, rows, axis=0) if gated else x
-        want = grouped_matmul_reference(xr, jnp.concatenate([lead_as_experts(lw[1], lead, k, n), w[1]]),
-                                        sizes).astype(jnp.float32)
-        assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-2
-        assert not np.asarray(got[-7:]).any()
 
 
 def test_a_new_table_takes_effect_after_clearing_the_caches():

@@ -64,123 +64,59 @@ def supported(k: int, n: int, blocks: Blocks | None = None) -> bool:
     return blocks is not None and k % blocks.bk == 0 and n % blocks.bn == 0
 
 
-@dataclasses.dataclass(frozen=True)
-class Lead:
-    """Leading groups that multiply slices of one more weight instead of an expert: a dense MLP of width F = S x Fe
-    run as S pseudo-experts of the experts' width Fe, in the experts' launch (DiffusionGemma's dense MLP beside its
-    128 experts). Its cuBLAS GEMMs ran after the expert kernels, which hold every SM to their last program: ~24 us
-    per 26B layer (benchmarks/results/2026-12-01_dg_attention_order_h200.md).
-
-    groups: the leading groups (before the experts'; each a tile of at most bm rows, so the programs of one slice's
-    row tiles run side by side and read its weight tiles through L2 once from HBM). per_slice: consecutive leading
-    groups sharing one slice (slice s = group // per_slice). gated: the lead weight is a gated MLP's [K, 2 F]
-    ([gate | up], F = S x N / 2) and slice s is [gate_s | up_s], N / 2 columns of each; else it is [S x K, N] and
-    slice s its rows s K .. (s + 1) K (a down projection)."""
-    groups: int
-    per_slice: int
-    gated: bool
-
-
-def lead_fits(lead: Lead, lead_shape, k: int, n: int, bn: int) -> bool:
-    """The lead weight's [..., K', N'] splits into slices of (K, N) as `lead` says; gated, the tiles' two bn / 2
-    halves never straddle a slice's gate / up boundary (N / 2 a multiple of bn / 2: bn divides N)."""
-    kl, nl = lead_shape[-2:]
-    if lead.gated:
-        return kl == k and nl % n == 0 and n % bn == 0 and bn % 2 == 0
-    return nl == n and kl % k == 0
-
-
-def _kernel(layer_ref, off_ref, rows_ref, x_ref, w_ref, lw_ref, o_ref, *, bk: int, n_chunks: int, bm: int,
-            stacked: bool, expert_axis: int, lead: Lead | None, n: int):
+def _kernel(layer_ref, off_ref, rows_ref, x_ref, w_ref, o_ref, *, bk: int, n_chunks: int, bm: int, stacked: bool,
+            expert_axis: int):
     from jax.experimental.pallas import triton as plt
 
     e = pl.program_id(expert_axis)
-    bn = o_ref.shape[-1]
+    bn = w_ref.shape[-1]
     layer = layer_ref[0] if stacked else 0
     start, rows = off_ref[e], off_ref[e + 1] - off_ref[e]
 
-    def run(pieces):  # pieces: (width, k0 -> the [bk, width] weight chunk), side by side in the output tile
-        def tile(t, carry):
-            r0 = start + t * bm
-            live = (t * bm + jnp.arange(bm)) < rows  # the group's rows of this tile
-            # the tile's rows of x: sorted rows in place, or gathered by their source row
-            ids = None if rows_ref is None else plt.load(rows_ref.at[pl.ds(r0, bm)], mask=live, other=0)
+    def tile(t, carry):
+        r0 = start + t * bm
+        live = (t * bm + jnp.arange(bm)) < rows  # the group's rows of this tile
+        # the tile's rows of x: sorted rows in place, or gathered by their source row
+        ids = None if rows_ref is None else plt.load(rows_ref.at[pl.ds(r0, bm)], mask=live, other=0)
 
-            def chunk(j, accs):
-                k0 = pl.multiple_of(j * bk, bk)
-                # a gather indexes both axes by arrays: interpret mode takes no slice beside an array index
-                xs = (x_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)] if ids is None
-                      else x_ref.at[ids[:, None], (k0 + jnp.arange(bk))[None, :]])
-                xb = plt.load(xs, mask=live[:, None], other=0.0)
-                return tuple(acc + jnp.dot(xb, load(k0), preferred_element_type=jnp.float32)
-                             for acc, (_, load) in zip(accs, pieces))
+        def chunk(j, acc):
+            k0 = pl.multiple_of(j * bk, bk)
+            # a gather indexes both axes by arrays: interpret mode takes no slice beside an array index
+            xs = (x_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)] if ids is None
+                  else x_ref.at[ids[:, None], (k0 + jnp.arange(bk))[None, :]])
+            xb = plt.load(xs, mask=live[:, None], other=0.0)
+            wb = w_ref[layer, 0, pl.ds(k0, bk), :] if stacked else w_ref[0, pl.ds(k0, bk), :]
+            return acc + jnp.dot(xb, wb, preferred_element_type=jnp.float32)
 
-            accs = jax.lax.fori_loop(0, n_chunks, chunk, tuple(jnp.zeros((bm, wd), jnp.float32) for wd, _ in pieces))
-            c0 = 0
-            for (wd, _), acc in zip(pieces, accs):
-                plt.store(o_ref.at[pl.ds(r0, bm), pl.ds(c0, wd)], acc.astype(o_ref.dtype), mask=live[:, None])
-                c0 += wd
-            return carry
+        acc = jax.lax.fori_loop(0, n_chunks, chunk, jnp.zeros((bm, bn), jnp.float32))
+        plt.store(o_ref.at[pl.ds(r0, bm), :], acc.astype(o_ref.dtype), mask=live[:, None])
+        return carry
 
-        jax.lax.fori_loop(0, (rows + bm - 1) // bm, tile, 0)  # no rows: the weight is not read
-
-    expert = [(bn, lambda k0: w_ref[layer, 0, pl.ds(k0, bk), :] if stacked else w_ref[0, pl.ds(k0, bk), :])]
-    if lead is None:
-        run(expert)
-        return
-    s, tile_j = e // lead.per_slice, pl.program_id(1 - expert_axis)  # the slice, the column tile
-    if lead.gated:  # the tile's two halves: columns q of slice s's [gate_s | up_s] at (q // fe) f + s fe + q % fe
-        half, f, fe = bn // 2, lw_ref.shape[-1] // 2, n // 2
-
-        def piece(q):
-            col = pl.multiple_of((q // fe) * f + s * fe + q % fe, half)
-            return half, lambda k0: lw_ref[layer, pl.ds(k0, bk), pl.ds(col, half)]
-
-        pieces = [piece(tile_j * bn), piece(tile_j * bn + half)]
-    else:
-        kl = n_chunks * bk
-        pieces = [(bn, lambda k0: lw_ref[layer, pl.ds(pl.multiple_of(s * kl + k0, bk), bk),
-                                         pl.ds(pl.multiple_of(tile_j * bn, bn), bn)])]
-    pl.when(e < lead.groups)(lambda: run(pieces))
-    pl.when(e >= lead.groups)(lambda: run(expert))
+    jax.lax.fori_loop(0, (rows + bm - 1) // bm, tile, 0)  # no rows: the expert's weight is not read
 
 
-def _with_optional(kernel, have_rows: bool, have_lead: bool):
-    """The kernel with None for the gather's rows and the lead weight when a call passes none."""
-    def call(layer_ref, off_ref, *refs):
-        refs = list(refs)
-        rows_ref = refs.pop(0) if have_rows else None
-        x_ref, w_ref = refs.pop(0), refs.pop(0)
-        lw_ref = refs.pop(0) if have_lead else None
-        return kernel(layer_ref, off_ref, rows_ref, x_ref, w_ref, lw_ref, *refs)
-    return call
+def _with_rows(kernel, have_rows: bool):
+    """The kernel with None for the gather's rows when a call passes none."""
+    return kernel if have_rows else lambda layer_ref, off_ref, *refs: kernel(layer_ref, off_ref, None, *refs)
 
 
-@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "bm", "lead"))
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "bm"))
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: jax.Array | None = None,
                    blocks: Blocks | None = None, interpret: bool = False,
                    offsets: jax.Array | None = None, bm: int | None = None,
-                   rows: jax.Array | None = None, lead: Lead | None = None,
-                   lead_w: jax.Array | None = None) -> jax.Array:
+                   rows: jax.Array | None = None) -> jax.Array:
     """x [M, K] (rows sorted by group) times w [E, K, N], or the layer `layer` of a stack w [L, E, K, N], group by
     group: group_sizes [E] (int, summing to <= M) -> [M, N] in x's dtype. offsets [E + 1]: the groups' first rows
     and their end, when the caller has them (kernels/expert_sort returns them); else computed from group_sizes.
     bm: rows per tile (a power of two >= 16), BM unless given.
     rows [M] (int32): sorted row r is x[rows[r]] for an x of any number of rows, gathered by the kernel's loads
-    (the MoE's tokens: no sorted copy of x is written and read back).
-    lead, lead_w: lead.groups more groups before the experts' (group_sizes and offsets then have E + lead.groups
-    and E + lead.groups + 1 entries), each multiplying a slice of lead_w ([K', N'], or [L, K', N'] read at `layer`
-    beside a stack), as Lead says; reference.lead_as_experts gives the same slices as expert weights."""
-    if lead_w is not None and w.ndim == 3 and lead_w.ndim == 2 and layer is None:  # one-layer stacks: one form
-        w, lead_w, layer = w[None], lead_w[None], jnp.int32(0)
+    (the MoE's tokens: no sorted copy of x is written and read back)."""
     k = x.shape[1]
     e, n = w.shape[-3], w.shape[-1]
     stacked = w.ndim == 4
     layer_arr = layer_operand("grouped_matmul", stacked, layer, w.shape)  # stacked: [L, E, K, N]
-    groups = e + (lead.groups if lead is not None else 0)
-    if w.shape[-2] != k or group_sizes.shape != (groups,):
-        raise ValueError(f"grouped_matmul: x {x.shape}, w {w.shape} and group_sizes {group_sizes.shape} do not match"
-                         + (f" ({lead.groups} lead groups)" if lead is not None else ""))
+    if w.shape[-2] != k or group_sizes.shape != (e,):
+        raise ValueError(f"grouped_matmul: x {x.shape}, w {w.shape} and group_sizes {group_sizes.shape} do not match")
     if rows is not None and (rows.ndim != 1 or rows.dtype != jnp.int32):
         raise ValueError(f"grouped_matmul: rows must be a 1-D int32 array, got {rows.dtype}{list(rows.shape)}")
     m = x.shape[0] if rows is None else rows.shape[0]
@@ -190,12 +126,6 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: ja
     blocks = blocks or default_blocks(k, n)
     if not supported(k, n, blocks):
         raise ValueError(f"grouped_matmul: K={k}, N={n} not supported with {blocks}")
-    if (lead is None) != (lead_w is None):
-        raise ValueError("grouped_matmul: lead and lead_w come together")
-    if lead is not None and (lead_w.ndim != 3 or not stacked or lead_w.shape[0] != w.shape[0]
-                             or lead_w.dtype != w.dtype or not lead_fits(lead, lead_w.shape, k, n, blocks.bn)):
-        raise ValueError(f"grouped_matmul: lead weight {lead_w.dtype}{list(lead_w.shape)} does not split into "
-                         f"{lead} slices of w {w.dtype}{list(w.shape)} with {blocks}")
     # Interpret mode clamps a tile's window that leaves the array onto other rows: there the sorted rows (x, or
     # `rows`) get bm spare rows. Triton's masked loads and stores touch only the group's rows, so on a GPU they go
     # in as they lie (the pad was a copy of x per call, ~8 us at DiffusionGemma's gate/up input).
@@ -203,30 +133,26 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: ja
     pad = lambda a: jnp.pad(a, ((0, spare),) + ((0, 0),) * (a.ndim - 1)) if spare else a  # noqa: E731
     if offsets is None:
         offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes.astype(jnp.int32))])
-    elif offsets.shape != (groups + 1,):
-        raise ValueError(f"grouped_matmul: offsets {offsets.shape} for {groups} groups, expected ({groups + 1},)")
+    elif offsets.shape != (e + 1,):
+        raise ValueError(f"grouped_matmul: offsets {offsets.shape} for {e} groups, expected ({e + 1},)")
     inner = COLUMNS_INNER
-    grid = (n // blocks.bn, groups) if inner else (groups, n // blocks.bn)
-    ge = (lambda f: lambda j, g: f(g, j)) if inner else (lambda f: f)  # index maps in (group, column) terms
-    ex = (lambda g: g) if lead is None else (lambda g: jnp.maximum(g - lead.groups, 0))  # a group's expert
-    w_spec = (pl.BlockSpec((w.shape[0], 1, k, blocks.bn), ge(lambda g, j: (0, ex(g), 0, j))) if stacked
-              else pl.BlockSpec((1, k, blocks.bn), ge(lambda g, j: (ex(g), 0, j))))
+    grid = (n // blocks.bn, e) if inner else (e, n // blocks.bn)
+    ge = (lambda f: lambda j, g: f(g, j)) if inner else (lambda f: f)  # index maps in (expert, column) terms
+    w_spec = (pl.BlockSpec((w.shape[0], 1, k, blocks.bn), ge(lambda g, j: (0, g, 0, j))) if stacked
+              else pl.BlockSpec((1, k, blocks.bn), ge(lambda g, j: (g, 0, j))))
     xs = x if rows is not None else pad(x)
     gathered = [pad(rows)] if rows is not None else []
-    leading = [] if lead is None else [lead_w]  # [L, K', N'], read whole, sliced in the kernel
     out = pl.pallas_call(
-        _with_optional(functools.partial(_kernel, bk=blocks.bk, n_chunks=k // blocks.bk, bm=bm, stacked=stacked,
-                                         expert_axis=1 if inner else 0, lead=lead, n=n),
-                       rows is not None, lead is not None),
+        _with_rows(functools.partial(_kernel, bk=blocks.bk, n_chunks=k // blocks.bk, bm=bm, stacked=stacked,
+                                     expert_axis=1 if inner else 0), rows is not None),
         out_shape=jax.ShapeDtypeStruct((m + spare, n), x.dtype),
         grid=grid,
-        in_specs=[pl.BlockSpec((1,), ge(lambda g, j: (0,))), pl.BlockSpec((groups + 1,), ge(lambda g, j: (0,)))]
+        in_specs=[pl.BlockSpec((1,), ge(lambda g, j: (0,))), pl.BlockSpec((e + 1,), ge(lambda g, j: (0,)))]
                  + [pl.BlockSpec((m + spare,), ge(lambda g, j: (0,)))] * len(gathered)
-                 + [pl.BlockSpec(xs.shape, ge(lambda g, j: (0, 0))), w_spec]
-                 + [pl.BlockSpec(a.shape, ge(lambda g, j: (0, 0, 0))) for a in leading],
+                 + [pl.BlockSpec(xs.shape, ge(lambda g, j: (0, 0))), w_spec],
         out_specs=pl.BlockSpec((m + spare, blocks.bn), ge(lambda g, j: (0, j))),
         interpret=interpret,
         **triton_params(blocks.num_warps, pipeline_stages(blocks, bm), interpret),
-    )(layer_arr, offsets, *gathered, xs, w, *leading)
+    )(layer_arr, offsets, *gathered, xs, w)
     live = jnp.arange(m) < offsets[-1]  # rows past the last group: never written
     return jnp.where(live[:, None], out[:m] if spare else out, 0)

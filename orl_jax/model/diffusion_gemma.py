@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from orl_jax.config import FULL, SLIDING, DiffusionGemmaConfig, kernel_choice
-from orl_jax.model import moe, qwen3
+from orl_jax.model import qwen3
 from orl_jax.model.attention import attention, causal_segments, full_segments, self_mask, window_mask
 from orl_jax.model.cache import HybridKVCache, KVCache
 from orl_jax.model.layers import (
@@ -65,7 +65,7 @@ from orl_jax.model.layers import (
     rope_inv_freq,
     soft_cap,
 )
-from orl_jax.model.moe import experts_mlp, experts_with_dense_mlp, route
+from orl_jax.model.moe import experts_mlp, route
 from orl_jax.model.streamed import StackedWeight, pack_vectors, unpack_vectors, vector_offsets
 from orl_jax.params import ParamSpec, ones
 
@@ -73,7 +73,6 @@ ACT = "gelu_tanh"  # HF: gelu_pytorch_tanh
 
 
 EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")  # [layers, E, ...] per layer type
-DENSE_WEIGHTS = ("gate_up", "down")  # the dense MLP's, read in place by the grouped kernels (dense_in_experts)
 
 
 def _layer_specs(cfg: DiffusionGemmaConfig, n: int, kv: int, hd: int, own_v: bool) -> dict:
@@ -222,14 +221,9 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     flat = x.reshape(b * l, d)  # [T, D]
     weights, experts = route(flat, w["router_scale"], w["router"], w["expert_scale"], cfg.top_k_experts, eps)
     moe_in = rms_norm_fp32(flat, w["moe_norm"], eps)
-    if dense_in_experts(cfg):  # the dense MLP as leading pseudo-experts of the grouped kernels
-        moe, mlp = experts_with_dense_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT,
-                                          mlp_in.reshape(b * l, d), w["gate_up"], w["down"])
-        mlp = mlp.reshape(b, l, d)
-    else:
-        moe = experts_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT, moe_impl(cfg))
-        mlp = fused_gated_mlp(mlp_in, w["gate_up"], w["down"], ACT)
+    moe = experts_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT, moe_impl(cfg))
     moe = moe.reshape(b, l, d)  # [B, L, D]
+    mlp = fused_gated_mlp(mlp_in, w["gate_up"], w["down"], ACT)
     ffw = rms_norm_fp32(mlp, w["post_mlp_norm"], eps) + rms_norm_fp32(moe, w["post_moe_norm"], eps)
     x = (x + rms_norm_fp32(ffw, w["post_ffw_norm"], eps)) * w[scalar][0]
     return x, k, v
@@ -245,13 +239,6 @@ def _qk_kernel_offsets(cfg: DiffusionGemmaConfig, layout) -> tuple[int, ...] | N
     fits = (qwen3.cached_attention_impl(cfg) == "pallas" and cfg.rope_sliding.partial_rotary_factor == 1.0
             and supported(cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim))
     return vector_offsets(layout, "q_norm", "k_norm") if fits else None
-
-
-def dense_in_experts(cfg: DiffusionGemmaConfig) -> bool:
-    """The dense MLP runs inside the experts' grouped kernels (moe.DENSE_AS_EXPERTS, the pallas moe_impl, and a
-    width F that splits into the experts' width: 2112 = 3 x 704 at 26B-A4B); its stacks are then read in place."""
-    return (moe.DENSE_AS_EXPERTS and moe_impl(cfg) == "pallas"
-            and moe.dense_as_experts_fits(cfg.hidden_size, cfg.intermediate_size, cfg.moe_intermediate_size))
 
 
 def moe_impl(cfg: DiffusionGemmaConfig) -> str:
@@ -288,7 +275,6 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     # (training, `forward`) need reverse-mode autodiff, which while_loop lacks: they scan each group's slice of the
     # stacks, copies included. The pallas moe_impl's grouped kernel reads the expert stacks in place (StackedWeight).
     stacks = EXPERT_WEIGHTS if moe_impl(cfg) == "pallas" else ()
-    stacks += DENSE_WEIGHTS if dense_in_experts(cfg) else ()
     sliding_w = {n: a for n, a in params["sliding"].items() if n not in stacks}
     full_w = {n: a for n, a in params["full"].items() if n not in stacks}
     if cache is not None and qwen3.cached_attention_impl(cfg) == "pallas":  # the kernel reads int8 masks

@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from orl_jax.model.layers import ACTIVATIONS, einsum, rms_norm_fp32
-from orl_jax.model.streamed import StackedWeight, as_stacked, xla_ragged_dot
+from orl_jax.model.streamed import as_stacked, xla_ragged_dot
 
 ROUTER_TOPK_F32 = True  # read at trace time; see route
 
@@ -62,12 +61,12 @@ def in_bounds_take(a: jax.Array, idx: jax.Array) -> jax.Array:
 
 
 def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, offsets: jax.Array | None = None,
-                   rows: jax.Array | None = None, lead=None) -> jax.Array:
+                   rows: jax.Array | None = None) -> jax.Array:
     """x [M, K] whose rows come in contiguous groups (sizes [E]) times w [E, K, N]: row r of group e gets x_r @ w_e.
     offsets [E + 1] (the groups' first rows, then their end), when known, spare the grouped kernel their cumsum.
-    rows [M]: sorted row r is x[rows[r]] (x then has any number of rows). lead: as StackedWeight.ragged_dot's."""
+    rows [M]: sorted row r is x[rows[r]] (x then has any number of rows)."""
     if hasattr(w, "ragged_dot"):
-        return w.ragged_dot(x, group_sizes, offsets, rows=rows, **({} if lead is None else {"lead": lead}))
+        return w.ragged_dot(x, group_sizes, offsets, rows=rows)
     return xla_ragged_dot(x, w, group_sizes, rows=rows)
 
 
@@ -229,56 +228,3 @@ def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kerne
     y = grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes, offsets)  # [M, D] in sorted order
     y = take(y, pos).astype(jnp.float32) * weights.reshape(-1, 1)  # [M, D] in (token, choice) order
     return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)  # [T, D]
-
-
-# The pallas path runs DiffusionGemma's dense MLP (F = 2112 = 3 x the experts' 704) inside the experts' two grouped
-# kernels when True and the shapes allow it (dense_as_experts_fits): three leading pseudo-experts over all tokens,
-# their weights read in place from the dense MLP's own stacks (kernels/grouped_gemm Lead). Alone, its two cuBLAS
-# GEMMs ran after the expert kernels (which hold every SM to their last program), ~24 us per 26B layer
-# (benchmarks/results/2026-12-01_dg_attention_order_h200.md); in the grouped launch they add ~36 MB of weight reads
-# per layer (~9 us at 4.1 TB/s). Approximation: the dense down's three slices are rounded to the model dtype each
-# before their float32 sum (cuBLAS sums all 2112 in float32 and rounds once): equal in float32, within bf16
-# rounding in bf16. Read at trace time (benchmarks/diffusion_gemma_generate.py --dense-apart sets False).
-DENSE_AS_EXPERTS = True
-
-
-def dense_as_experts_fits(d: int, f: int, fe: int) -> bool:
-    """A dense gated MLP [D, 2, F] / [F, D] splits into slices of the experts' width fe that the grouped kernel's
-    tiles for (D, 2 fe) and (fe, D) take as leading groups."""
-    from orl_jax_kernels.grouped_gemm.kernel import Lead, default_blocks, lead_fits, supported
-
-    if f % fe or not (supported(d, 2 * fe) and supported(fe, d)):
-        return False
-    return (lead_fits(Lead(1, 1, True), (d, 2 * f), d, 2 * fe, default_blocks(d, 2 * fe).bn)
-            and lead_fits(Lead(1, 1, False), (f, d), fe, d, default_blocks(fe, d).bn))
-
-
-def experts_with_dense_mlp(x, weights, experts, gate_up, down, act: str, x_dense, dense_gate_up, dense_down):
-    """(experts_mlp(x, ..., impl="pallas"), the dense gated MLP of x_dense [T, D] with dense_gate_up [D, 2, F] and
-    dense_down [F, D]) from one pair of grouped launches: the dense MLP's F columns as F / Fe leading
-    pseudo-experts of the experts' width Fe, each over all T tokens in tiles of the kernel's BM rows (their own
-    groups: a slice's row tiles run side by side and share its weight reads through L2). Weights may be
-    StackedWeights (read in place). See DENSE_AS_EXPERTS."""
-    from orl_jax_kernels.grouped_gemm import kernel as grouped
-
-    t, k = experts.shape
-    gu, dn, dgu, ddn = map(as_stacked, (gate_up, down, dense_gate_up, dense_down))
-    dgu = StackedWeight(dgu.stack.reshape(*dgu.stack.shape[:2], -1), dgu.index)  # [L, D, 2 F]: a free reshape
-    fe, f = gu.shape[-1] // 2, ddn.shape[-2]
-    s, bm = f // fe, grouped.BM
-    per = -(-t // bm)  # row tiles per pseudo-expert
-    tokens, pos, sizes, offsets = _sorted_rows(experts, gu.shape[0], SORT_KERNEL)
-    if offsets is None:
-        offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes).astype(jnp.int32)])
-    lead_sizes = np.asarray([min(bm, t - r * bm) for r in range(per)] * s, np.int32)  # static
-    sizes = jnp.concatenate([jnp.asarray(lead_sizes), sizes.astype(jnp.int32)])
-    offsets = jnp.concatenate([jnp.asarray(np.cumsum(lead_sizes) - lead_sizes), offsets.astype(jnp.int32) + s * t])
-    rows = jnp.concatenate([jnp.tile(jnp.arange(t, 2 * t, dtype=jnp.int32), s), tokens.astype(jnp.int32)])
-    xs = jnp.concatenate([x, x_dense.astype(x.dtype)])  # rows t .. 2t - 1: the dense MLP's input
-    xs, rows = (xs, rows) if GATHER_IN_KERNEL else (in_bounds_take(xs, rows), None)
-    gated, sliced = grouped.Lead(s * per, per, True), grouped.Lead(s * per, per, False)
-    g, u = jnp.split(grouped_matmul(xs, gu, sizes, offsets, rows=rows, lead=(gated, dgu)), 2, axis=-1)
-    y = grouped_matmul(ACTIVATIONS[act](g) * u, dn, sizes, offsets, lead=(sliced, ddn))  # [s t + M, D]
-    dense = jnp.sum(y[:s * t].reshape(s, t, -1).astype(jnp.float32), axis=0).astype(x.dtype)
-    y = in_bounds_take(y, pos + s * t).astype(jnp.float32) * weights.reshape(-1, 1)  # [M, D], (token, choice) order
-    return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype), dense

@@ -64,29 +64,17 @@ class StackedWeight:
         return self.stack.dtype
 
     def ragged_dot(self, x: jax.Array, group_sizes: jax.Array, offsets: jax.Array | None = None,
-                   rows: jax.Array | None = None, lead=None) -> jax.Array:
+                   rows: jax.Array | None = None) -> jax.Array:
         """moe.grouped_matmul's product (rows: as there): rows sorted by group times layer `index` of an expert
         stack [L, E, K, N], through kernels/grouped_gemm reading the stack in place (offsets: the groups' row
         offsets [E + 1] if the caller has them); shapes or dtypes it does not take fall back to XLA's ragged_dot on
-        the slice (a copy, as XLA makes for its own ops). lead: (kernels/grouped_gemm Lead, a StackedWeight of the
-        same layers [L, K', N']) for leading groups that multiply its slices (group_sizes and offsets count them)."""
-        from orl_jax_kernels.grouped_gemm.kernel import grouped_matmul, lead_fits, supported
-        from orl_jax_kernels.grouped_gemm.reference import lead_as_experts
+        the slice (a copy, as XLA makes for its own ops)."""
+        from orl_jax_kernels.grouped_gemm.kernel import grouped_matmul, supported
 
-        k, n = self.stack.shape[2:] if self.stack.ndim == 4 else (None, None)
-        spec, lw = lead if lead is not None else (None, None)
-        fits = self.stack.ndim == 4 and self.stack.dtype == x.dtype and supported(k, n)
-        if fits and lead is not None:
-            from orl_jax_kernels.grouped_gemm.kernel import default_blocks
-
-            fits = lw.dtype == x.dtype and lead_fits(spec, lw.stack.shape, k, n, default_blocks(k, n).bn)
-        if fits:
+        if self.stack.ndim == 4 and self.stack.dtype == x.dtype and supported(*self.stack.shape[2:]):
             return grouped_matmul(x, self.stack, group_sizes, self.index, interpret=jax.default_backend() == "cpu",
-                                  offsets=offsets, rows=rows, lead=spec, lead_w=None if lead is None else lw.stack)
-        w = self.sliced()
-        if lead is not None:
-            w = jnp.concatenate([lead_as_experts(lw.sliced(), spec, *w.shape[1:]), w])
-        return xla_ragged_dot(x, w, group_sizes, rows=rows)
+                                  offsets=offsets, rows=rows)
+        return xla_ragged_dot(x, self.sliced(), group_sizes, rows=rows)
 
     def einsum(self, spec: str, x: jax.Array) -> jax.Array:
         """x @ stack[index] by the einsum spec."""
