@@ -11,36 +11,15 @@ the next state equal this state's target.
 
 import sys
 
-sys.path[:0] = [".", "recipes"]
+sys.path[:0] = ["benchmarks"]
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import train_qwendlm as recipe  # noqa: E402
+from base_rollouts import load_base, roll_out  # noqa: E402
 
-from orl_jax.data import tasks  # noqa: E402
-from orl_jax.data.prompt_format import format_prompt, response_until_stop, stop_token_ids  # noqa: E402
-from orl_jax.data.tokenizer import load_tokenizer  # noqa: E402
-from orl_jax.decode.samplers import MaskSampler  # noqa: E402
-from orl_jax.train import base_package  # noqa: E402
-from orl_jax.train.orl import ORLConfig, rollout  # noqa: E402
 from orl_jax.train.replay import build_replay  # noqa: E402
-from orl_jax.train.stage2 import train_prompts  # noqa: E402
 
-G = 4
-pkg = base_package.check_package(".carry/pkg_h200_mask")
-r, tok = recipe.PRESETS["h200"], load_tokenizer(pkg)
-cfg, params = base_package.read_package(pkg)
-cfg = cfg.replace(dtype="float32", attention_impl="xla")
-params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
-exs = train_prompts(r, tok, 256, 16, 100_000)  # round 0's prompts
-ocfg = ORLConfig(group_size=G, max_new_tokens=r.eval_max_new, max_states=16, max_prompt=256)
-sampler = MaskSampler(mask_token_id=cfg.mask_token_id, threshold=0.9, temperature=1.0)
-rows, out = rollout(params, cfg, [format_prompt(tok, e.prompt) for e in exs], jax.random.key(0), sampler, ocfg,
-                    eos_token_ids=stop_token_ids(tok), pad_token_id=cfg.pad_token_id or 0)
-toks, lens = np.asarray(out.tokens), np.asarray(out.lengths)
-texts = [tok.decode(response_until_stop(tok, toks[i, :lens[i]]), skip_special_tokens=True) for i in range(len(rows))]
-ok = tasks.verify_many([exs[i // G] for i in range(len(rows))], texts)
+r, tok, cfg, params = load_base()
+exs, rows, out, texts, ok, sampler = roll_out(r, tok, cfg, params, 16)  # round 0's prompts
 L = cfg.block_length
 b = build_replay(rows, out, ok, block_length=L, pad_id=0, mask_token_id=cfg.mask_token_id, max_states=10_000)
 filled = ~b.unresolved & b.valid
