@@ -15,7 +15,7 @@ import numpy as np  # noqa: E402
 import train_qwendlm as recipe  # noqa: E402
 
 from orl_jax.data import tasks  # noqa: E402
-from orl_jax.data.prompt_format import format_prompt, response_until_stop, stop_token_ids  # noqa: E402
+from orl_jax.data.prompt_format import decode_response, format_prompt, stop_token_ids  # noqa: E402
 from orl_jax.data.tokenizer import load_tokenizer  # noqa: E402
 from orl_jax.decode.samplers import MaskSampler  # noqa: E402
 from orl_jax.train import base_package  # noqa: E402
@@ -41,7 +41,6 @@ def roll_out(r, tok, cfg, params, n_prompts: int, threshold: float = 0.9, group:
     rows, out = rollout(params, cfg, [format_prompt(tok, e.prompt) for e in exs], jax.random.key(0), sampler, ocfg,
                         eos_token_ids=stop_token_ids(tok), pad_token_id=cfg.pad_token_id or 0)
     toks, lens = np.asarray(out.tokens), np.asarray(out.lengths)
-    texts = [tok.decode(response_until_stop(tok, toks[i, :lens[i]]), skip_special_tokens=True)
-             for i in range(len(rows))]
+    texts = [decode_response(tok, toks[i, :lens[i]]) for i in range(len(rows))]
     ok = tasks.verify_many([exs[i // group] for i in range(len(rows))], texts)
     return exs, rows, out, texts, ok, sampler

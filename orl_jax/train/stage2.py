@@ -28,7 +28,7 @@ import numpy as np
 
 from orl_jax import checkpoint
 from orl_jax.data import tasks
-from orl_jax.data.prompt_format import format_prompt, response_until_stop, stop_token_ids
+from orl_jax.data.prompt_format import decode_response, format_prompt, stop_token_ids
 from orl_jax.decode.residual import ORLResidual, RCDResidual
 from orl_jax.decode.samplers import MaskSampler, UniformSampler
 from orl_jax.model import qwen3
@@ -135,8 +135,7 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
             prompts = [format_prompt(tok, ex.prompt) for ex in exs]
 
             def verify(responses, exs=exs):  # all rows at once: the code task's sandboxes run in parallel
-                texts = [tok.decode(response_until_stop(tok, np.asarray(t)), skip_special_tokens=True)
-                         for t in responses]
+                texts = [decode_response(tok, np.asarray(t)) for t in responses]
                 return tasks.verify_many([exs[r // G] for r in range(len(responses))], texts)
 
             rows = None if sup_rows is None else {k: v for k, v in next(sup_rows).items() if k in DIFFUSION_BATCH_KEYS}
