@@ -115,6 +115,12 @@ class Recipe:
     # ORL: weight of stage 1's conversion objective on a batch of ground-truth train rows in every update (our
     # addition, PPO-ptx style: a counterweight to ORL's steady drift from strict-decoding accuracy); 0 = off
     orl_sup_weight: float = 0.0
+    # ORL: L_pred's reduction over a state's positions (ORLLossConfig.pred_norm): "state" (mean) or "block" (sum / L)
+    pred_norm: str = "state"
+    # ORL's states: "rollouts" (the method), or a diagnostic feeding ORL's replay and loss code states built from
+    # ground-truth answers: "truth_random" (stage 1's random masks) or "truth_forced" (teacher-forced threshold
+    # decoding); train/truth_states.py. Mask family only
+    orl_source: str = "rollouts"
 
 
 PRESETS = {
@@ -191,6 +197,12 @@ def parse_args(argv=None):
                     help="QwenDLM's AR shift (ModelConfig.logit_shift); default: the preset's (on)")
     ap.add_argument("--noise", choices=["uniform", "mask"], default="uniform",
                     help="QwenDLM variant: uniform-state canvas (default) or mask tokens")
+    ap.add_argument("--pred-norm", choices=["state", "block"],
+                    help="ORL: L_pred per state as the mean over its uncertain positions (state) or their sum / the "
+                         "block length (block); default: the preset's (state)")
+    ap.add_argument("--orl-source", choices=["rollouts", "truth_random", "truth_forced"],
+                    help="ORL's states: on-policy rollouts (the method, default) or, as a diagnostic, states built "
+                         "from ground-truth answers (random masks, or teacher-forced decoding; --noise mask)")
     ap.add_argument("--skip-stage2", action="store_true", help="stop after the conversion (no ORL)")
     ap.add_argument("--residual-ablation", action="store_true",
                     help="also evaluate each stage-2 model decoding without its residual: what the residual adds, "
@@ -241,6 +253,8 @@ def parse_args(argv=None):
             check_package(args.base_package)
         except ValueError as e:
             ap.error(str(e))
+    if args.orl_source not in (None, "rollouts") and args.noise != "mask":
+        ap.error(f"--orl-source {args.orl_source} builds mask-family states: it needs --noise mask")
     if args.residual_ablation and (args.skip_stage2 or args.no_eval):
         ap.error("--residual-ablation adds evaluation rows of the stage-2 models: it has nothing to do with "
                  f"{'--skip-stage2' if args.skip_stage2 else '--no-eval'}")

@@ -58,6 +58,10 @@ def test_pred_loss_only_on_uncertain_positions():
     valid = jnp.asarray([[True, True, True]])
     np.testing.assert_allclose(float(pred_loss(logits, targets, ent, valid, 0.02)[0]),
                                (-math.log(0.5) - math.log(0.2)) / 2, rtol=1e-5)
+    # "block": the same two cross-entropies summed over the block's 3 positions, so a state with one uncertain
+    # position weighs a third of one with three (the "state" mean gives both the same weight)
+    np.testing.assert_allclose(float(pred_loss(logits, targets, ent, valid, 0.02, "block")[0]),
+                               (-math.log(0.5) - math.log(0.2)) / 3, rtol=1e-5)
 
 
 def test_certainty_loss_on_positions_already_right():
@@ -115,6 +119,8 @@ def test_full_loss_is_finite_and_differentiable():
 
 
 def test_bad_config():
+    with pytest.raises(ValueError, match="pred_norm"):
+        ORLLossConfig(pred_norm="token")
     with pytest.raises(ValueError, match="rho"):
         ORLLossConfig(rho=1.5)
     with pytest.raises(ValueError, match="anchor_cap"):

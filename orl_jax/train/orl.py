@@ -171,7 +171,7 @@ def rollout(params, cfg, prompts: Sequence[Sequence[int]], key, sampler, orl_cfg
     return rows, out
 
 
-def _selection_rng(key, orl_cfg: ORLConfig):
+def selection_rng(key, orl_cfg: ORLConfig):
     """numpy Generator for the round's state selection, derived from the round key (resumes reproducibly)."""
     if orl_cfg.state_selection == "first":
         return None
@@ -204,18 +204,26 @@ def orl_iteration(state, step_fn, cfg, prompts, verify: Callable[[list[np.ndarra
     batch = build_replay(rows, out, ok, block_length=cfg.block_length, pad_id=pad_token_id,
                          prefix_attention=cfg.prefix_attention,
                          mask_token_id=cfg.mask_token_id if cfg.noise == "mask" else None,
-                         max_states=orl_cfg.max_states, rng=_selection_rng(key, orl_cfg))
-    n = len(rows)
-    L = cfg.block_length
+                         max_states=orl_cfg.max_states, rng=selection_rng(key, orl_cfg))
+    t2 = time.perf_counter()
+    metrics = {"verified": float(np.mean(ok)), "rollout_tpf": float(np.mean(np.asarray(out.tpf))),
+               "rollout_s": t1 - t0, "replay_s": t2 - t1}
+    if not any(ok):  # nothing verified: no gradient this round (the rollout still counts)
+        return state, metrics | {"replayed_states": 0, "update_s": 0.0}, None
+    return replay_update(state, step_fn, batch, len(rows), cfg.block_length, orl_cfg, metrics, supervised_batch)
+
+
+def replay_update(state, step_fn, batch: ReplayBatch, n: int, L: int, orl_cfg: ORLConfig, metrics: dict,
+                  supervised_batch: dict | None = None):
+    """The round's one update on its replay, padded to the sizes of n responses (ORLConfig's) so the step compiles
+    once. Returns (state, metrics, padded arrays); metrics gain the replayed state count and update_s (packing
+    and the step, waited for)."""
+    t = time.perf_counter()
     width = orl_cfg.max_prompt + orl_cfg.max_new_tokens + L + orl_cfg.max_states * L
     arrays = pad_replay(batch, n, width, n * orl_cfg.max_states)
     if supervised_batch is not None:
         arrays["supervised"] = supervised_batch
-    t2 = time.perf_counter()
-    metrics = {"verified": float(np.mean(ok)), "rollout_tpf": float(np.mean(np.asarray(out.tpf))),
-               "replayed_states": int(len(batch.step)), "rollout_s": t1 - t0, "replay_s": t2 - t1}
-    if not any(ok):  # nothing verified: no gradient this round (the rollout still counts)
-        return state, metrics | {"update_s": 0.0}, arrays
     state, m = step_fn(state, arrays)
     jax.block_until_ready(state.params)
-    return state, metrics | dict(m) | {"update_s": time.perf_counter() - t2}, arrays
+    return state, metrics | dict(m) | {"replayed_states": int(len(batch.step)),
+                                       "update_s": time.perf_counter() - t}, arrays

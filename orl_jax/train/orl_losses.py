@@ -14,6 +14,11 @@ still unresolved. Defaults are our reading of the method [I] and meant to be swe
   zero when sg(H(s)) < aec_gate (already confident) or when s' has no unresolved position.
 - Per response: (sum over its states of L_pred + l_anchor L_anchor + l_aec L_AEC) / its number of states;
   the batch loss is the mean over responses that have states.
+- pred_norm (our reading [I]; METHOD.md leaves a state's reduction open): "state" averages L_pred over the state's
+  uncertain positions, so a late state with one such position weighs as much as a first state with thirty (on one
+  round of the h200 base's rollouts, states with one position hold 9% of the positions and 26% of the weight:
+  benchmarks/results/2026-12-02_orl_weighting_h200/token_weights.py); "block" sums them and divides by the block
+  length, so within a response every position weighs alike, as in stage 1's token mean.
 - ar_weight (our addition [I], not in the method): plus ar_weight times the next-token loss of the replay rows'
   clean tokens (prompt + verified response; train/replay.clean_next_token_loss). It keeps the causal pass
   that prefill and commits run trained as the conversion trained it (stage 1's ar_weight). RCD without that term
@@ -48,6 +53,9 @@ class ORLLossConfig:
     l_aec: float = 10.0  # AEC values are ~1e-3; sweep 1..100
     ar_weight: float = 0.0  # next-token loss on the replayed clean tokens (see the module docstring); 0 = off
     l_cert: float = 0.0  # certainty forcing on positions already predicted right (module docstring); 0 = off
+    # L_pred of a state: "state" = the mean over its uncertain positions (our first reading), "block" = their sum / the
+    # block length (every position of a response weighs alike, as stage 1 weighs tokens; module docstring)
+    pred_norm: str = "state"
 
     def __post_init__(self):
         for name in ("pred_gate", "anchor_cap", "rho", "aec_gate", "l_anchor", "l_aec", "ar_weight", "l_cert"):
@@ -56,6 +64,8 @@ class ORLLossConfig:
                 raise ValueError(f"ORLLossConfig.{name} must be a number >= 0, got {v!r}")
         if self.rho > 1:
             raise ValueError(f"ORLLossConfig.rho must be in [0, 1], got {self.rho}")
+        if self.pred_norm not in ("state", "block"):
+            raise ValueError(f"ORLLossConfig.pred_norm must be 'state' or 'block', got {self.pred_norm!r}")
 
 
 def entropy(logp: jax.Array) -> jax.Array:
@@ -73,11 +83,13 @@ def _masked_mean(x, m):
     return jnp.sum(x * m, axis=-1) / jnp.maximum(jnp.sum(m, axis=-1), 1.0)
 
 
-def pred_loss(logits, targets, beh_entropy, valid, gate: float):
-    """[S] mean cross-entropy over uncertain valid positions (0 for a state without any)."""
+def pred_loss(logits, targets, beh_entropy, valid, gate: float, norm: str = "state"):
+    """[S] cross-entropy over uncertain valid positions: their mean ("state"; 0 for a state without any) or their
+    sum / L ("block")."""
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # [S, L]
-    return _masked_mean(nll, valid & (beh_entropy > gate))
+    m = valid & (beh_entropy > gate)
+    return _masked_mean(nll, m) if norm == "state" else jnp.sum(jnp.where(m, nll, 0.0), axis=-1) / nll.shape[-1]
 
 
 def anchor_loss(logits, beh_logp, beh_entropy, valid, gate: float, cap: float):
@@ -126,7 +138,7 @@ def orl_loss(cfg: ORLLossConfig, logits, targets, beh_logp, beh_entropy, valid, 
     """The batch loss and its parts. logits/beh_logp [S, L, V]; targets/beh_entropy/valid/unresolved [S, L];
     temperature/prev/response_id [S]; state_valid [S] (False for padding states, which then count nowhere)."""
     state_valid = jnp.ones(prev.shape, bool) if state_valid is None else state_valid
-    lp = pred_loss(logits, targets, beh_entropy, valid, cfg.pred_gate)
+    lp = pred_loss(logits, targets, beh_entropy, valid, cfg.pred_gate, cfg.pred_norm)
     la = anchor_loss(logits, beh_logp, beh_entropy, valid, cfg.pred_gate, cfg.anchor_cap)
     h, has_u = state_entropy(logits, unresolved & valid, temperature)
     lc = aec_loss(h, has_u, prev, cfg.rho, cfg.aec_gate)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import time
 from pathlib import Path
 
 import jax
@@ -28,7 +29,7 @@ import numpy as np
 
 from orl_jax import checkpoint
 from orl_jax.data import tasks
-from orl_jax.data.prompt_format import decode_response, format_prompt, stop_token_ids
+from orl_jax.data.prompt_format import decode_response, format_example, format_prompt, stop_token_ids
 from orl_jax.decode.residual import ORLResidual, RCDResidual
 from orl_jax.decode.samplers import MaskSampler, UniformSampler
 from orl_jax.model import qwen3
@@ -37,8 +38,9 @@ from orl_jax.train.ckpt import CheckpointManager
 from orl_jax.train.metrics import MetricsWriter
 from orl_jax.train.objectives import DiffusionObjective
 from orl_jax.train.optim import OptimConfig, make_optimizer
-from orl_jax.train.orl import ORLConfig, make_orl_loss, orl_iteration
+from orl_jax.train.orl import ORLConfig, make_orl_loss, orl_iteration, replay_update, selection_rng
 from orl_jax.train.orl_losses import ORLLossConfig
+from orl_jax.train.replay import build_replay
 from orl_jax.train.stages import (
     ADAPTER_GROUP,
     DIFFUSION_BATCH_KEYS,
@@ -49,6 +51,7 @@ from orl_jax.train.stages import (
     load_export,
 )
 from orl_jax.train.step import make_train_step
+from orl_jax.train.truth_states import forced_capture, make_confidence_fn, random_mask_capture
 
 WARMUP_MAX = 20  # stage 2's longest warmup, in updates (every run so far had <= 200 rounds: <= 20)
 
@@ -130,18 +133,22 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
         state, start = (restored[0], int(restored[1]["round"])) if restored else (
             step.init_state(params, jax.random.key(2)), 0)
         examples = round_examples(r, tok, ocfg.max_prompt)
+        truth_round = None if r.orl_source == "rollouts" else truth_states_round(r, tok, cfg, ocfg, sampler)
         for rnd in range(start, r.orl_rounds):
-            exs = examples(rnd)
-            prompts = [format_prompt(tok, ex.prompt) for ex in exs]
-
-            def verify(responses, exs=exs):  # all rows at once: the code task's sandboxes run in parallel
-                texts = [decode_response(tok, np.asarray(t)) for t in responses]
-                return tasks.verify_many([exs[r // G] for r in range(len(responses))], texts)
-
             rows = None if sup_rows is None else {k: v for k, v in next(sup_rows).items() if k in DIFFUSION_BATCH_KEYS}
-            state, m, _ = orl_iteration(state, step, cfg, prompts, verify, jax.random.fold_in(key, rnd), sampler,
-                                        ocfg, eos_token_ids=stops, pad_token_id=cfg.pad_token_id or 0,
-                                        supervised_batch=rows)
+            if truth_round is not None:
+                state, m, _ = truth_round(state, step, rnd, jax.random.fold_in(key, rnd), rows)
+            else:
+                exs = examples(rnd)
+                prompts = [format_prompt(tok, ex.prompt) for ex in exs]
+
+                def verify(responses, exs=exs):  # all rows at once: the code task's sandboxes run in parallel
+                    texts = [decode_response(tok, np.asarray(t)) for t in responses]
+                    return tasks.verify_many([exs[r // G] for r in range(len(responses))], texts)
+
+                state, m, _ = orl_iteration(state, step, cfg, prompts, verify, jax.random.fold_in(key, rnd), sampler,
+                                            ocfg, eos_token_ids=stops, pad_token_id=cfg.pad_token_id or 0,
+                                            supervised_batch=rows)
             m = {k: float(v) for k, v in jax.device_get(m).items() if np.ndim(v) == 0}
             w.write(rnd + 1, m)
             stop = ck.should_stop(rnd + 1)
@@ -151,13 +158,46 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
                 update = (f"loss {m['loss']:.4f}, replay entropy gap {m['replay_entropy_gap']:.1e}" if "loss" in m
                           else "no update (no verified response)")
                 log(f"{name} round {rnd + 1}/{r.orl_rounds}: verified {m['verified']:.2f}, rollout TPF "
-                    f"{m['rollout_tpf']:.2f}, {update}; rollout {m['rollout_s']:.2f} s, replay {m['replay_s']:.2f} s, "
-                    f"update {m['update_s']:.2f} s")
+                    f"{m.get('rollout_tpf', float('nan')):.2f}, {update}; rollout {m['rollout_s']:.2f} s, "
+                    f"replay {m['replay_s']:.2f} s, update {m['update_s']:.2f} s")
             if stop and rnd + 1 < r.orl_rounds:
                 raise StageStopped(name, rnd + 1, r.orl_rounds)
     params = jax.device_get(state.params)
     checkpoint.save_params(out / name / "params", cfg, params, overwrite=True)  # a continued stage replaces it
     return params
+
+
+def truth_states_round(r, tok, cfg, ocfg: ORLConfig, sampler):
+    """(state, step, rnd, key, supervised rows) -> (state, metrics, arrays): one update of ORL's loss on states built
+    from ground-truth answers (r.orl_source "truth_random" / "truth_forced", train/truth_states.py; a diagnostic),
+    for the round's P x G distinct train examples (one answer each, where a rollout round has G per prompt)."""
+    n = r.orl_prompts * r.orl_group
+    pad = cfg.pad_token_id or 0
+    width = ocfg.max_prompt + ocfg.max_new_tokens + cfg.block_length + ocfg.max_states * cfg.block_length
+    conf = make_confidence_fn(cfg, ocfg.residual, sampler) if r.orl_source == "truth_forced" else None
+
+    def one_round(state, step, rnd, key, sup_rows):
+        t0 = time.perf_counter()
+        pairs = [format_example(tok, ex) for ex in train_prompts(r, tok, ocfg.max_prompt, n, 100_000 + rnd)]
+        pairs = [(p, a[:ocfg.max_new_tokens]) for p, a in pairs]  # as a rollout's length cap cuts an answer
+        prompts, answers = [p for p, _ in pairs], [a for _, a in pairs]
+        if conf is None:
+            seed = jax.random.key_data(jax.random.fold_in(key, 2)).ravel().tolist()
+            cap = random_mask_capture(answers, cfg, np.random.default_rng(seed), pad_id=pad)
+        else:
+            cap = forced_capture(state.params, cfg, prompts, answers, r.orl_threshold, conf, rows=n, width=width,
+                                 states=n * ocfg.max_states, pad_id=pad)
+        batch = build_replay(prompts, cap, [True] * n, block_length=cfg.block_length, pad_id=pad,
+                             prefix_attention=cfg.prefix_attention, mask_token_id=cfg.mask_token_id,
+                             max_states=ocfg.max_states, rng=selection_rng(key, ocfg))
+        blocks = -(-cap.lengths // cfg.block_length)  # forced decoding's tokens per forward (commits counted)
+        per_row = cap.capture["active"][:cap.total_forwards].sum(0)
+        metrics = {"verified": 1.0, "rollout_s": time.perf_counter() - t0, "replay_s": 0.0}
+        if conf is not None:
+            metrics["rollout_tpf"] = float(np.mean(cap.lengths / (per_row + blocks - 1).clip(1)))
+        return replay_update(state, step, batch, n, cfg.block_length, ocfg, metrics, sup_rows)
+
+    return one_round
 
 
 def run_rcd(r, args, out: Path, tok, cfg, params, log):
@@ -177,10 +217,12 @@ def stage2(r, args, out: Path, tok, cfg, params, log, methods=("orl", "noaec", "
     The residual is the one a mask-family model was trained with, hence decodes with: ORL's adapter on the
     previous step's soft token, RCD's interpolated embedding."""
     base = ORLLossConfig(l_aec=r.l_aec, pred_gate=r.pred_gate, l_anchor=r.l_anchor, ar_weight=r.ar_weight,
-                         l_cert=r.l_cert)
+                         l_cert=r.l_cert, pred_norm=r.pred_norm)
     # our additions to ORL, not the method: named in the report
-    ours = (f" (l_cert {r.l_cert:g})" if r.l_cert else "") + (f" (+sup {r.orl_sup_weight:g})" if r.orl_sup_weight
-                                                                else "")
+    ours = "".join(label for label, on in ((f" (l_cert {r.l_cert:g})", r.l_cert),
+                                           (f" (+sup {r.orl_sup_weight:g})", r.orl_sup_weight),
+                                           (f" (L_pred per {r.pred_norm})", r.pred_norm != "state"),
+                                           (f" (states: {r.orl_source})", r.orl_source != "rollouts")) if on)
     log(f"stage 2 ({', '.join(methods)}): ORL, {r.orl_rounds} rounds of {r.orl_prompts} prompts x "
         f"{r.orl_group} responses")
     rcd = functools.cache(lambda: run_rcd(r, args, out, tok, cfg, params, log))  # orl_rcd starts from it

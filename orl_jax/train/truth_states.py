@@ -1,0 +1,152 @@
+"""ORL's replay and loss code fed states built from ground-truth answers instead of rollouts: a diagnostic (session
+28), not the method. ORL from the h200 base loses held-out accuracy at a steady rate per update while stage 1's
+objective on ground-truth rows does not (benchmarks/results/2026-12-02_orl_sup_strict_h200/); these states tell
+apart the code path (replay packing, L_pred's normalization, the update) from what the on-policy states teach.
+
+- "truth_random": stage 1's noise through ORL's code. Each block of the answer is one state whose positions are
+  [MASK] with probability t ~ U(t_min, 1) (at least one), as DiffusionObjective.noise masks a block; every masked
+  position counts as uncertain (entropy 1), so L_pred is stage 1's cross-entropy on the masked positions, under
+  ORL's per-state, per-response normalization.
+- "truth_forced": the states threshold decoding passes through when every filled token is the ground truth
+  (teacher-forced decoding). All blocks of an answer decode at once, each seeing the clean answer before it (what
+  the engine's cache holds after the commits); at every step the [MASK] positions whose policy confidence (the
+  largest probability, [MASK] excluded, temperature 1) exceeds the threshold are filled with their ground-truth
+  tokens, at least the most confident one (MaskSampler's rule). The states carry the policy's normalized entropy, so
+  L_pred's gate and the anchor see what they see in a rollout. Approximations: no sampling (a rollout fills what it
+  sampled at temperature 1; greedy confidences here), and no residual (z = 0, a = 0; ORL's adapter starts at zero
+  output and barely moves at the rates tried).
+
+Both make an object with GenerateOutput's fields that train/replay.build_replay reads, so the packing, the state
+selection and the loss are exactly ORL's. Mask family only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from orl_jax.decode.samplers import MaskSampler
+from orl_jax.train.orl import pad_replay, replay_arrays_batch
+from orl_jax.train.orl_losses import normalized_entropy
+from orl_jax.train.replay import build_replay, policy_logits, replay_hidden, state_logits
+
+SOURCES = ("rollouts", "truth_random", "truth_forced")
+
+
+@dataclass
+class TruthCapture:
+    """What build_replay reads of a GenerateOutput: the answers as `tokens` / `lengths`, states as capture records."""
+    tokens: np.ndarray  # [B, T] answer tokens, end-of-turn padding to a block boundary
+    lengths: np.ndarray  # [B] answer tokens through the end-of-turn token
+    total_forwards: int  # records
+    capture: dict  # canvas / z / a / entropy / resolved [n, B, ...], active [n, B], block / step [n]
+
+
+def answer_arrays(responses, block_length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """([B, T] tokens padded with each answer's last token (its end-of-turn) to a block boundary, then pad_id;
+    [B] lengths). T is the longest answer's blocks x block_length."""
+    L = block_length
+    lengths = np.asarray([len(r) for r in responses], np.int32)
+    if (lengths < 1).any():
+        raise ValueError("every answer needs at least one token")
+    T = int(-(-lengths.max() // L) * L)
+    tokens = np.full((len(responses), T), pad_id, np.int32)
+    for b, r in enumerate(responses):
+        end = -(-len(r) // L) * L
+        tokens[b, :len(r)] = r
+        tokens[b, len(r):end] = r[-1]
+    return tokens, lengths
+
+
+def _capture(records: list[dict], batch: int, L: int, d: int) -> dict:
+    """Stack per-record dicts {block, step, rows: {row: (canvas, entropy, resolved)}} into capture arrays."""
+    n = len(records)
+    cap = {"canvas": np.zeros((n, batch, L), np.int32), "z": np.zeros((n, batch, L, d), np.float32),
+           "a": np.zeros((n, batch, L), np.float32), "entropy": np.zeros((n, batch, L), np.float32),
+           "resolved": np.zeros((n, batch, L), bool), "active": np.zeros((n, batch), bool),
+           "block": np.zeros(n, np.int32), "step": np.zeros(n, np.int32)}
+    for i, rec in enumerate(records):
+        cap["block"][i], cap["step"][i] = rec["block"], rec["step"]
+        for b, (canvas, ent, res) in rec["rows"].items():
+            cap["canvas"][i, b], cap["entropy"][i, b], cap["resolved"][i, b] = canvas, ent, res
+            cap["active"][i, b] = True
+    return cap
+
+
+def random_mask_capture(responses, cfg, rng: np.random.Generator, t_min: float = 0.05,
+                        pad_id: int = 0) -> TruthCapture:
+    """One state per block of every answer, masked as stage 1 masks a block (module docstring)."""
+    L, mask = cfg.block_length, cfg.mask_token_id
+    tokens, lengths = answer_arrays(responses, L, pad_id)
+    records = []
+    for blk in range(tokens.shape[1] // L):
+        rows = {}
+        for b in range(len(responses)):
+            if blk * L >= lengths[b]:
+                continue
+            block = tokens[b, blk * L:(blk + 1) * L]
+            flip = rng.random(L) < rng.uniform(t_min, 1.0)
+            if not flip.any():
+                flip[0] = True
+            rows[b] = (np.where(flip, mask, block), np.ones(L, np.float32), np.zeros(L, bool))
+        records.append({"block": blk, "step": 0, "rows": rows})
+    return TruthCapture(tokens, lengths, len(records), _capture(records, len(responses), L, cfg.hidden_size))
+
+
+def make_confidence_fn(cfg, residual, sampler: MaskSampler):
+    """jitted (params, arrays, canvas [S, L]) -> (normalized entropy, confidence) [S, L] of every state of a padded
+    replay (pad_replay) whose state segments hold `canvas` (padding states write back what their slots hold)."""
+    L = cfg.block_length
+
+    @jax.jit
+    def fn(params, arrays, canvas):
+        rows = arrays["state_row"][:, None]
+        cols = arrays["state_start"][:, None] + jnp.arange(L)[None]
+        keep = arrays["tokens"][rows, cols]
+        tokens = arrays["tokens"].at[rows, cols].set(jnp.where(arrays["state_valid"][:, None], canvas, keep))
+        batch = replay_arrays_batch(arrays | {"tokens": tokens})
+        h = replay_hidden(params, cfg, residual, batch)
+        logp = jax.nn.log_softmax(policy_logits(sampler, state_logits(params, cfg, batch, h)).astype(jnp.float32), -1)
+        return normalized_entropy(logp), jnp.exp(jnp.max(logp, axis=-1))
+
+    return fn
+
+
+def forced_capture(params, cfg, prompts, responses, threshold: float, confidence_fn, *, rows: int, width: int,
+                   states: int, pad_id: int = 0) -> TruthCapture:
+    """The states of teacher-forced threshold decoding of every answer (module docstring); confidence_fn from
+    make_confidence_fn, run on the replay padded to (rows, width, states) so that it compiles once."""
+    L, mask = cfg.block_length, cfg.mask_token_id
+    tokens, lengths = answer_arrays(responses, L, pad_id)
+    B, nb = len(responses), tokens.shape[1] // L
+    start = [{"block": blk, "step": 0, "rows": {b: (np.full(L, mask, np.int32), np.zeros(L, np.float32),
+                                                   np.zeros(L, bool)) for b in range(B) if blk * L < lengths[b]}}
+             for blk in range(nb)]
+    layout = build_replay(prompts, TruthCapture(tokens, lengths, nb, _capture(start, B, L, cfg.hidden_size)),
+                          [True] * B, block_length=L, pad_id=pad_id, mask_token_id=mask)
+    arrays = jax.device_put(pad_replay(layout, rows, width, states))
+    S = len(layout.step)
+    owner = [(b, blk) for b in range(B) for blk in range(nb) if blk * L < lengths[b]]  # build_replay's state order
+    assert len(owner) == S
+    target = layout.targets
+    canvas = np.full((states, L), mask, np.int32)
+    records: dict[tuple[int, int], dict] = {}  # (block, step) -> record
+    for step in range(L):
+        masked = canvas[:S] == mask
+        open_ = masked.any(1)
+        if not open_.any():
+            break
+        ent, conf = (np.asarray(x)[:S] for x in confidence_fn(params, arrays, jnp.asarray(canvas)))
+        mconf = np.where(masked, conf, -1.0)
+        fill = masked & (conf > threshold)
+        fill[np.arange(S), mconf.argmax(1)] |= open_  # at least one per open state
+        for s in np.flatnonzero(open_):
+            b, blk = owner[s]
+            rec = records.setdefault((blk, step), {"block": blk, "step": step, "rows": {}})
+            rec["rows"][b] = (canvas[s].copy(), ent[s], fill[s])
+        canvas[:S] = np.where(fill, target, canvas[:S])
+    ordered = [records[k] for k in sorted(records)]  # block-major, as the engine records them
+    return TruthCapture(tokens, lengths, len(ordered), _capture(ordered, B, L, cfg.hidden_size))
