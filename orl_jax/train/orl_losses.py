@@ -16,7 +16,7 @@ still unresolved. Defaults are our reading of the method [I] and meant to be swe
   the batch loss is the mean over responses that have states.
 - pred_norm (our reading [I]; METHOD.md leaves a state's reduction open): "state" averages L_pred over the state's
   uncertain positions, so a late state with one such position weighs as much as a first state with thirty (on one
-  round of the h200 base's rollouts, states with one position hold 9% of the positions and 26% of the weight:
+  round of the h200 base's rollouts, states with one position hold 10% of the positions and 42% of the weight:
   benchmarks/results/2026-12-02_orl_weighting_h200/token_weights.py); "block" sums them and divides by the block
   length, so within a response every position weighs alike, as in stage 1's token mean.
 - ar_weight (our addition [I], not in the method): plus ar_weight times the next-token loss of the replay rows'
