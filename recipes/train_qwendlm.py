@@ -121,6 +121,8 @@ class Recipe:
     # ground-truth answers: "truth_random" (stage 1's random masks) or "truth_forced" (teacher-forced threshold
     # decoding); train/truth_states.py. Mask family only
     orl_source: str = "rollouts"
+    # ORL: weigh each verified response by 1 - its prompt's verified share (ORLConfig.group_baseline; our addition)
+    orl_group_baseline: bool = False
 
 
 PRESETS = {
@@ -203,6 +205,9 @@ def parse_args(argv=None):
     ap.add_argument("--orl-source", choices=["rollouts", "truth_random", "truth_forced"],
                     help="ORL's states: on-policy rollouts (the method, default) or, as a diagnostic, states built "
                          "from ground-truth answers (random masks, or teacher-forced decoding; --noise mask)")
+    ap.add_argument("--orl-group-baseline", action="store_true", default=None,
+                    help="ORL: weigh each verified response by 1 - its prompt's verified share, so prompts whose "
+                         "responses all verify give no gradient (our addition; ORLConfig.group_baseline)")
     ap.add_argument("--skip-stage2", action="store_true", help="stop after the conversion (no ORL)")
     ap.add_argument("--residual-ablation", action="store_true",
                     help="also evaluate each stage-2 model decoding without its residual: what the residual adds, "

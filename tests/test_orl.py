@@ -99,6 +99,26 @@ def test_failed_responses_give_no_gradient(setup):
                       jax.random.key(1), SAMPLER, OCFG)  # a fresh state: the update above donated state1
 
 
+def test_group_baseline_weighs_responses_by_their_prompts_failures(setup):
+    """ORLConfig.group_baseline: a verified response weighs 1 - its prompt's verified share; a prompt whose responses
+    all verify gives no gradient (ORL's part and the AR term both 0)."""
+    cfg, params, _, _ = setup
+    ocfg = dataclasses.replace(OCFG, group_baseline=True, loss=dataclasses.replace(OCFG.loss, ar_weight=1.0))
+    loss_fn = make_orl_loss(cfg, SAMPLER, len(PROMPTS) * ocfg.group_size, ocfg.loss)
+    step = _one_device(loss_fn, _optimizer(), cfg)
+    three = lambda responses: [r != 3 for r in range(len(responses))]  # noqa: E731  prompt 0: 2 of 2, prompt 1: 1 of 2
+    _, m, arrays = orl_iteration(step.init_state(params, jax.random.key(0)), step, cfg, PROMPTS, three,
+                                 jax.random.key(1), SAMPLER, ocfg)
+    np.testing.assert_allclose(arrays["row_weight"], [0.0, 0.0, 0.5, 0.0])
+    np.testing.assert_allclose(m["mean_weight"], 0.5 / 3)
+    full = float(loss_fn(params, arrays | {"row_weight": np.asarray([1.0, 1.0, 1.0, 0.0], np.float32)}, None)[0])
+    only_third = float(loss_fn(params, arrays | {"row_weight": np.asarray([0.0, 0.0, 1.0, 0.0], np.float32)}, None)[0])
+    assert 0 < only_third < full
+    np.testing.assert_allclose(float(loss_fn(params, arrays, None)[0]), 0.5 * only_third, rtol=1e-5)
+    zero = float(loss_fn(params, arrays | {"row_weight": np.zeros(4, np.float32)}, None)[0])
+    assert zero == 0.0
+
+
 def test_round_on_a_four_device_mesh_equals_one_device(setup):
     """The whole round (rollout split over the data axes, replay, update) on fsdp=4 equals one device."""
     cfg, params, loss_fn, step4 = setup

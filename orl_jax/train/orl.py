@@ -55,6 +55,12 @@ class ORLConfig:
     # the residual form of the rollouts and of the replay (one policy): ORL's adapter, or RCD's interpolation for
     # on-policy training of an RCD model (the recipe's "orl_rcd" variant)
     residual: ORLResidual | RCDResidual = ORLResidual()
+    # our addition, not the method (which weighs every verified response alike): weigh each verified response by
+    # 1 - its prompt's verified share (GRPO's group baseline without the negative side: failed responses still give
+    # no gradient). A prompt whose G responses all verify then gives none either: there training on the policy's
+    # own samples is self-distillation, whose expected gradient is ~0 and whose noise drifts the model
+    # (benchmarks/results/2026-12-02_orl_weighting_h200/)
+    group_baseline: bool = False
 
     def __post_init__(self):
         for name in ("group_size", "max_new_tokens", "max_states", "max_prompt"):
@@ -133,10 +139,10 @@ def make_orl_loss(cfg, sampler, num_responses: int, loss_cfg: ORLLossConfig, res
         loss, parts = orl_loss(loss_cfg, logits, arrays["targets"], beh, arrays["entropy"],
                                arrays["valid"] & arrays["unresolved"] if decided else arrays["valid"],
                                arrays["unresolved"], temps, arrays["prev"], arrays["response_id"], num_responses,
-                               arrays["state_valid"])
+                               arrays["state_valid"], arrays.get("row_weight"))
         parts = parts | {"replay_entropy_gap": replay_entropy_gap(beh, arrays)}
         if loss_cfg.ar_weight:
-            ar = clean_next_token_loss(params, cfg, batch, h)
+            ar = clean_next_token_loss(params, cfg, batch, h, arrays.get("row_weight"))
             loss, parts = loss + loss_cfg.ar_weight * ar, parts | {"ar_loss": ar}
         if supervised is not None:
             sup_loss, weight = supervised
@@ -210,17 +216,26 @@ def orl_iteration(state, step_fn, cfg, prompts, verify: Callable[[list[np.ndarra
                "rollout_s": t1 - t0, "replay_s": t2 - t1}
     if not any(ok):  # nothing verified: no gradient this round (the rollout still counts)
         return state, metrics | {"replayed_states": 0, "update_s": 0.0}, None
-    return replay_update(state, step_fn, batch, len(rows), cfg.block_length, orl_cfg, metrics, supervised_batch)
+    weight = None
+    if orl_cfg.group_baseline:  # build_replay's rows are the verified responses, in order
+        share = np.asarray(ok, np.float32).reshape(-1, orl_cfg.group_size).mean(1)
+        weight = np.asarray([1.0 - share[r // orl_cfg.group_size] for r in range(len(rows)) if ok[r]], np.float32)
+        metrics["mean_weight"] = float(weight.mean())
+    return replay_update(state, step_fn, batch, len(rows), cfg.block_length, orl_cfg, metrics, supervised_batch,
+                         weight)
 
 
 def replay_update(state, step_fn, batch: ReplayBatch, n: int, L: int, orl_cfg: ORLConfig, metrics: dict,
-                  supervised_batch: dict | None = None):
+                  supervised_batch: dict | None = None, row_weight: np.ndarray | None = None):
     """The round's one update on its replay, padded to the sizes of n responses (ORLConfig's) so the step compiles
-    once. Returns (state, metrics, padded arrays); metrics gain the replayed state count and update_s (packing
-    and the step, waited for)."""
+    once. row_weight: a weight per replay row (response), 1 by default (arrays["row_weight"], read by
+    make_orl_loss). Returns (state, metrics, padded arrays); metrics gain the replayed state count and update_s
+    (packing and the step, waited for)."""
     t = time.perf_counter()
     width = orl_cfg.max_prompt + orl_cfg.max_new_tokens + L + orl_cfg.max_states * L
     arrays = pad_replay(batch, n, width, n * orl_cfg.max_states)
+    arrays["row_weight"] = np.zeros(n, np.float32)
+    arrays["row_weight"][:len(batch.clean_len)] = 1.0 if row_weight is None else row_weight
     if supervised_batch is not None:
         arrays["supervised"] = supervised_batch
     state, m = step_fn(state, arrays)

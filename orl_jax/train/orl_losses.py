@@ -121,22 +121,27 @@ def aec_loss(h, has_unresolved, prev, rho: float, gate: float):
     return jnp.where(on, jnp.square(jnp.maximum(0.0, h - (1.0 - rho) * h_prev)), 0.0)
 
 
-def per_response_mean(state_loss, response_id, num_responses: int, state_valid=None):
-    """Sum of each response's state losses / its state count, averaged over responses that have states.
-    Invalid (padding) states go to an extra segment that is dropped."""
+def per_response_mean(state_loss, response_id, num_responses: int, state_valid=None, response_weight=None):
+    """Sum of each response's state losses / its state count, averaged over responses that have states (each
+    response's term times response_weight[response], if given; the count is unweighted). Invalid (padding) states
+    go to an extra segment that is dropped."""
     if state_valid is not None:
         response_id = jnp.where(state_valid, response_id, num_responses)
     total = jax.ops.segment_sum(state_loss, response_id, num_segments=num_responses + 1)[:num_responses]
     count = jax.ops.segment_sum(jnp.ones_like(state_loss), response_id, num_segments=num_responses + 1)
     count = count[:num_responses]
     has = count > 0
-    return jnp.sum(jnp.where(has, total / jnp.maximum(count, 1.0), 0.0)) / jnp.maximum(jnp.sum(has), 1)
+    per = jnp.where(has, total / jnp.maximum(count, 1.0), 0.0)
+    if response_weight is not None:
+        per = per * response_weight[:num_responses]
+    return jnp.sum(per) / jnp.maximum(jnp.sum(has), 1)
 
 
 def orl_loss(cfg: ORLLossConfig, logits, targets, beh_logp, beh_entropy, valid, unresolved, temperature, prev,
-             response_id, num_responses: int, state_valid=None):
+             response_id, num_responses: int, state_valid=None, response_weight=None):
     """The batch loss and its parts. logits/beh_logp [S, L, V]; targets/beh_entropy/valid/unresolved [S, L];
-    temperature/prev/response_id [S]; state_valid [S] (False for padding states, which then count nowhere)."""
+    temperature/prev/response_id [S]; state_valid [S] (False for padding states, which then count nowhere);
+    response_weight [num_responses] (per_response_mean)."""
     state_valid = jnp.ones(prev.shape, bool) if state_valid is None else state_valid
     lp = pred_loss(logits, targets, beh_entropy, valid, cfg.pred_gate, cfg.pred_norm)
     la = anchor_loss(logits, beh_logp, beh_entropy, valid, cfg.pred_gate, cfg.anchor_cap)
@@ -149,7 +154,7 @@ def orl_loss(cfg: ORLLossConfig, logits, targets, beh_logp, beh_entropy, valid, 
         lr = certainty_loss(logits, targets, unresolved & valid)
         per_state, parts = per_state + cfg.l_cert * lr, parts | {"l_cert": _mean_over(lr, state_valid)}
     per_state = jnp.where(state_valid, per_state, 0.0)
-    loss = per_response_mean(per_state, response_id, num_responses, state_valid)
+    loss = per_response_mean(per_state, response_id, num_responses, state_valid, response_weight)
     return loss, parts
 
 

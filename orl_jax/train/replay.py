@@ -24,7 +24,7 @@ import numpy as np
 from orl_jax.decode.samplers import MaskSampler, UniformSampler, exclude_token
 from orl_jax.model import qwen3
 from orl_jax.model.attention import block_segments
-from orl_jax.train.objectives import next_token_loss
+from orl_jax.train.objectives import cross_entropy, next_token_loss
 
 
 @dataclass
@@ -196,12 +196,16 @@ def replay_logits(params, cfg, residual, batch: ReplayBatch, remat: bool = False
     return state_logits(params, cfg, batch, replay_hidden(params, cfg, residual, batch, remat))
 
 
-def clean_next_token_loss(params, cfg, batch: ReplayBatch, h: jax.Array) -> jax.Array:
+def clean_next_token_loss(params, cfg, batch: ReplayBatch, h: jax.Array, row_weight=None) -> jax.Array:
     """The next-token loss of the rows' clean tokens (their causal pass: the AR model that prefill and commits
-    run), averaged over every predicted token of the batch; h from replay_hidden."""
+    run), averaged over every predicted token of the batch; h from replay_hidden. row_weight [R]: each row's
+    tokens count times its weight in the sum (not in the count)."""
     tokens = jnp.asarray(batch.tokens)
     w = (jnp.arange(1, tokens.shape[1])[None] < jnp.asarray(batch.clean_len)[:, None]).astype(jnp.float32)
-    return next_token_loss(qwen3.logits(params, cfg, h), tokens, w)
+    if row_weight is None:
+        return next_token_loss(qwen3.logits(params, cfg, h), tokens, w)
+    s, _ = cross_entropy(qwen3.logits(params, cfg, h)[:, :-1], tokens[:, 1:], w * row_weight[:, None])
+    return s / jnp.maximum(jnp.sum(w), 1.0)
 
 
 def policy_logits(sampler, logits: jax.Array) -> jax.Array:

@@ -106,7 +106,8 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
         return done
     G, P = r.orl_group, r.orl_prompts
     ocfg = ORLConfig(group_size=G, max_new_tokens=r.eval_max_new, max_states=r.orl_states,
-                     max_prompt=r.orl_max_prompt, loss=loss_cfg, residual=residual or ORLResidual())
+                     max_prompt=r.orl_max_prompt, loss=loss_cfg, residual=residual or ORLResidual(),
+                     group_baseline=r.orl_group_baseline)
     # sampled proposals: the policy explores. Mask family: sampled at r.orl_temperature (default 1), filled above
     # r.orl_threshold
     sampler = (UniformSampler(max_denoising_steps=r.orl_steps) if cfg.noise == "uniform" else
@@ -222,7 +223,8 @@ def stage2(r, args, out: Path, tok, cfg, params, log, methods=("orl", "noaec", "
     ours = "".join(label for label, on in ((f" (l_cert {r.l_cert:g})", r.l_cert),
                                            (f" (+sup {r.orl_sup_weight:g})", r.orl_sup_weight),
                                            (f" (L_pred per {r.pred_norm})", r.pred_norm != "state"),
-                                           (f" (states: {r.orl_source})", r.orl_source != "rollouts")) if on)
+                                           (f" (states: {r.orl_source})", r.orl_source != "rollouts"),
+                                           (" (group baseline)", r.orl_group_baseline)) if on)
     log(f"stage 2 ({', '.join(methods)}): ORL, {r.orl_rounds} rounds of {r.orl_prompts} prompts x "
         f"{r.orl_group} responses")
     rcd = functools.cache(lambda: run_rcd(r, args, out, tok, cfg, params, log))  # orl_rcd starts from it
