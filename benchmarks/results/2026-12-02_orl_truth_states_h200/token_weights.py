@@ -10,7 +10,7 @@ response's states / their number, averaged over responses) each position's weigh
 Printed: how the positions and the weight split by the state's position count, and the base's cross-entropy there.
 
 Run from the repository root on CPU (~2 minutes, ~8 GB), with the base package in .carry/pkg_h200_mask:
-  python benchmarks/results/2026-12-02_orl_weighting_h200/token_weights.py [prompts]
+  python benchmarks/results/2026-12-02_orl_truth_states_h200/token_weights.py [prompts]
 """
 
 import sys
