@@ -263,3 +263,26 @@ def test_orl_rounds_draw_fresh_prompts_or_cycle_a_fixed_pool(tmp_path):
     pooled = dataclasses.replace(r, orl_prompt_pool=3)
     p0, p1, p3 = prompts(pooled, 0), prompts(pooled, 1), prompts(pooled, 3)
     assert len(set(p0 + p1)) == 3 and p1[1] == p0[0] and p3 == p0  # prompts 0 1 | 2 0 | 1 2 | 0 1
+
+
+def test_stage_2_on_ground_truth_states_takes_an_update_every_round(tmp_path):
+    """--orl-source truth_random / truth_forced (diagnostics, train/truth_states.py): ORL's replay, loss and update on
+    states built from ground-truth answers; every round updates (nothing to verify), unlike the smoke model's
+    rollouts, and the report names the variant."""
+    from orl_jax.checkpoint import load_params
+
+    pkg, base = tmp_path / "pkg", ["--preset", "smoke", "--noise", "mask"]
+    train_qwendlm.main(base + ["--out", str(tmp_path / "first"), "--skip-stage2", "--no-eval",
+                               "--export-package", str(pkg)])
+    for source, extra in (("truth_random", ["--pred-norm", "block", "--no-eval"]), ("truth_forced", [])):
+        out = tmp_path / source
+        train_qwendlm.main(base + ["--out", str(out), "--base-package", str(pkg), "--stage2-methods", "orl",
+                                   "--orl-source", source] + extra)
+        logs = [json.loads(line) for line in (out / "stage2_orl/logs/metrics.jsonl").read_text().splitlines()]
+        assert len(logs) == 2 and all(m["verified"] == 1.0 and m["replayed_states"] > 0 and np.isfinite(m["loss"])
+                                      for m in logs)
+        assert all(("rollout_tpf" in m) == (source == "truth_forced") for m in logs)
+        start = jax.tree.leaves(load_params(out / "stage1/params")[1])  # the imported base
+        trained = jax.tree.leaves(load_params(out / "stage2_orl/params")[1])
+        assert not all(np.array_equal(a, b) for a, b in zip(start, trained))
+    assert "QwenDLM+ORL (states: truth_forced)" in (tmp_path / "truth_forced/report.md").read_text()
