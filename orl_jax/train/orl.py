@@ -59,7 +59,7 @@ class ORLConfig:
     # 1 - its prompt's verified share (GRPO's group baseline without the negative side: failed responses still give
     # no gradient). A prompt whose G responses all verify then gives none either: there training on the policy's
     # own samples is self-distillation, whose expected gradient is ~0 and whose noise drifts the model
-    # (benchmarks/results/2026-12-02_orl_weighting_h200/)
+    # (benchmarks/results/2026-12-02_orl_truth_states_h200/)
     group_baseline: bool = False
 
     def __post_init__(self):

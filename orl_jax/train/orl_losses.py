@@ -17,7 +17,7 @@ still unresolved. Defaults are our reading of the method [I] and meant to be swe
 - pred_norm (our reading [I]; METHOD.md leaves a state's reduction open): "state" averages L_pred over the state's
   uncertain positions, so a late state with one such position weighs as much as a first state with thirty (on one
   round of the h200 base's rollouts, states with one position hold 10% of the positions and 42% of the weight:
-  benchmarks/results/2026-12-02_orl_weighting_h200/token_weights.py); "block" sums them and divides by the block
+  benchmarks/results/2026-12-02_orl_truth_states_h200/token_weights.py); "block" sums them and divides by the block
   length, so within a response every position weighs alike, as in stage 1's token mean.
 - ar_weight (our addition [I], not in the method): plus ar_weight times the next-token loss of the replay rows'
   clean tokens (prompt + verified response; train/replay.clean_next_token_loss). It keeps the causal pass
