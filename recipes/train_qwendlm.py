@@ -123,6 +123,8 @@ class Recipe:
     orl_source: str = "rollouts"
     # ORL: weigh each verified response by 1 - its prompt's verified share (ORLConfig.group_baseline; our addition)
     orl_group_baseline: bool = False
+    # ORL: replay the captured states with their residual (the method); False zeroes it (ORLConfig.replay_residual)
+    orl_replay_residual: bool = True
 
 
 PRESETS = {
@@ -202,9 +204,13 @@ def parse_args(argv=None):
     ap.add_argument("--pred-norm", choices=["state", "block"],
                     help="ORL: L_pred per state as the mean over its uncertain positions (state) or their sum / the "
                          "block length (block); default: the preset's (state)")
-    ap.add_argument("--orl-source", choices=["rollouts", "truth_random", "truth_forced"],
+    ap.add_argument("--orl-source", choices=["rollouts", "truth_random", "truth_forced", "truth_forced_verified"],
                     help="ORL's states: on-policy rollouts (the method, default) or, as a diagnostic, states built "
-                         "from ground-truth answers (random masks, or teacher-forced decoding; --noise mask)")
+                         "from ground-truth answers (random masks, or teacher-forced decoding, of every example or "
+                         "of those whose rollout verifies; --noise mask)")
+    ap.add_argument("--orl-replay-residual", action=argparse.BooleanOptionalAction, default=None,
+                    help="ORL: replay the rollouts' states with the residual they consumed (default); "
+                         "--no-orl-replay-residual zeroes it, a diagnostic (the adapter then gets no gradient)")
     ap.add_argument("--orl-group-baseline", action="store_true", default=None,
                     help="ORL: weigh each verified response by 1 - its prompt's verified share, so prompts whose "
                          "responses all verify give no gradient (our addition; ORLConfig.group_baseline)")

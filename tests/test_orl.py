@@ -119,6 +119,17 @@ def test_group_baseline_weighs_responses_by_their_prompts_failures(setup):
     assert zero == 0.0
 
 
+def test_replay_without_residual_zeroes_what_the_rollout_consumed(setup):
+    """ORLConfig.replay_residual=False (a diagnostic): the replayed states carry z = 0 and a = 0."""
+    cfg, params, loss_fn, step = setup
+    accept_all = lambda responses: [True] * len(responses)  # noqa: E731
+    runs = [orl_iteration(step.init_state(params, jax.random.key(0)), step, cfg, PROMPTS, accept_all,
+                          jax.random.key(1), SAMPLER, dataclasses.replace(OCFG, replay_residual=flag))[2]
+            for flag in (True, False)]
+    assert np.abs(runs[0]["z"]).max() > 0 and np.abs(runs[1]["z"]).max() == 0 and np.abs(runs[1]["a"]).max() == 0
+    np.testing.assert_array_equal(runs[0]["tokens"], runs[1]["tokens"])  # the same rollout
+
+
 def test_round_on_a_four_device_mesh_equals_one_device(setup):
     """The whole round (rollout split over the data axes, replay, update) on fsdp=4 equals one device."""
     cfg, params, loss_fn, step4 = setup

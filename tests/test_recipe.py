@@ -265,7 +265,7 @@ def test_orl_rounds_draw_fresh_prompts_or_cycle_a_fixed_pool(tmp_path):
     assert len(set(p0 + p1)) == 3 and p1[1] == p0[0] and p3 == p0  # prompts 0 1 | 2 0 | 1 2 | 0 1
 
 
-def test_stage_2_on_ground_truth_states_takes_an_update_every_round(tmp_path):
+def test_stage_2_on_ground_truth_states_takes_an_update_every_round(tmp_path, monkeypatch):
     """--orl-source truth_random / truth_forced (diagnostics, train/truth_states.py): ORL's replay, loss and update on
     states built from ground-truth answers; every round updates (nothing to verify), unlike the smoke model's
     rollouts, and the report names the variant."""
@@ -274,11 +274,24 @@ def test_stage_2_on_ground_truth_states_takes_an_update_every_round(tmp_path):
     pkg, base = tmp_path / "pkg", ["--preset", "smoke", "--noise", "mask"]
     train_qwendlm.main(base + ["--out", str(tmp_path / "first"), "--skip-stage2", "--no-eval",
                                "--export-package", str(pkg)])
-    for source, extra in (("truth_random", ["--pred-norm", "block", "--no-eval"]), ("truth_forced", [])):
+    for source, extra in (("truth_random", ["--pred-norm", "block", "--no-eval"]), ("truth_forced", []),
+                          ("truth_forced_verified", ["--no-eval"])):
         out = tmp_path / source
         train_qwendlm.main(base + ["--out", str(out), "--base-package", str(pkg), "--stage2-methods", "orl",
                                    "--orl-source", source] + extra)
         logs = [json.loads(line) for line in (out / "stage2_orl/logs/metrics.jsonl").read_text().splitlines()]
+        if source == "truth_forced_verified":  # the smoke model's rollouts verify nothing: no update, params kept
+            assert len(logs) == 2 and all(m["verified"] == 0.0 and m["replayed_states"] == 0 for m in logs)
+            from orl_jax.data import tasks
+
+            # a verifier that accepts every other rollout: those examples' ground-truth states are trained
+            monkeypatch.setattr(tasks, "verify_many", lambda exs, texts: [i % 2 == 0 for i in range(len(texts))])
+            out = tmp_path / "verified_half"
+            train_qwendlm.main(base + ["--out", str(out), "--base-package", str(pkg), "--stage2-methods", "orl",
+                                       "--orl-source", source, "--no-eval"])
+            logs = [json.loads(line) for line in (out / "stage2_orl/logs/metrics.jsonl").read_text().splitlines()]
+            assert all(m["verified"] == 0.5 and m["replayed_states"] > 0 and "loss" in m for m in logs)
+            continue
         assert len(logs) == 2 and all(m["verified"] == 1.0 and m["replayed_states"] > 0 and np.isfinite(m["loss"])
                                       for m in logs)
         assert all(("rollout_tpf" in m) == (source == "truth_forced") for m in logs)

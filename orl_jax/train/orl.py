@@ -61,6 +61,9 @@ class ORLConfig:
     # own samples is self-distillation, whose expected gradient is ~0 and whose noise drifts the model
     # (benchmarks/results/2026-12-02_orl_truth_states_h200/)
     group_baseline: bool = False
+    # a diagnostic (session 28), not the method: False replays the captured states without their residual (z = 0,
+    # a = 0), so the replayed logits are no longer the rollout's and the adapter g_phi gets no gradient
+    replay_residual: bool = True
 
     def __post_init__(self):
         for name in ("group_size", "max_new_tokens", "max_states", "max_prompt"):
@@ -211,6 +214,8 @@ def orl_iteration(state, step_fn, cfg, prompts, verify: Callable[[list[np.ndarra
                          prefix_attention=cfg.prefix_attention,
                          mask_token_id=cfg.mask_token_id if cfg.noise == "mask" else None,
                          max_states=orl_cfg.max_states, rng=selection_rng(key, orl_cfg))
+    if not orl_cfg.replay_residual:
+        batch.z[:], batch.a[:] = 0, 0
     t2 = time.perf_counter()
     metrics = {"verified": float(np.mean(ok)), "rollout_tpf": float(np.mean(np.asarray(out.tpf))),
                "rollout_s": t1 - t0, "replay_s": t2 - t1}

@@ -38,7 +38,7 @@ from orl_jax.train.ckpt import CheckpointManager
 from orl_jax.train.metrics import MetricsWriter
 from orl_jax.train.objectives import DiffusionObjective
 from orl_jax.train.optim import OptimConfig, make_optimizer
-from orl_jax.train.orl import ORLConfig, make_orl_loss, orl_iteration, replay_update, selection_rng
+from orl_jax.train.orl import ORLConfig, make_orl_loss, orl_iteration, replay_update, rollout, selection_rng
 from orl_jax.train.orl_losses import ORLLossConfig
 from orl_jax.train.replay import build_replay
 from orl_jax.train.stages import (
@@ -107,7 +107,7 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
     G, P = r.orl_group, r.orl_prompts
     ocfg = ORLConfig(group_size=G, max_new_tokens=r.eval_max_new, max_states=r.orl_states,
                      max_prompt=r.orl_max_prompt, loss=loss_cfg, residual=residual or ORLResidual(),
-                     group_baseline=r.orl_group_baseline)
+                     group_baseline=r.orl_group_baseline, replay_residual=r.orl_replay_residual)
     # sampled proposals: the policy explores. Mask family: sampled at r.orl_temperature (default 1), filled above
     # r.orl_threshold
     sampler = (UniformSampler(max_denoising_steps=r.orl_steps) if cfg.noise == "uniform" else
@@ -170,16 +170,32 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
 
 def truth_states_round(r, tok, cfg, ocfg: ORLConfig, sampler):
     """(state, step, rnd, key, supervised rows) -> (state, metrics, arrays): one update of ORL's loss on states built
-    from ground-truth answers (r.orl_source "truth_random" / "truth_forced", train/truth_states.py; a diagnostic),
-    for the round's P x G distinct train examples (one answer each, where a rollout round has G per prompt)."""
+    from ground-truth answers (r.orl_source "truth_random" / "truth_forced" / "truth_forced_verified",
+    train/truth_states.py; a diagnostic), for the round's P x G distinct train examples (one answer each, where a
+    rollout round has G per prompt). "truth_forced_verified" first rolls out each example once under the current
+    params (as ORL's rounds, G = 1) and keeps those whose rollout verifies: ORL's selection, ground-truth states."""
     n = r.orl_prompts * r.orl_group
     pad = cfg.pad_token_id or 0
     width = ocfg.max_prompt + ocfg.max_new_tokens + cfg.block_length + ocfg.max_states * cfg.block_length
-    conf = make_confidence_fn(cfg, ocfg.residual, sampler) if r.orl_source == "truth_forced" else None
+    forced = r.orl_source.startswith("truth_forced")
+    conf = make_confidence_fn(cfg, ocfg.residual, sampler) if forced else None
+    stops = stop_token_ids(tok)
 
     def one_round(state, step, rnd, key, sup_rows):
         t0 = time.perf_counter()
-        pairs = [format_example(tok, ex) for ex in train_prompts(r, tok, ocfg.max_prompt, n, 100_000 + rnd)]
+        exs = train_prompts(r, tok, ocfg.max_prompt, n, 100_000 + rnd)
+        share = 1.0
+        if r.orl_source == "truth_forced_verified":
+            rows, out = rollout(state.params, cfg, [format_prompt(tok, ex.prompt) for ex in exs],
+                                jax.random.fold_in(key, 3), sampler, dataclasses.replace(ocfg, group_size=1),
+                                eos_token_ids=stops, pad_token_id=pad, mesh=getattr(step, "mesh", None))
+            toks, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+            ok = tasks.verify_many(exs, [decode_response(tok, toks[i, :lengths[i]]) for i in range(n)])
+            share, exs = float(np.mean(ok)), [ex for ex, good in zip(exs, ok) if good]
+            if not exs:
+                return state, {"verified": 0.0, "rollout_s": time.perf_counter() - t0, "replay_s": 0.0,
+                               "replayed_states": 0, "update_s": 0.0}, None
+        pairs = [format_example(tok, ex) for ex in exs]
         pairs = [(p, a[:ocfg.max_new_tokens]) for p, a in pairs]  # as a rollout's length cap cuts an answer
         prompts, answers = [p for p, _ in pairs], [a for _, a in pairs]
         if conf is None:
@@ -188,12 +204,12 @@ def truth_states_round(r, tok, cfg, ocfg: ORLConfig, sampler):
         else:
             cap = forced_capture(state.params, cfg, prompts, answers, r.orl_threshold, conf, rows=n, width=width,
                                  states=n * ocfg.max_states, pad_id=pad)
-        batch = build_replay(prompts, cap, [True] * n, block_length=cfg.block_length, pad_id=pad,
+        batch = build_replay(prompts, cap, [True] * len(prompts), block_length=cfg.block_length, pad_id=pad,
                              prefix_attention=cfg.prefix_attention, mask_token_id=cfg.mask_token_id,
                              max_states=ocfg.max_states, rng=selection_rng(key, ocfg))
         blocks = -(-cap.lengths // cfg.block_length)  # forced decoding's tokens per forward (commits counted)
         per_row = cap.capture["active"][:cap.total_forwards].sum(0)
-        metrics = {"verified": 1.0, "rollout_s": time.perf_counter() - t0, "replay_s": 0.0}
+        metrics = {"verified": share, "rollout_s": time.perf_counter() - t0, "replay_s": 0.0}
         if conf is not None:
             metrics["rollout_tpf"] = float(np.mean(cap.lengths / (per_row + blocks - 1).clip(1)))
         return replay_update(state, step, batch, n, cfg.block_length, ocfg, metrics, sup_rows)
@@ -224,7 +240,8 @@ def stage2(r, args, out: Path, tok, cfg, params, log, methods=("orl", "noaec", "
                                            (f" (+sup {r.orl_sup_weight:g})", r.orl_sup_weight),
                                            (f" (L_pred per {r.pred_norm})", r.pred_norm != "state"),
                                            (f" (states: {r.orl_source})", r.orl_source != "rollouts"),
-                                           (" (group baseline)", r.orl_group_baseline)) if on)
+                                           (" (group baseline)", r.orl_group_baseline),
+                                           (" (replay without residual)", not r.orl_replay_residual)) if on)
     log(f"stage 2 ({', '.join(methods)}): ORL, {r.orl_rounds} rounds of {r.orl_prompts} prompts x "
         f"{r.orl_group} responses")
     rcd = functools.cache(lambda: run_rcd(r, args, out, tok, cfg, params, log))  # orl_rcd starts from it
