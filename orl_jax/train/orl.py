@@ -57,9 +57,8 @@ class ORLConfig:
     residual: ORLResidual | RCDResidual = ORLResidual()
     # our addition, not the method (which weighs every verified response alike): weigh each verified response by
     # 1 - its prompt's verified share (GRPO's group baseline without the negative side: failed responses still give
-    # no gradient). A prompt whose G responses all verify then gives none either: there training on the policy's
-    # own samples is self-distillation, whose expected gradient is ~0 and whose noise drifts the model
-    # (benchmarks/results/2026-12-02_orl_truth_states_h200/)
+    # no gradient), so a prompt whose G responses all verify gives none either. Measured on the h200 base: worse
+    # than without it, -12 to -16 points (benchmarks/results/2026-12-02_orl_truth_states_h200/)
     group_baseline: bool = False
     # a diagnostic (session 28), not the method: False replays the captured states without their residual (z = 0,
     # a = 0), so the replayed logits are no longer the rollout's and the adapter g_phi gets no gradient

@@ -17,7 +17,9 @@ apart the code path (replay packing, L_pred's normalization, the update) from wh
   output and barely moves at the rates tried).
 
 Both make an object with GenerateOutput's fields that train/replay.build_replay reads, so the packing, the state
-selection and the loss are exactly ORL's. Mask family only.
+selection and the loss are exactly ORL's. Mask family only. The recipe's rounds (train/stage2.truth_states_round)
+also offer "truth_forced_verified": truth_forced on only the examples whose rollout under the current params
+verifies (ORL's selection). Measured on the h200 base: benchmarks/results/2026-12-02_orl_truth_states_h200/.
 """
 
 from __future__ import annotations
@@ -32,8 +34,6 @@ from orl_jax.decode.samplers import MaskSampler
 from orl_jax.train.orl import pad_replay, replay_arrays_batch
 from orl_jax.train.orl_losses import normalized_entropy
 from orl_jax.train.replay import build_replay, policy_logits, replay_hidden, state_logits
-
-SOURCES = ("rollouts", "truth_random", "truth_forced")
 
 
 @dataclass
