@@ -13,7 +13,7 @@ from orl_jax.decode.samplers import MaskSampler
 from orl_jax.model import qwen3
 from orl_jax.train.orl_losses import normalized_entropy
 from orl_jax.train.replay import behaviour_logp, build_replay, policy_logits, replay_logits
-from orl_jax.train.truth_states import answer_arrays, forced_capture, make_confidence_fn, random_mask_capture
+from orl_jax.train.truth_states import answer_arrays, forced_capture, make_forced_step, random_mask_capture
 
 BL = 4
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14]]
@@ -43,7 +43,7 @@ def test_answers_pad_to_a_block_with_their_end_of_turn():
 
 def test_random_masks_one_state_per_block(model):
     cfg, _ = model
-    cap = random_mask_capture(ANSWERS, cfg, np.random.default_rng(0))
+    cap = random_mask_capture(ANSWERS, cfg, jax.random.key(0))
     b = build_replay(PROMPTS, cap, [True] * 3, block_length=BL, pad_id=0, mask_token_id=cfg.mask_token_id)
     tokens, lengths = answer_arrays(ANSWERS, BL, pad_id=0)
     assert len(b.step) == len(_blocks(tokens, lengths)) == 6
@@ -63,8 +63,8 @@ def test_forced_decoding_states(model):
     cfg, params = model
     thr = 0.3
     sampler = MaskSampler(mask_token_id=cfg.mask_token_id, threshold=thr, temperature=1.0)
-    fn = make_confidence_fn(cfg, ORLResidual(), sampler)
-    cap = forced_capture(params, cfg, PROMPTS, ANSWERS, thr, fn, rows=3, width=64, states=12)
+    fn = make_forced_step(cfg, ORLResidual(), thr)
+    cap = forced_capture(params, cfg, PROMPTS, ANSWERS, fn, rows=3, width=64, states=12)
     b = build_replay(PROMPTS, cap, [True] * 3, block_length=BL, pad_id=0, mask_token_id=cfg.mask_token_id)
     lg = policy_logits(sampler, replay_logits(params, cfg, ORLResidual(), b))
     logp = behaviour_logp(sampler, lg, jnp.asarray(b.step))

@@ -24,7 +24,7 @@ import numpy as np
 from orl_jax.decode.samplers import MaskSampler, UniformSampler, exclude_token
 from orl_jax.model import qwen3
 from orl_jax.model.attention import block_segments
-from orl_jax.train.objectives import cross_entropy, next_token_loss
+from orl_jax.train.objectives import cross_entropy
 
 
 @dataclass
@@ -202,9 +202,8 @@ def clean_next_token_loss(params, cfg, batch: ReplayBatch, h: jax.Array, row_wei
     tokens count times its weight in the sum (not in the count)."""
     tokens = jnp.asarray(batch.tokens)
     w = (jnp.arange(1, tokens.shape[1])[None] < jnp.asarray(batch.clean_len)[:, None]).astype(jnp.float32)
-    if row_weight is None:
-        return next_token_loss(qwen3.logits(params, cfg, h), tokens, w)
-    s, _ = cross_entropy(qwen3.logits(params, cfg, h)[:, :-1], tokens[:, 1:], w * row_weight[:, None])
+    weighted = w if row_weight is None else w * row_weight[:, None]
+    s, _ = cross_entropy(qwen3.logits(params, cfg, h)[:, :-1], tokens[:, 1:], weighted)
     return s / jnp.maximum(jnp.sum(w), 1.0)
 
 

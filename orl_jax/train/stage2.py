@@ -51,7 +51,7 @@ from orl_jax.train.stages import (
     load_export,
 )
 from orl_jax.train.step import make_train_step
-from orl_jax.train.truth_states import forced_capture, make_confidence_fn, random_mask_capture
+from orl_jax.train.truth_states import forced_capture, make_forced_step, random_mask_capture
 
 WARMUP_MAX = 20  # stage 2's longest warmup, in updates (every run so far had <= 200 rounds: <= 20)
 
@@ -178,7 +178,7 @@ def truth_states_round(r, tok, cfg, ocfg: ORLConfig, sampler):
     pad = cfg.pad_token_id or 0
     width = ocfg.max_prompt + ocfg.max_new_tokens + cfg.block_length + ocfg.max_states * cfg.block_length
     forced = r.orl_source.startswith("truth_forced")
-    conf = make_confidence_fn(cfg, ocfg.residual, sampler) if forced else None
+    forced_step = make_forced_step(cfg, ocfg.residual, r.orl_threshold) if forced else None
     stops = stop_token_ids(tok)
 
     def one_round(state, step, rnd, key, sup_rows):
@@ -198,11 +198,10 @@ def truth_states_round(r, tok, cfg, ocfg: ORLConfig, sampler):
         pairs = [format_example(tok, ex) for ex in exs]
         pairs = [(p, a[:ocfg.max_new_tokens]) for p, a in pairs]  # as a rollout's length cap cuts an answer
         prompts, answers = [p for p, _ in pairs], [a for _, a in pairs]
-        if conf is None:
-            seed = jax.random.key_data(jax.random.fold_in(key, 2)).ravel().tolist()
-            cap = random_mask_capture(answers, cfg, np.random.default_rng(seed), pad_id=pad)
+        if forced_step is None:
+            cap = random_mask_capture(answers, cfg, jax.random.fold_in(key, 2), pad_id=pad)
         else:
-            cap = forced_capture(state.params, cfg, prompts, answers, r.orl_threshold, conf, rows=n, width=width,
+            cap = forced_capture(state.params, cfg, prompts, answers, forced_step, rows=n, width=width,
                                  states=n * ocfg.max_states, pad_id=pad)
         batch = build_replay(prompts, cap, [True] * len(prompts), block_length=cfg.block_length, pad_id=pad,
                              prefix_attention=cfg.prefix_attention, mask_token_id=cfg.mask_token_id,
@@ -210,7 +209,7 @@ def truth_states_round(r, tok, cfg, ocfg: ORLConfig, sampler):
         blocks = -(-cap.lengths // cfg.block_length)  # forced decoding's tokens per forward (commits counted)
         per_row = cap.capture["active"][:cap.total_forwards].sum(0)
         metrics = {"verified": share, "rollout_s": time.perf_counter() - t0, "replay_s": 0.0}
-        if conf is not None:
+        if forced_step is not None:
             metrics["rollout_tpf"] = float(np.mean(cap.lengths / (per_row + blocks - 1).clip(1)))
         return replay_update(state, step, batch, n, cfg.block_length, ocfg, metrics, sup_rows)
 

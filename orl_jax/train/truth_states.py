@@ -11,10 +11,10 @@ apart the code path (replay packing, L_pred's normalization, the update) from wh
   (teacher-forced decoding). All blocks of an answer decode at once, each seeing the clean answer before it (what
   the engine's cache holds after the commits); at every step the [MASK] positions whose policy confidence (the
   largest probability, [MASK] excluded, temperature 1) exceeds the threshold are filled with their ground-truth
-  tokens, at least the most confident one (MaskSampler's rule). The states carry the policy's normalized entropy, so
-  L_pred's gate and the anchor see what they see in a rollout. Approximations: no sampling (a rollout fills what it
-  sampled at temperature 1; greedy confidences here), and no residual (z = 0, a = 0; ORL's adapter starts at zero
-  output and barely moves at the rates tried).
+  tokens, at least the most confident one (MaskSampler.step itself decides, greedy). The states carry the policy's
+  normalized entropy, so L_pred's gate and the anchor see what they see in a rollout. Approximations: no sampling
+  (a rollout fills what it sampled at temperature 1; greedy confidences here), and no residual (z = 0, a = 0; ORL's
+  adapter starts at zero output and barely moves at the rates tried).
 
 Both make an object with GenerateOutput's fields that train/replay.build_replay reads, so the packing, the state
 selection and the loss are exactly ORL's. Mask family only. The recipe's rounds (train/stage2.truth_states_round)
@@ -31,9 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from orl_jax.decode.samplers import MaskSampler
+from orl_jax.train.objectives import DiffusionObjective
 from orl_jax.train.orl import pad_replay, replay_arrays_batch
-from orl_jax.train.orl_losses import normalized_entropy
-from orl_jax.train.replay import build_replay, policy_logits, replay_hidden, state_logits
+from orl_jax.train.replay import build_replay, replay_hidden, state_logits
 
 
 @dataclass
@@ -76,30 +76,30 @@ def _capture(records: list[dict], batch: int, L: int, d: int) -> dict:
     return cap
 
 
-def random_mask_capture(responses, cfg, rng: np.random.Generator, t_min: float = 0.05,
-                        pad_id: int = 0) -> TruthCapture:
-    """One state per block of every answer, masked as stage 1 masks a block (module docstring)."""
-    L, mask = cfg.block_length, cfg.mask_token_id
-    tokens, lengths = answer_arrays(responses, L, pad_id)
-    records = []
-    for blk in range(tokens.shape[1] // L):
-        rows = {}
-        for b in range(len(responses)):
-            if blk * L >= lengths[b]:
-                continue
-            block = tokens[b, blk * L:(blk + 1) * L]
-            flip = rng.random(L) < rng.uniform(t_min, 1.0)
-            if not flip.any():
-                flip[0] = True
-            rows[b] = (np.where(flip, mask, block), np.ones(L, np.float32), np.zeros(L, bool))
-        records.append({"block": blk, "step": 0, "rows": rows})
-    return TruthCapture(tokens, lengths, len(records), _capture(records, len(responses), L, cfg.hidden_size))
-
-
-def make_confidence_fn(cfg, residual, sampler: MaskSampler):
-    """jitted (params, arrays, canvas [S, L]) -> (normalized entropy, confidence) [S, L] of every state of a padded
-    replay (pad_replay) whose state segments hold `canvas` (padding states write back what their slots hold)."""
+def random_mask_capture(responses, cfg, key, t_min: float = 0.05, pad_id: int = 0) -> TruthCapture:
+    """One state per block of every answer, masked by stage 1's own noise (DiffusionObjective.noise: a level
+    t ~ U(t_min, 1) per block, at least one [MASK] per block), the answers' end-of-turn padding included."""
     L = cfg.block_length
+    tokens, lengths = answer_arrays(responses, L, pad_id)
+    B, T = tokens.shape
+    pos = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
+    seg = (pos < (-(-lengths // L) * L)[:, None]).astype(np.int32)  # the answer and its padding to the block end
+    noisy, _ = DiffusionObjective(block_length=L, t_min=t_min).noise(cfg, jnp.asarray(tokens), jnp.asarray(seg),
+                                                                     jnp.asarray(pos), jnp.zeros((B, T), jnp.int32),
+                                                                     key)
+    noisy = np.asarray(noisy)
+    records = [{"block": blk, "step": 0,
+                "rows": {b: (noisy[b, blk * L:(blk + 1) * L], np.ones(L, np.float32), np.zeros(L, bool))
+                         for b in range(B) if blk * L < lengths[b]}} for blk in range(T // L)]
+    return TruthCapture(tokens, lengths, len(records), _capture(records, B, L, cfg.hidden_size))
+
+
+def make_forced_step(cfg, residual, threshold: float):
+    """jitted (params, arrays, canvas [S, L]) -> (normalized entropy [S, L], fill [S, L]) of every state of a padded
+    replay (pad_replay) whose state segments hold `canvas` (padding states write back what their slots hold): the
+    policy's entropies and the positions MaskSampler's threshold rule fills there, on greedy confidences."""
+    L = cfg.block_length
+    sampler = MaskSampler(mask_token_id=cfg.mask_token_id, threshold=threshold, temperature=0.0)
 
     @jax.jit
     def fn(params, arrays, canvas):
@@ -108,17 +108,19 @@ def make_confidence_fn(cfg, residual, sampler: MaskSampler):
         keep = arrays["tokens"][rows, cols]
         tokens = arrays["tokens"].at[rows, cols].set(jnp.where(arrays["state_valid"][:, None], canvas, keep))
         batch = replay_arrays_batch(arrays | {"tokens": tokens})
-        h = replay_hidden(params, cfg, residual, batch)
-        logp = jax.nn.log_softmax(policy_logits(sampler, state_logits(params, cfg, batch, h)).astype(jnp.float32), -1)
-        return normalized_entropy(logp), jnp.exp(jnp.max(logp, axis=-1))
+        logits = state_logits(params, cfg, batch, replay_hidden(params, cfg, residual, batch)).astype(jnp.float32)
+        S = canvas.shape[0]
+        out = sampler.step(logits, canvas, {"edit_steps": jnp.zeros(S, jnp.int32), "x0": canvas},
+                           jax.random.key(0), jnp.zeros((), jnp.int32), jnp.ones(S, bool))  # greedy: no draw
+        return out.entropy, out.resolved
 
     return fn
 
 
-def forced_capture(params, cfg, prompts, responses, threshold: float, confidence_fn, *, rows: int, width: int,
-                   states: int, pad_id: int = 0) -> TruthCapture:
-    """The states of teacher-forced threshold decoding of every answer (module docstring); confidence_fn from
-    make_confidence_fn, run on the replay padded to (rows, width, states) so that it compiles once."""
+def forced_capture(params, cfg, prompts, responses, step_fn, *, rows: int, width: int, states: int,
+                   pad_id: int = 0) -> TruthCapture:
+    """The states of teacher-forced threshold decoding of every answer (module docstring); step_fn from
+    make_forced_step, run on the replay padded to (rows, width, states) so that it compiles once."""
     L, mask = cfg.block_length, cfg.mask_token_id
     tokens, lengths = answer_arrays(responses, L, pad_id)
     B, nb = len(responses), tokens.shape[1] // L
@@ -139,10 +141,7 @@ def forced_capture(params, cfg, prompts, responses, threshold: float, confidence
         open_ = masked.any(1)
         if not open_.any():
             break
-        ent, conf = (np.asarray(x)[:S] for x in confidence_fn(params, arrays, jnp.asarray(canvas)))
-        mconf = np.where(masked, conf, -1.0)
-        fill = masked & (conf > threshold)
-        fill[np.arange(S), mconf.argmax(1)] |= open_  # at least one per open state
+        ent, fill = (np.asarray(x)[:S] for x in step_fn(params, arrays, jnp.asarray(canvas)))
         for s in np.flatnonzero(open_):
             b, blk = owner[s]
             rec = records.setdefault((blk, step), {"block": blk, "step": step, "rows": {}})

@@ -22,7 +22,7 @@ from orl_jax.data.prompt_format import format_example  # noqa: E402
 from orl_jax.decode.residual import ORLResidual  # noqa: E402
 from orl_jax.train.orl_losses import ORLLossConfig  # noqa: E402
 from orl_jax.train.replay import build_replay, policy_logits, replay_logits  # noqa: E402
-from orl_jax.train.truth_states import forced_capture, make_confidence_fn  # noqa: E402
+from orl_jax.train.truth_states import forced_capture, make_forced_step  # noqa: E402
 
 P = int(sys.argv[1]) if len(sys.argv) > 1 else 24
 r, tok, cfg, params = load_base()
@@ -32,10 +32,10 @@ keep = [i for i, good in enumerate(ok) if good]
 rollout = build_replay(rows, out, ok, block_length=L, pad_id=0, mask_token_id=cfg.mask_token_id, max_states=None)
 pairs = [format_example(tok, exs[i // 4]) for i in keep]
 prompts, answers = [p for p, _ in pairs], [a[:r.eval_max_new] for _, a in pairs]
-fn = make_confidence_fn(cfg, ORLResidual(), sampler)
+fn = make_forced_step(cfg, ORLResidual(), 0.9)
 n = len(keep)
 width = r.orl_max_prompt + r.eval_max_new + L + 16 * L
-cap = forced_capture(params, cfg, prompts, answers, 0.9, fn, rows=n, width=width, states=n * 16)
+cap = forced_capture(params, cfg, prompts, answers, fn, rows=n, width=width, states=n * 16)
 forced = build_replay(prompts, cap, [True] * n, block_length=L, pad_id=0, mask_token_id=cfg.mask_token_id)
 
 
