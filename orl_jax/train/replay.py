@@ -81,7 +81,11 @@ def gather_states(capture: dict, pairs: list[tuple[int, int]]) -> dict:
     """{name: [len(pairs), ...] numpy} of STATE_ARRAYS at the (record, row) pairs, gathered where the capture
     lives (the device) so that only the chosen states cross to the host: the capture holds every step of every
     block (blocks x max_steps records; 1.3 GB of z for the h200 preset's 128 rollouts), a replay ~1/20 of it.
-    The pair count is padded to a power of two (pairs (0, 0)), so few gathers are compiled."""
+    The pair count is padded to a power of two (pairs (0, 0)), so few gathers are compiled. A capture built on
+    the host (numpy, truth_states.py) is indexed where it lies."""
+    if all(isinstance(capture[k], np.ndarray) for k in STATE_ARRAYS):
+        rec, row = (np.asarray([p[i] for p in pairs], np.int64) for i in (0, 1))
+        return {k: np.asarray(capture[k][rec, row]) for k in STATE_ARRAYS}
     size = 1 << max(len(pairs) - 1, 0).bit_length()
     idx = np.zeros((2, size), np.int32)
     if pairs:

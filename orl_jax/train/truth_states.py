@@ -64,7 +64,8 @@ def answer_arrays(responses, block_length: int, pad_id: int) -> tuple[np.ndarray
 def _capture(records: list[dict], batch: int, L: int, d: int) -> dict:
     """Stack per-record dicts {block, step, rows: {row: (canvas, entropy, resolved)}} into capture arrays."""
     n = len(records)
-    cap = {"canvas": np.zeros((n, batch, L), np.int32), "z": np.zeros((n, batch, L, d), np.float32),
+    z = np.broadcast_to(np.zeros((1, 1, 1, d), np.float32), (n, batch, L, d))  # no residual: one zero, no memory
+    cap = {"canvas": np.zeros((n, batch, L), np.int32), "z": z,
            "a": np.zeros((n, batch, L), np.float32), "entropy": np.zeros((n, batch, L), np.float32),
            "resolved": np.zeros((n, batch, L), bool), "active": np.zeros((n, batch), bool),
            "block": np.zeros(n, np.int32), "step": np.zeros(n, np.int32)}
