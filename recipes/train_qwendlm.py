@@ -128,12 +128,16 @@ class Recipe:
 
 
 PRESETS = {
-    # CPU, 2 cores: the whole recipe (with stage 2 later) within 15 minutes. Short-answer tasks only.
+    # CPU, 2 cores (`make demo`): the whole recipe, stage 2 included, within 15 minutes. The 2-core machines differ
+    # by 2x: 400 / 200 steps took 9.5 min on session 3's and 22 on session 29's (the same code: 0.8-0.9 s per
+    # stage-0 step, 3.3-3.5 per stage-1 step, where attention's float32 scores are memory-bound; 300 / 100 took
+    # 14.9 min there, stage 2 and the evaluation 4.5 of them), hence 200 / 70.
     "default": Recipe(vocab_size=1024, hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, mlp=384, seq_len=192,
-                      batch=16, stage0_steps=400, stage1_steps=200, lr0=3e-3, lr1=1e-3, block_length=16,
+                      batch=16, stage0_steps=200, stage1_steps=70, lr0=3e-3, lr1=1e-3, block_length=16,
                       train_examples=2000, eval_examples=48, eval_max_new=96,
                       tasks=("arithmetic", "code_function"),
-                      eval_settings=((16, 0.005), (8, 0.05), (4, 0.3))),
+                      eval_settings=((16, 0.005), (8, 0.05), (4, 0.3)),
+                      orl_prompts=8),  # ~1% of this model's rollouts verify: 32 per round, so that ORL updates
     # the test suite's end-to-end run: every stage real, everything tiny (seconds, not minutes)
     "smoke": Recipe(vocab_size=320, hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16, mlp=64, seq_len=384,
                     batch=4, stage0_steps=6, stage1_steps=4, lr0=3e-3, lr1=1e-3, block_length=8,
@@ -239,7 +243,10 @@ def parse_args(argv=None):
     ap.add_argument("--coordinator", help="host:port of process 0 (with --distributed)")
     ap.add_argument("--num-processes", type=int)
     ap.add_argument("--process-id", type=int)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="training randomness (data order, noise, rollouts)")
+    ap.add_argument("--eval-seed", type=int, default=0,
+                    help="which held-out examples are drawn, apart from --seed: runs of different --seed are "
+                         "evaluated on the same examples")
     args = ap.parse_args(argv)
     methods = [m for m in args.stage2_methods.split(",") if m]
     unknown = sorted(set(methods) - set(STAGE2_METHODS))
@@ -322,7 +329,12 @@ def main(argv=None) -> None:
                 raise
             ar_cfg = ar_params = None
         else:
-            tok, ar_cfg, ar_params = stages.base_model(r, args, out, log)
+            try:
+                tok, ar_cfg, ar_params = stages.base_model(r, args, out, log)
+            except stages.HeldoutDoesNotFit:  # raised before stage 0 trains: nothing of this run is left behind
+                if created:
+                    shutil.rmtree(out)
+                raise
             dlm_cfg, dlm_params = stages.convert(r, args, out, tok, ar_cfg, ar_params, log)
         if args.export_package is not None:
             export_package(args.export_package, dlm_cfg, dlm_params, out / "tokenizer")

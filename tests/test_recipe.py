@@ -299,3 +299,42 @@ def test_stage_2_on_ground_truth_states_takes_an_update_every_round(tmp_path, mo
         trained = jax.tree.leaves(load_params(out / "stage2_orl/params")[1])
         assert not all(np.array_equal(a, b) for a, b in zip(start, trained))
     assert "QwenDLM+ORL (states: truth_forced)" in (tmp_path / "truth_forced/report.md").read_text()
+
+
+def test_held_out_examples_follow_eval_seed_not_seed(monkeypatch):
+    """--seed changes training only: runs of different seeds are evaluated on the same held-out examples."""
+    from types import SimpleNamespace
+
+    from orl_jax.train import stages
+
+    class Drawn(Exception):
+        pass
+
+    def heldout(r, tok, seed):
+        raise Drawn(seed)
+
+    monkeypatch.setattr(stages, "heldout_examples", heldout)
+    args = train_qwendlm.parse_args(["--seed", "5"])
+    assert (args.seed, args.eval_seed) == (5, 0)
+    for eval_seed in (0, 3):
+        with pytest.raises(Drawn) as got:
+            stages.evaluate_all(None, SimpleNamespace(seed=5, eval_seed=eval_seed), None, None, None, None, None, {},
+                                print, 0.0)
+        assert got.value.args == (eval_seed + 7,)
+
+
+def test_held_out_that_cannot_fit_fails_before_training_and_leaves_nothing(tmp_path, monkeypatch):
+    """A preset whose held-out examples do not fit its budgets stops as soon as the tokenizer exists (not after
+    the stages have trained), and removes the --out folder it created."""
+    import dataclasses
+
+    from orl_jax.train import stages
+
+    strict = dataclasses.replace(train_qwendlm.PRESETS["smoke"], eval_fit=True)  # 16 new tokens: nothing fits
+    monkeypatch.setitem(train_qwendlm.PRESETS, "smoke", strict)
+    trained = []
+    monkeypatch.setattr(stages, "_run_stage", lambda *a, **k: trained.append(a[0]))
+    out = tmp_path / "run"
+    with pytest.raises(stages.HeldoutDoesNotFit, match="held-out examples fit eval_max_new=16"):
+        train_qwendlm.main(["--preset", "smoke", "--out", str(out)])
+    assert trained == [] and not out.exists()

@@ -186,6 +186,7 @@ def base_model(r, args, out: Path, log):
         train_tokenizer(task_corpus(n_per_task=min(r.train_examples, 1000), tasks=list(r.tasks)), r.vocab_size,
                         tok_dir)
     tok = load_tokenizer(tok_dir)
+    run_heldout(r, args, tok)  # a preset whose held-out examples do not fit fails here, not after training
     cfg = ar_config(r, tok)
     log(f"stage 0: AR pretraining, {P.count(qwen3.param_specs(cfg)) / 1e6:.2f} M params, vocab {cfg.vocab_size}")
     params = _run_stage("stage0", out, cfg, lambda: P.init(qwen3.param_specs(cfg), jax.random.key(args.seed)),
@@ -234,6 +235,7 @@ def imported_base(r, args, out: Path, log):
     if fresh and (out / "stage1").exists():
         raise ValueError(f"{out} has its own stage 1: a base package starts a new --out")
     tok = load_tokenizer(base_package.check_package(source) if fresh else out / "tokenizer")
+    run_heldout(r, args, tok)  # before anything is installed or trained
     cfg = dlm_config(r, args, ar_config(r, tok))
     if fresh:
         saved, params = base_package.read_package(source)
@@ -264,6 +266,15 @@ def convert(r, args, out: Path, tok, ar_cfg: ModelConfig, ar_params, log):
                            lambda: conversion_data(r, tok, args.seed + 1), r.stage1_steps, log, deadline=args.deadline)
 
 
+class HeldoutDoesNotFit(ValueError):
+    """Too few held-out examples fit the preset's budgets: raised as soon as the tokenizer exists, before training."""
+
+
+def run_heldout(r, args, tok):
+    """The run's held-out examples (drawn with --eval-seed, not --seed: runs of different seeds see the same ones)."""
+    return heldout_examples(r, tok, args.eval_seed + 7)  # until session 29: args.seed + 7 (same set at seed 0)
+
+
 def heldout_examples(r, tok, seed: int):
     """r.eval_examples held-out examples whose reference fits the budgets: answer <= eval_max_new tokens and
     prompt + answer <= conv_len (what stage 1 trains on). Drawn in order from a larger reproducible sample."""
@@ -276,8 +287,8 @@ def heldout_examples(r, tok, seed: int):
         if len(response) <= r.eval_max_new and len(prompt) + len(response) <= conv_len(r):
             fits.append(ex)
     if len(fits) < r.eval_examples:
-        raise ValueError(f"only {len(fits)} of {len(pool)} held-out examples fit eval_max_new={r.eval_max_new} and "
-                         f"conv_len={conv_len(r)}; raise them")
+        raise HeldoutDoesNotFit(f"only {len(fits)} of {len(pool)} held-out examples fit eval_max_new="
+                                f"{r.eval_max_new} and conv_len={conv_len(r)}; raise them")
     return fits[:r.eval_examples]
 
 
@@ -299,7 +310,7 @@ def evaluate_all(r, args, out: Path, tok, ar_cfg, ar_params, dlm_cfg, methods: d
     family)."""
     import time
 
-    examples = heldout_examples(r, tok, args.seed + 7)
+    examples = run_heldout(r, args, tok)
     rows = []
     if ar_params is not None:  # None: stage 2 from an imported base package, no stage-0 model here
         rows.append(evaluate(ar_params, ar_cfg, tok, examples, method="AR (greedy)", setting="-", ar=True,
