@@ -88,7 +88,10 @@ def test_cudnn_leaves_heads_wider_than_it_takes_to_the_einsums(dpa_calls):
              (jax.random.normal(ks[3], (b, l, kv, h)), jax.random.normal(ks[4], (b, l, kv, h)),
               jnp.ones((b, l, l), bool))]
     got = attn.attention(q, parts, "cudnn", scale=1.0)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(attn.scaled_attention(q, parts, 1.0)), atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(attn.attention(q, parts, "orl_jax", scale=1.0)))
+    # orl_jax's path joins wide parts (JOIN_WIDE_PARTS): the same softmax in another summation order than two parts
+    # (scores of std ~22 at this head dim: float32 differences up to ~1e-5, machine-dependent)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(attn.scaled_attention(q, parts, 1.0)), atol=5e-5)
     assert not dpa_calls
 
 
