@@ -84,7 +84,7 @@ def gather_states(capture: dict, pairs: list[tuple[int, int]]) -> dict:
     The pair count is padded to a power of two (pairs (0, 0)), so few gathers are compiled. A capture built on
     the host (numpy, truth_states.py) is indexed where it lies."""
     if all(isinstance(capture[k], np.ndarray) for k in STATE_ARRAYS):
-        rec, row = (np.asarray([p[i] for p in pairs], np.int64) for i in (0, 1))
+        rec, row = np.asarray(pairs, np.int64).reshape(-1, 2).T
         return {k: np.asarray(capture[k][rec, row]) for k in STATE_ARRAYS}
     size = 1 << max(len(pairs) - 1, 0).bit_length()
     idx = np.zeros((2, size), np.int32)

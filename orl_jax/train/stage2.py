@@ -142,14 +142,9 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
             else:
                 exs = examples(rnd)
                 prompts = [format_prompt(tok, ex.prompt) for ex in exs]
-
-                def verify(responses, exs=exs):  # all rows at once: the code task's sandboxes run in parallel
-                    texts = [decode_response(tok, np.asarray(t)) for t in responses]
-                    return tasks.verify_many([exs[r // G] for r in range(len(responses))], texts)
-
-                state, m, _ = orl_iteration(state, step, cfg, prompts, verify, jax.random.fold_in(key, rnd), sampler,
-                                            ocfg, eos_token_ids=stops, pad_token_id=cfg.pad_token_id or 0,
-                                            supervised_batch=rows)
+                state, m, _ = orl_iteration(state, step, cfg, prompts, verifier(tok, exs, G),
+                                            jax.random.fold_in(key, rnd), sampler, ocfg, eos_token_ids=stops,
+                                            pad_token_id=cfg.pad_token_id or 0, supervised_batch=rows)
             m = {k: float(v) for k, v in jax.device_get(m).items() if np.ndim(v) == 0}
             w.write(rnd + 1, m)
             stop = ck.should_stop(rnd + 1)
@@ -166,6 +161,16 @@ def run_orl(name: str, r, args, out: Path, tok, cfg, params, loss_cfg: ORLLossCo
     params = jax.device_get(state.params)
     checkpoint.save_params(out / name / "params", cfg, params, overwrite=True)  # a continued stage replaces it
     return params
+
+
+def verifier(tok, exs, group: int):
+    """verify(responses) for rollouts of `group` responses per example (row r answers exs[r // group]): all rows at
+    once, so the code task's sandboxes run in parallel."""
+    def verify(responses):
+        texts = [decode_response(tok, np.asarray(t)) for t in responses]
+        return tasks.verify_many([exs[r // group] for r in range(len(responses))], texts)
+
+    return verify
 
 
 def truth_states_round(r, tok, cfg, ocfg: ORLConfig, sampler):
@@ -190,7 +195,7 @@ def truth_states_round(r, tok, cfg, ocfg: ORLConfig, sampler):
                                 jax.random.fold_in(key, 3), sampler, dataclasses.replace(ocfg, group_size=1),
                                 eos_token_ids=stops, pad_token_id=pad, mesh=getattr(step, "mesh", None))
             toks, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
-            ok = tasks.verify_many(exs, [decode_response(tok, toks[i, :lengths[i]]) for i in range(n)])
+            ok = verifier(tok, exs, 1)([toks[i, :lengths[i]] for i in range(n)])
             share, exs = float(np.mean(ok)), [ex for ex, good in zip(exs, ok) if good]
             if not exs:
                 return state, {"verified": 0.0, "rollout_s": time.perf_counter() - t0, "replay_s": 0.0,
