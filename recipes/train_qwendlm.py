@@ -1,6 +1,6 @@
 """The main job: AR model -> QwenDLM, evaluated on held-out verifiable tasks.
 
-  python recipes/train_qwendlm.py                      # embedded default, CPU, no downloads
+  python recipes/train_qwendlm.py                      # embedded default, CPU, no downloads (`make demo`)
   python recipes/train_qwendlm.py --preset h200 --time-limit 9   # one H200; a stage still running at 9 minutes
                                                        # checkpoints and exits 75: rerun with --resume (stages 0+1
                                                        # take ~10 minutes, ORL ~8, each evaluation ~1.5)
@@ -8,7 +8,8 @@
   ... --resume                                         # continue a killed run from its checkpoints
   ... --resume --stage2-methods orl --no-eval          # one stage-2 method per process / GPU (same --out);
                                                        # a final --resume run evaluates every method
-  ... --noise mask                                     # the mask-token QwenDLM (stage 2 included)
+  ... --noise mask                                     # the mask-token QwenDLM (the default preset's; h200: uniform)
+  ... --tasks list_ops,arithmetic                      # train and evaluate on these tasks (default: the preset's)
   ... --skip-stage2 --export-package DIR               # stages 0-1, then the base as a small bf16 HF directory
   ... --base-package DIR                               # stage 2 (and eval) from such a base: no stages 0-1
 A stage stopped by SIGTERM (or by --time-limit) saves its checkpoint and the run exits with status 75 before any
@@ -117,6 +118,9 @@ class Recipe:
     orl_sup_weight: float = 0.0
     # ORL: L_pred's reduction over a state's positions (ORLLossConfig.pred_norm): "state" (mean) or "block" (sum / L)
     pred_norm: str = "state"
+    # QwenDLM's noise (--noise): "uniform" (uniform-state canvas, self-conditioning; our reading of QwenDLM) or "mask"
+    # (LLaDA-style [MASK] tokens, threshold fill; the family of every ORL record since session 7)
+    noise: str = "uniform"
     # ORL's states: "rollouts" (the method), or a diagnostic feeding ORL's replay and loss code states built from
     # ground-truth answers: "truth_random" (stage 1's random masks) or "truth_forced" (teacher-forced threshold
     # decoding); train/truth_states.py. Mask family only
@@ -128,16 +132,18 @@ class Recipe:
 
 
 PRESETS = {
-    # CPU, 2 cores (`make demo`): the whole recipe, stage 2 included, within 15 minutes. The 2-core machines differ
-    # by 2x: 400 / 200 steps took 9.5 min on session 3's and 22 on session 29's (the same code: 0.8-0.9 s per
-    # stage-0 step, 3.3-3.5 per stage-1 step, where attention's float32 scores are memory-bound; 300 / 100 took
-    # 14.9 min there, stage 2 and the evaluation 4.5 of them), hence 200 / 70.
-    "default": Recipe(vocab_size=1024, hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, mlp=384, seq_len=192,
-                      batch=16, stage0_steps=200, stage1_steps=70, lr0=3e-3, lr1=1e-3, block_length=16,
-                      train_examples=2000, eval_examples=48, eval_max_new=96,
-                      tasks=("arithmetic", "code_function"),
-                      eval_settings=((16, 0.005), (8, 0.05), (4, 0.3)),
-                      orl_prompts=8),  # ~1% of this model's rollouts verify: 32 per round, so that ORL updates
+    # CPU, 2 cores (`make demo`): the whole recipe, stage 2 included, within 15 minutes on the slowest 2-core machine
+    # seen (session 29's, ~1.7x slower than session 30's). A task this size learns in minutes: one operation on 3-5
+    # digits (list_ops_short). The 2-layer, 192-wide model at 1e-2 copies its input after ~300-400 steps; session
+    # 29's 4-layer, 128-wide one at 3e-3 had not after 600 and scored 0-4% on word problems and code. The mask
+    # family's conversion costs a third of the uniform one's per step; rollouts fill at 0.995, the only threshold at
+    # which this model's decoding verifies at all, so stage 2 has verified rollouts to update on
+    # (benchmarks/results/2026-12-02_make_demo_list_task_cpu/).
+    "default": Recipe(vocab_size=1024, hidden=192, layers=2, heads=6, kv_heads=2, head_dim=32, mlp=512, seq_len=192,
+                      batch=16, stage0_steps=500, stage1_steps=60, lr0=1e-2, lr1=2e-3, block_length=16,
+                      train_examples=20000, eval_examples=48, eval_max_new=64, tasks=("list_ops_short",),
+                      eval_settings=((16, 0.005), (8, 0.05), (4, 0.3)), noise="mask", orl_prompts=8,
+                      orl_threshold=0.995),
     # the test suite's end-to-end run: every stage real, everything tiny (seconds, not minutes)
     "smoke": Recipe(vocab_size=320, hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16, mlp=64, seq_len=384,
                     batch=4, stage0_steps=6, stage1_steps=4, lr0=3e-3, lr1=1e-3, block_length=8,
@@ -203,8 +209,11 @@ def parse_args(argv=None):
                     help="training attention (ModelConfig.attention_impl); default: the preset's")
     ap.add_argument("--logit-shift", action=argparse.BooleanOptionalAction,
                     help="QwenDLM's AR shift (ModelConfig.logit_shift); default: the preset's (on)")
-    ap.add_argument("--noise", choices=["uniform", "mask"], default="uniform",
-                    help="QwenDLM variant: uniform-state canvas (default) or mask tokens")
+    ap.add_argument("--tasks", metavar="NAME,...",
+                    help="comma-separated tasks to train and evaluate on (orl_jax.data.tasks.TASKS); default: the "
+                         "preset's")
+    ap.add_argument("--noise", choices=["uniform", "mask"],
+                    help="QwenDLM variant: uniform-state canvas or mask tokens; default: the preset's")
     ap.add_argument("--pred-norm", choices=["state", "block"],
                     help="ORL: L_pred per state as the mean over its uncertain positions (state) or their sum / the "
                          "block length (block); default: the preset's (state)")
@@ -253,6 +262,15 @@ def parse_args(argv=None):
     if unknown or not methods:
         ap.error(f"--stage2-methods: unknown {unknown or 'empty list'}; choose from {', '.join(STAGE2_METHODS)}")
     args.stage2_methods = tuple(m for m in STAGE2_METHODS if m in methods)
+    args.noise = args.noise or PRESETS[args.preset].noise
+    if args.tasks is not None:
+        from orl_jax.data.tasks import TASKS
+
+        names = [t for t in args.tasks.split(",") if t]
+        bad = sorted(set(names) - set(TASKS))
+        if bad or not names:
+            ap.error(f"--tasks: unknown {bad or 'empty list'} in {args.tasks!r}; choose from {', '.join(TASKS)}")
+        args.tasks = tuple(dict.fromkeys(names))
     for name, (_, _, valid) in NUMERIC_FLAGS.items():  # NaN fails every check
         v = getattr(args, name)
         if v is not None and not VALID[valid](v):

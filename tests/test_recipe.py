@@ -338,3 +338,18 @@ def test_held_out_that_cannot_fit_fails_before_training_and_leaves_nothing(tmp_p
     with pytest.raises(stages.HeldoutDoesNotFit, match="held-out examples fit eval_max_new=16"):
         train_qwendlm.main(["--preset", "smoke", "--out", str(out)])
     assert trained == [] and not out.exists()
+
+
+def test_tasks_and_noise_flags_resolve_against_the_preset(capsys):
+    """--tasks picks the task suite (unknown names fail before anything runs, naming the flag); --noise defaults to
+    the preset's family (the CPU demo's is the mask family, the h200 preset's the uniform one)."""
+    args = train_qwendlm.parse_args([])
+    assert (args.tasks, args.noise) == (None, train_qwendlm.PRESETS["default"].noise)
+    assert train_qwendlm.parse_args(["--preset", "h200"]).noise == "uniform"
+    assert train_qwendlm.parse_args(["--noise", "uniform"]).noise == "uniform"
+    args = train_qwendlm.parse_args(["--tasks", "list_ops,arithmetic,list_ops"])
+    assert args.tasks == ("list_ops", "arithmetic")
+    for bad in ("list_ops,sorting", ",", ""):
+        with pytest.raises(SystemExit):
+            train_qwendlm.parse_args(["--tasks", bad])
+        assert "--tasks" in capsys.readouterr().err

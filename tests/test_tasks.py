@@ -21,8 +21,9 @@ from orl_jax.data.tasks.base import canonical_output, extract_final_answer, pars
 from orl_jax.data.tasks.code import CodeFunctionTask
 
 # Samples per split for the verifier tests (the code task pays one sandboxed process per response).
-N_VERIFY = {"arithmetic": 300, "list_ops": 300, "program_output": 300, "code_function": 100}
-N_DISJOINT = {"arithmetic": 3000, "list_ops": 3000, "program_output": 1500, "code_function": 3000}
+N_VERIFY = {"arithmetic": 300, "list_ops": 300, "program_output": 300, "code_function": 100, "list_ops_short": 300}
+N_DISJOINT = {"arithmetic": 3000, "list_ops": 3000, "program_output": 1500, "code_function": 3000,
+              "list_ops_short": 3000}
 
 _CACHE: dict = {}
 
@@ -58,7 +59,7 @@ def _wrong_answers(task: str, ex, rng: random.Random) -> list[str]:
     if task == "arithmetic":
         n = int(a)
         return [str(n + 1), str(n - 1), str(n * 10 + 1), f"{n}.5", f"-{n}" if n else "1", f"{n} {n}"]
-    if task == "list_ops":
+    if task.startswith("list_ops"):
         xs = parse_int_list(a)
         i = rng.randrange(len(xs))
         perturbed = xs[:i] + [xs[i] + rng.choice([-1, 1])] + xs[i + 1:]
@@ -82,7 +83,7 @@ def _wrong_answers(task: str, ex, rng: random.Random) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("task", ["arithmetic", "list_ops", "program_output"])
+@pytest.mark.parametrize("task", ["arithmetic", "list_ops", "program_output", "list_ops_short"])
 def test_corrupted_final_answers_rejected(task):
     rng = random.Random(0)
     t = TASKS[task]
@@ -127,6 +128,19 @@ def test_list_answers_compare_elementwise():
     xs = parse_int_list(ex.answer)
     assert verify(ex, "#### [" + ",".join(map(str, xs)) + "]")
     assert verify(ex, "#### [ " + " ,  ".join(map(str, xs)) + " ]")
+
+
+def test_short_lists_are_one_operation_on_a_few_digits_and_split_with_list_ops():
+    for split in SPLITS:
+        for ex in examples("list_ops_short", split, 300):
+            start = parse_int_list(re.search(r"(\[[^\]]*\])", ex.prompt).group(1))
+            assert 3 <= len(start) <= 5 and all(0 <= x <= 9 for x in start), ex.prompt
+            assert ex.prompt.count("\n1. ") == 1 and "\n2. " not in ex.prompt, ex.prompt
+    # an instance both list tasks can draw (5 digits up to 9, one operation) lands in the same split in both
+    short, full = TASKS["list_ops_short"], TASKS["list_ops"]
+    keys = [short._draw(random.Random(f"probe/{i}"))[0] for i in range(400)]
+    splits = [short.split_of_instance(k) for k in keys]
+    assert splits == [full.split_of_instance(k) for k in keys] and set(splits) == set(SPLITS)
 
 
 def test_code_task_rejects_wrong_truncated_and_hostile_candidates():

@@ -5,7 +5,8 @@
     TASKS["arithmetic"].verify(ex, model_response)    # True iff the response's final answer is right
     batch = sample("train", 64, seed=0)               # a mixed, reproducible batch over all tasks
 
-Tasks: arithmetic (GSM8K-like word problems), list_ops (list transformations), program_output (predict what a
+Tasks: arithmetic (GSM8K-like word problems), list_ops (list transformations; list_ops_short: one operation on a
+few digits, the CPU demo's task), program_output (predict what a
 generated Python program prints; reference from a sandboxed run) and code_function (write a function, checked
 by running it in the sandbox on hidden inputs). See base.py for the split construction and answer parsing, and
 sandbox.py for what the sandbox does and does not guarantee.
@@ -23,8 +24,10 @@ from orl_jax.data.tasks.code import CodeFunctionTask
 from orl_jax.data.tasks.lists import ListOpsTask
 from orl_jax.data.tasks.program import ProgramOutputTask
 
-TASKS: dict[str, Task] = {t.name: t for t in (ArithmeticTask(), ListOpsTask(), ProgramOutputTask(),
-                                                CodeFunctionTask())}
+TASKS: dict[str, Task] = {t.name: t for t in (
+    ArithmeticTask(), ListOpsTask(), ProgramOutputTask(), CodeFunctionTask(),
+    ListOpsTask("list_ops_short", lengths=(3, 5), highs=(9,), op_weights=(1,),
+                ops=("sort_asc", "sort_desc", "reverse", "dedupe", "even", "odd", "gt", "first")))}
 
 __all__ = ["SPLITS", "TASKS", "Example", "Task", "extract_final_answer", "sample", "verify", "verify_many"]
 

@@ -69,6 +69,11 @@ class Task:
     part (the program task runs all its programs in one sandboxed process)."""
 
     name: str = ""
+    split_space: str = ""  # tasks that can draw the same instance share one (default: the name), hence its split
+
+    def split_of_instance(self, key: str) -> str:
+        """The split of the instance with this split key."""
+        return split_of(f"{self.split_space or self.name}/{key}")
 
     def generate(self, index: int, split: str) -> Example:
         return self.generate_many([index], split)[0]
@@ -83,7 +88,7 @@ class Task:
     def _accepted_draft(self, index: int, split: str):
         for attempt in range(MAX_ATTEMPTS):
             key, draft = self._draw(random.Random(f"{self.name}/{split}/{index}/{attempt}"))
-            if split_of(f"{self.name}/{key}") == split:
+            if self.split_of_instance(key) == split:
                 return draft, index
         raise RuntimeError(f"{self.name}: no {split} instance in {MAX_ATTEMPTS} draws (index {index})")
 

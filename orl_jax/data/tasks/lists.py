@@ -4,6 +4,11 @@ Operations: sort ascending / descending, reverse, remove duplicates (keeping fir
 numbers, keep numbers greater than k, add / subtract / multiply every element by k, keep the first k elements.
 The worked solution shows every intermediate list (element-wise sums and products for the map steps), then
 "#### [a, b, ...]". The verifier parses the final list and compares it element by element (any spacing).
+
+Two registered sizes: `list_ops` (5-12 numbers up to 9, 20, 50 or 99, 1-3 operations) and `list_ops_short` (one
+sort, reverse, dedupe, filter or prefix operation on 3-5 digits; no arithmetic), a task a CPU-sized model learns
+within `make demo`'s minutes, so that its ORL rounds have verified rollouts to learn from. Both draw their split
+in one space: an instance both can produce is held out in both or in neither.
 """
 
 from __future__ import annotations
@@ -47,17 +52,25 @@ INTROS = ("Start with the list {xs}.", "You are given the list {xs}.", "Take the
 
 
 class ListOpsTask(Task):
-    name = "list_ops"
+    """lengths: (min, max) numbers in the list; highs: the largest value, one drawn per instance; op_weights: the
+    relative frequency of 1, 2, ... operations; ops: the operations drawn from (names in OPS)."""
+
+    def __init__(self, name: str = "list_ops", lengths: tuple[int, int] = (5, 12),
+                 highs: tuple[int, ...] = (9, 20, 50, 99), op_weights: tuple[int, ...] = (1, 3, 3),
+                 ops: tuple[str, ...] = tuple(OPS)):
+        self.name, self.lengths, self.highs, self.op_weights = name, lengths, list(highs), list(op_weights)
+        self.ops = sorted(ops)
+        self.split_space = "list_ops"  # an instance both sizes can draw is held out in both or in neither
 
     def _draw(self, rng: random.Random):
         while True:
-            n = rng.randint(5, 12)
-            hi = rng.choice([9, 20, 50, 99])
+            n = rng.randint(*self.lengths)
+            hi = rng.choice(self.highs)
             xs = [rng.randint(0, hi) for _ in range(n)]
             if rng.random() < 0.4:  # make duplicates likely enough that dedupe has work to do
                 xs[rng.randrange(n)] = xs[rng.randrange(n)]
-            n_ops = rng.choices([1, 2, 3], weights=[1, 3, 3])[0]
-            names = rng.sample(sorted(OPS), n_ops)
+            n_ops = rng.choices(range(1, len(self.op_weights) + 1), weights=self.op_weights)[0]
+            names = rng.sample(self.ops, n_ops)
             ops, cur, lines = [], xs, [f"Start: {_fmt(xs)}"]
             for step, name in enumerate(names, 1):
                 text, fn, sym = OPS[name]
