@@ -19,6 +19,7 @@ from orl_jax.data.tasks import SPLITS, TASKS, sample, verify, verify_many
 from orl_jax.data.tasks import sandbox as sb
 from orl_jax.data.tasks.base import canonical_output, extract_final_answer, parse_int, parse_int_list, split_of
 from orl_jax.data.tasks.code import CodeFunctionTask
+from orl_jax.data.tasks.lists import ListOpsTask
 
 # Samples per split for the verifier tests (the code task pays one sandboxed process per response).
 N_VERIFY = {"arithmetic": 300, "list_ops": 300, "program_output": 300, "code_function": 100, "list_ops_short": 300}
@@ -141,6 +142,11 @@ def test_short_lists_are_one_operation_on_a_few_digits_and_split_with_list_ops()
     keys = [short._draw(random.Random(f"probe/{i}"))[0] for i in range(400)]
     splits = [short.split_of_instance(k) for k in keys]
     assert splits == [full.split_of_instance(k) for k in keys] and set(splits) == set(SPLITS)
+    for bad, match in [(dict(ops=("sort_asc", "shuffle")), "ops"), (dict(ops=()), "ops"),
+                       (dict(lengths=(4, 3)), "lengths"), (dict(highs=(0,)), "highs"),
+                       (dict(ops=("reverse",), op_weights=(1, 1)), "op_weights")]:
+        with pytest.raises(ValueError, match=match):
+            ListOpsTask("x", **bad)
 
 
 def test_code_task_rejects_wrong_truncated_and_hostile_candidates():
