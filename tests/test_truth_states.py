@@ -100,5 +100,7 @@ def test_recipe_rejects_truth_states_for_the_uniform_family():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
     import train_qwendlm
 
-    with pytest.raises(SystemExit):
-        train_qwendlm.parse_args(["--orl-source", "truth_forced"])
+    for family in (["--noise", "uniform"], ["--preset", "h200"]):  # the h200 preset's family is the uniform one
+        with pytest.raises(SystemExit):
+            train_qwendlm.parse_args(["--orl-source", "truth_forced", *family])
+    assert train_qwendlm.parse_args(["--orl-source", "truth_forced", "--noise", "mask"]).orl_source == "truth_forced"
