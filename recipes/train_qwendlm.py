@@ -264,13 +264,12 @@ def parse_args(argv=None):
     args.stage2_methods = tuple(m for m in STAGE2_METHODS if m in methods)
     args.noise = args.noise or PRESETS[args.preset].noise
     if args.tasks is not None:
-        from orl_jax.data.tasks import TASKS
+        from orl_jax.data.tasks import task_names
 
-        names = [t for t in args.tasks.split(",") if t]
-        bad = sorted(set(names) - set(TASKS))
-        if bad or not names:
-            ap.error(f"--tasks: unknown {bad or 'empty list'} in {args.tasks!r}; choose from {', '.join(TASKS)}")
-        args.tasks = tuple(dict.fromkeys(names))
+        try:
+            args.tasks = tuple(dict.fromkeys(task_names([t for t in args.tasks.split(",") if t])))
+        except ValueError as e:
+            ap.error(f"--tasks {args.tasks!r}: {e}")
     for name, (_, _, valid) in NUMERIC_FLAGS.items():  # NaN fails every check
         v = getattr(args, name)
         if v is not None and not VALID[valid](v):

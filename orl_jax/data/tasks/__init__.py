@@ -29,10 +29,12 @@ TASKS: dict[str, Task] = {t.name: t for t in (
     ListOpsTask("list_ops_short", lengths=(3, 5), highs=(9,), op_weights=(1,),
                 ops=("sort_asc", "sort_desc", "reverse", "dedupe", "even", "odd", "gt", "first")))}
 
-__all__ = ["SPLITS", "TASKS", "Example", "Task", "extract_final_answer", "sample", "verify", "verify_many"]
+__all__ = ["SPLITS", "TASKS", "Example", "Task", "extract_final_answer", "sample", "task_names", "verify",
+           "verify_many"]
 
 
-def _task_names(tasks: Sequence[str] | None) -> list[str]:
+def task_names(tasks: Sequence[str] | None) -> list[str]:
+    """The named tasks (None: all), checked: ValueError for none or an unknown one."""
     names = list(TASKS) if tasks is None else list(tasks)
     if not names:
         raise ValueError("tasks must name at least one task")
@@ -48,7 +50,7 @@ def sample(split: str, n: int, seed: int, tasks: Sequence[str] | None = None) ->
     check_split(split)
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be a non-negative int, got {n!r}")
-    names = _task_names(tasks)
+    names = task_names(tasks)
     rng = random.Random(f"orl_jax.tasks.sample/{split}/{seed}/{','.join(names)}")
     picks = [(rng.choice(names), rng.randrange(2**40)) for _ in range(n)]
     by_task: dict[str, list[int]] = defaultdict(list)

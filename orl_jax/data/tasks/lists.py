@@ -55,22 +55,22 @@ class ListOpsTask(Task):
     """lengths: (min, max) numbers in the list; highs: the largest value, one drawn per instance; op_weights: the
     relative frequency of 1, 2, ... operations; ops: the operations drawn from (names in OPS)."""
 
+    split_space = "list_ops"  # an instance both sizes can draw is held out in both or in neither
+
     def __init__(self, name: str = "list_ops", lengths: tuple[int, int] = (5, 12),
                  highs: tuple[int, ...] = (9, 20, 50, 99), op_weights: tuple[int, ...] = (1, 3, 3),
                  ops: tuple[str, ...] = tuple(OPS)):
-        unknown = sorted(set(ops) - set(OPS))
-        if unknown or not ops:
+        self.ops = sorted(set(ops))
+        if not self.ops or not set(self.ops) <= set(OPS):
             raise ValueError(f"ops must name operations of {sorted(OPS)}, got {ops!r}")
         if not 1 <= lengths[0] <= lengths[1]:
             raise ValueError(f"lengths must be (min, max) with 1 <= min <= max, got {lengths!r}")
         if not highs or min(highs) < 1:
             raise ValueError(f"highs must be largest values >= 1, got {highs!r}")
-        if not 1 <= len(op_weights) <= len(set(ops)) or min(op_weights) < 0 or not sum(op_weights) > 0:
-            raise ValueError(f"op_weights must weigh 1..{len(set(ops))} operations (non-negative, not all 0), got "
+        if not 1 <= len(op_weights) <= len(self.ops) or min(op_weights) < 0 or not sum(op_weights) > 0:
+            raise ValueError(f"op_weights must weigh 1..{len(self.ops)} operations (non-negative, not all 0), got "
                              f"{op_weights!r}")
         self.name, self.lengths, self.highs, self.op_weights = name, lengths, list(highs), list(op_weights)
-        self.ops = sorted(set(ops))
-        self.split_space = "list_ops"  # an instance both sizes can draw is held out in both or in neither
 
     def _draw(self, rng: random.Random):
         while True:
