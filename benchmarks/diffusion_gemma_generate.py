@@ -72,6 +72,12 @@ ap.add_argument("--looped", type=int, default=8, metavar="N",
                 help="also time N decoder forwards in one program (a fori_loop on the device, as generate() runs "
                      "them): ms per forward without host dispatch or per-call command-buffer updates between them "
                      "(the number issue #4's target is judged by since session 21; 0: skip)")
+ap.add_argument("--parts", default="",
+                help="also time what generate() runs besides the decoder forwards, for each comma-separated "
+                     "diffusion_gemma.SOFT_EMBED_SPLIT value (e.g. 1,4,8): the prefill, and per step the "
+                     "self-conditioning input, the sampler and the soft embedding, each in a device loop; then "
+                     "generate() under that value, and a trace of one generate() call (top kernels per step, "
+                     "timeline beside --out)")
 ap.add_argument("--capacity-factor", type=int,
                 help="moe.CAPACITY_FACTOR (slots per expert / mean load; overflow takes further rounds)")
 args = ap.parse_args()
@@ -262,6 +268,61 @@ def moe_only(impl):
     return median_seconds(lambda: f(gu, dn, x, w, e), reps=5) * 1e3 * cfg.num_layers / n
 
 
+def looped_ms(fn, x, n=16):
+    """ms per call of fn(params, x) -> array, n calls in one device loop, each input depending on the previous
+    output through a test that is never true (nothing hoisted)."""
+    def run(p, x):
+        return jax.lax.fori_loop(0, n, lambda _, x: x + (jnp.max(fn(p, x)) == jnp.inf).astype(x.dtype), x)
+
+    f = compile_dg(run)
+    return median_seconds(lambda: f(params, x), reps=5) * 1e3 / n
+
+
+def generate_parts(c, kw):
+    """generate()'s time outside the decoder forwards, under each --parts SOFT_EMBED_SPLIT value."""
+    import tempfile
+
+    from xplane_summary import summarize, write_timeline
+
+    from orl_jax.decode.residual import soft_embed
+
+    lengths = jnp.asarray([args.prompt], jnp.int32)
+    pf = compile_dg(lambda p, t: diffusion_gemma.prefill(p, c, t, lengths, args.prompt + args.new)[1])
+    log(what="part", part="prefill", ms=median_seconds(lambda: pf(params, jnp.asarray(prompt)), reps=5) * 1e3)
+    V, L = c.vocab_size, args.new
+    logits = 4 * jax.random.normal(jax.random.key(7), (1, L, V), jnp.float32)
+    canvas = jnp.asarray(np.random.default_rng(1).integers(0, min(200000, V), (1, L)), jnp.int32)
+    _, state = sampler.init(jax.random.key(8), 1, L, c)
+    active = jnp.ones((1,), bool)
+    step = lambda p, x: sampler.step(x, canvas, state, jax.random.key(9), 3, active).probs  # noqa: E731
+    log(what="part", part="sampler_step", ms=looped_ms(step, logits))
+    probs = jax.nn.softmax(logits, axis=-1)
+    z = jnp.zeros((1, L, c.hidden_size), jnp.bfloat16) + 0.01
+    sc = lambda p, x: diffusion_gemma.residual_embed(p, c, canvas, x, jnp.ones((1, L), jnp.float32))  # noqa: E731
+    log(what="part", part="self_conditioning_input", ms=looped_ms(sc, z))
+    for split in [int(v) for v in args.parts.split(",")]:
+        diffusion_gemma.SOFT_EMBED_SPLIT = split
+        jax.clear_caches()
+        log(what="part", part="soft_embed", split=split, ms=looped_ms(lambda p, x: soft_embed(p, c, x), probs))
+        out = jax.block_until_ready(generate(params, c, prompt, **kw))
+        sec = median_seconds(lambda: generate(params, c, prompt, **kw), reps=5)
+        fwd = int(out.total_forwards)
+        log(what="generate", moe_impl=c.moe_impl, soft_embed_split=split, seconds=sec, denoise_forwards=fwd,
+            ms_per_forward_incl_prefill=sec * 1e3 / max(fwd + int(out.commits), 1), tokens_sha=digest(out.tokens))
+        d = tempfile.mkdtemp()
+        with jax.profiler.trace(d):
+            jax.block_until_ready(generate(params, c, prompt, **kw))
+        prof = summarize(d, steps=fwd, top=40)
+        top, gaps = prof.pop("top", []), prof.pop("gaps", [])
+        log(what="generate_profile", soft_embed_split=split, **prof)
+        for row in top:
+            log(what="generate_profile_kernel", soft_embed_split=split, **row)
+        for row in gaps:
+            log(what="generate_profile_gap", soft_embed_split=split, **row)
+        write_timeline(d, Path(args.out).with_suffix(f".generate_split{split}.timeline.jsonl.gz"))
+    diffusion_gemma.SOFT_EMBED_SPLIT = 1
+
+
 if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the isolated bench ranks them otherwise)
     from orl_jax_kernels.small_m_gemm.kernel import set_tuned
 
@@ -309,3 +370,5 @@ for impl in IMPLS:
         commits=com, ms_per_forward_incl_prefill=sec * 1e3 / max(fwd + com, 1), tokens_per_s=args.new / sec,
         tokens_sha=digest(out.tokens),
         tpf_hf=float(np.asarray(out.tpf_hf)[0]) if getattr(out, "tpf_hf", None) is not None else None)
+    if args.parts:
+        generate_parts(c, kw)
