@@ -78,6 +78,9 @@ ap.add_argument("--parts", default="",
                      "self-conditioning input, the sampler and the soft embedding, each in a device loop; then "
                      "generate() under that value, and a trace of one generate() call (top kernels per step, "
                      "timeline beside --out)")
+ap.add_argument("--generate-hlo", action="store_true",
+                help="also write the compiled generate() program's HLO beside --out (OUT.generate.hlo.txt.gz): which "
+                     "of the loop's instructions XLA left outside its command buffers")
 ap.add_argument("--capacity-factor", type=int,
                 help="moe.CAPACITY_FACTOR (slots per expert / mean load; overflow takes further rounds)")
 args = ap.parse_args()
@@ -278,6 +281,21 @@ def looped_ms(fn, x, n=16):
     return median_seconds(lambda: f(params, x), reps=5) * 1e3 / n
 
 
+def write_generate_hlo(c, kw):
+    """The compiled generate() program's HLO (the program generate() dispatched, lowered again with its arguments)."""
+    from orl_jax.decode import engine
+
+    seen, run = [], engine._run_concurrent
+    engine._run_concurrent = lambda *a, **k: seen.append((a, k)) or run(*a, **k)
+    try:
+        jax.block_until_ready(generate(params, c, prompt, **kw))
+    finally:
+        engine._run_concurrent = run
+    a, k = seen[0]
+    with gzip.open(Path(args.out).with_suffix(".generate.hlo.txt.gz"), "wt") as fh:
+        fh.write(run.lower(*a, **k).compile().as_text())
+
+
 def generate_parts(c, kw):
     """generate()'s time outside the decoder forwards, under each --parts SOFT_EMBED_SPLIT value."""
     import tempfile
@@ -370,5 +388,7 @@ for impl in IMPLS:
         commits=com, ms_per_forward_incl_prefill=sec * 1e3 / max(fwd + com, 1), tokens_per_s=args.new / sec,
         tokens_sha=digest(out.tokens),
         tpf_hf=float(np.asarray(out.tpf_hf)[0]) if getattr(out, "tpf_hf", None) is not None else None)
+    if args.generate_hlo:
+        write_generate_hlo(c, kw)
     if args.parts:
         generate_parts(c, kw)
