@@ -72,12 +72,11 @@ ap.add_argument("--looped", type=int, default=8, metavar="N",
                 help="also time N decoder forwards in one program (a fori_loop on the device, as generate() runs "
                      "them): ms per forward without host dispatch or per-call command-buffer updates between them "
                      "(the number issue #4's target is judged by since session 21; 0: skip)")
-ap.add_argument("--parts", default="",
-                help="also time what generate() runs besides the decoder forwards, for each comma-separated "
-                     "diffusion_gemma.SOFT_EMBED_SPLIT value (e.g. 1,4,8): the prefill, and per step the "
-                     "self-conditioning input, the sampler and the soft embedding, each in a device loop; then "
-                     "generate() under that value, and a trace of one generate() call (top kernels per step, "
-                     "timeline beside --out)")
+ap.add_argument("--parts", action="store_true",
+                help="also time what generate() runs besides the decoder forwards: the prefill, and per step the "
+                     "self-conditioning input, the sampler and the soft embedding, each in a device loop; then a "
+                     "trace of one generate() call (top kernels per step; timeline beside --out). The trace's idle "
+                     "gaps are the profiler's: traced, a step took ~0.7 ms longer than untraced (session 31)")
 ap.add_argument("--generate-hlo", action="store_true",
                 help="also write the compiled generate() program's HLO beside --out (OUT.generate.hlo.txt.gz): which "
                      "of the loop's instructions XLA left outside its command buffers")
@@ -297,7 +296,7 @@ def write_generate_hlo(c, kw):
 
 
 def generate_parts(c, kw):
-    """generate()'s time outside the decoder forwards, under each --parts SOFT_EMBED_SPLIT value."""
+    """generate()'s time outside the decoder forwards, and a trace of one generate() call."""
     import tempfile
 
     from xplane_summary import summarize, write_timeline
@@ -314,31 +313,23 @@ def generate_parts(c, kw):
     active = jnp.ones((1,), bool)
     step = lambda p, x: sampler.step(x, canvas, state, jax.random.key(9), 3, active).probs  # noqa: E731
     log(what="part", part="sampler_step", ms=looped_ms(step, logits))
-    probs = jax.nn.softmax(logits, axis=-1)
     z = jnp.zeros((1, L, c.hidden_size), jnp.bfloat16) + 0.01
     sc = lambda p, x: diffusion_gemma.residual_embed(p, c, canvas, x, jnp.ones((1, L), jnp.float32))  # noqa: E731
     log(what="part", part="self_conditioning_input", ms=looped_ms(sc, z))
-    for split in [int(v) for v in args.parts.split(",")]:
-        diffusion_gemma.SOFT_EMBED_SPLIT = split
-        jax.clear_caches()
-        log(what="part", part="soft_embed", split=split, ms=looped_ms(lambda p, x: soft_embed(p, c, x), probs))
-        out = jax.block_until_ready(generate(params, c, prompt, **kw))
-        sec = median_seconds(lambda: generate(params, c, prompt, **kw), reps=5)
-        fwd = int(out.total_forwards)
-        log(what="generate", moe_impl=c.moe_impl, soft_embed_split=split, seconds=sec, denoise_forwards=fwd,
-            ms_per_forward_incl_prefill=sec * 1e3 / max(fwd + int(out.commits), 1), tokens_sha=digest(out.tokens))
-        d = tempfile.mkdtemp()
-        with jax.profiler.trace(d):
-            jax.block_until_ready(generate(params, c, prompt, **kw))
-        prof = summarize(d, steps=fwd, top=40)
-        top, gaps = prof.pop("top", []), prof.pop("gaps", [])
-        log(what="generate_profile", soft_embed_split=split, **prof)
-        for row in top:
-            log(what="generate_profile_kernel", soft_embed_split=split, **row)
-        for row in gaps:
-            log(what="generate_profile_gap", soft_embed_split=split, **row)
-        write_timeline(d, Path(args.out).with_suffix(f".generate_split{split}.timeline.jsonl.gz"))
-    diffusion_gemma.SOFT_EMBED_SPLIT = 1
+    probs = jax.nn.softmax(logits, axis=-1)
+    log(what="part", part="soft_embed", ms=looped_ms(lambda p, x: soft_embed(p, c, x), probs))
+    out = jax.block_until_ready(generate(params, c, prompt, **kw))
+    d = tempfile.mkdtemp()
+    with jax.profiler.trace(d):
+        jax.block_until_ready(generate(params, c, prompt, **kw))
+    prof = summarize(d, steps=int(out.total_forwards), top=40)
+    top, gaps = prof.pop("top", []), prof.pop("gaps", [])
+    log(what="generate_profile", **prof)
+    for row in top:
+        log(what="generate_profile_kernel", **row)
+    for row in gaps:
+        log(what="generate_profile_gap", **row)
+    write_timeline(d, Path(args.out).with_suffix(".generate.timeline.jsonl.gz"))
 
 
 if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the isolated bench ranks them otherwise)

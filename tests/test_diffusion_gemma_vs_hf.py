@@ -723,21 +723,3 @@ def test_forward_is_differentiable_with_and_without_remat(dg_ours):
     assert any(float(jnp.abs(a).max()) > 0 for a in jax.tree.leaves(g0["sliding"]))
     for a, b in zip(leaves0, leaves1):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
-
-
-@pytest.mark.parametrize("split", [2, 4])
-def test_soft_embed_split_k_equals_one_gemm(dg_ours, monkeypatch, split):
-    """SOFT_EMBED_SPLIT = S: S partial GEMMs over V / S entries summed in float32 give the one GEMM's z (fp32, to
-    rounding), and the program really holds the split (a batched dot over S)."""
-    cfg, params = dg_ours
-    probs = jax.nn.softmax(jax.random.normal(jax.random.key(3), (2, 5, cfg.vocab_size)) * 3, axis=-1)
-    one = np.asarray(dg.soft_embed(params, cfg, probs))
-    monkeypatch.setattr(dg, "SOFT_EMBED_SPLIT", split)
-    def lower():  # a new function each time: jit's trace cache does not see the module switch
-        return jax.jit(lambda p, x: dg.soft_embed(p, cfg, x)).lower(params, probs).as_text()
-
-    assert "batching_dims" in lower()  # the S partial products: one dot batched over S
-    monkeypatch.setattr(dg, "SOFT_EMBED_SPLIT", 1)
-    assert "batching_dims" not in lower()
-    monkeypatch.setattr(dg, "SOFT_EMBED_SPLIT", split)
-    np.testing.assert_allclose(np.asarray(dg.soft_embed(params, cfg, probs)), one, rtol=1e-5, atol=1e-6)

@@ -185,23 +185,10 @@ def residual_embed(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, z
     return rms_norm_fp32(x, None, cfg.rms_norm_eps)
 
 
-SOFT_EMBED_SPLIT = 1  # > 1: soft_embed's vocabulary contraction as that many partial GEMMs summed in float32
-
-
 def soft_embed(params: dict, cfg: DiffusionGemmaConfig, probs: jax.Array) -> jax.Array:
-    """z = p @ E * sqrt(D): [B, L, V] -> [B, L, D] in the model dtype (HF's soft embeddings). With
-    SOFT_EMBED_SPLIT = S > 1 (and S dividing V) the contraction over V runs as S batched GEMMs over V / S entries
-    each, their float32 partials summed after (split-K): at canvas 256 the one GEMM has only 256 x D outputs for a
-    262k-long contraction."""
-    e, s = params["embed"], SOFT_EMBED_SPLIT
-    p = probs.astype(e.dtype)
-    if s > 1 and e.shape[0] % s == 0:
-        v, d = e.shape
-        parts = jnp.einsum("blsv,svd->sbld", p.reshape(*p.shape[:-1], s, v // s), e.reshape(s, v // s, d),
-                           preferred_element_type=jnp.float32)
-        z = jnp.sum(parts, axis=0).astype(e.dtype)
-    else:
-        z = jnp.einsum("blv,vd->bld", p, e, preferred_element_type=jnp.float32).astype(e.dtype)
+    """z = p @ E * sqrt(D): [B, L, V] -> [B, L, D] in the model dtype (HF's soft embeddings)."""
+    e = params["embed"]
+    z = jnp.einsum("blv,vd->bld", probs.astype(e.dtype), e, preferred_element_type=jnp.float32).astype(e.dtype)
     return z * _embed_scale(cfg)
 
 
