@@ -88,3 +88,14 @@ def test_softmax_stats_equal_log_softmax(v):
     own = jax.vmap(lambda k: categorical(k, logp, "inverse_cdf"))(keys)
     given = jax.vmap(lambda k: categorical(k, logp, "inverse_cdf", mass))(keys)
     assert float(jnp.mean(own == given)) > 0.99  # only a rounding-edge draw may differ
+
+
+def test_softmax_stats_argmax_takes_the_first_of_tied_maxima():
+    """The argmax found in the chunk pass (first index with x == max) is jnp.argmax's first occurrence: ties
+    inside one chunk, across chunks, and a row whose only finite entry is last."""
+    x = jax.random.normal(jax.random.key(5), (4, 151))
+    x = x.at[0, [17, 18]].set(9.0).at[1, [3, 140]].set(9.0).at[2, :].set(-jnp.inf).at[2, 150].set(0.0)
+    x = x.at[3].set(1.0)  # every entry tied
+    argmax = softmax_stats(x)[0]
+    np.testing.assert_array_equal(argmax, jnp.argmax(x, axis=-1))
+    np.testing.assert_array_equal(argmax, [17, 3, 150, 0])

@@ -723,3 +723,15 @@ def test_forward_is_differentiable_with_and_without_remat(dg_ours):
     assert any(float(jnp.abs(a).max()) > 0 for a in jax.tree.leaves(g0["sliding"]))
     for a, b in zip(leaves0, leaves1):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
+
+
+def test_prefill_reads_layers_in_place_and_forward_scans(dg_ours):
+    """The prefill is never differentiated: it loops over the sliding layers with a while_loop (weights read in
+    place at the loop's index) instead of scanning group slices (copies of each group's weights on a GPU); the
+    cache-free `forward`, which training differentiates, keeps the scan."""
+    cfg, params = dg_ours
+    tokens = jnp.asarray(_tokens((1, 6), 50))
+    pre = str(jax.make_jaxpr(lambda p, t: dg.prefill(p, cfg, t, jnp.asarray([6], jnp.int32), 14))(params, tokens))
+    fwd = str(jax.make_jaxpr(lambda p, t: dg.forward(p, cfg, t))(params, tokens))
+    assert "while[" in pre and "scan[" not in pre
+    assert "scan[" in fwd

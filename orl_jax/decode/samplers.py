@@ -74,20 +74,26 @@ def softmax_stats(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Ar
     step at Qwen3's vocabulary): (argmax [...], log-probabilities [..., V] (elementwise, so XLA computes them
     where they are read), entropy in nats [...], the chunk masses of the inverse-CDF draw [..., C] (sums of the
     probabilities)). With z = x - max <= 0, s = sum exp(z) >= 1 and t = sum exp(z) z <= 0: entropy =
-    log s - t / s, two non-negative terms (no cancellation); log p = z - log s, as jax.nn.log_softmax."""
-    argmax = jnp.argmax(x, axis=-1)
-    z = x - jnp.take_along_axis(x, argmax[..., None], axis=-1)  # the max, from the argmax's pass
+    log s - t / s, two non-negative terms (no cancellation); log p = z - log s, as jax.nn.log_softmax.
+    Pass 1 is a plain max; pass 2 also finds the argmax as the first index with z == 0 (jnp.argmax's first
+    occurrence, exactly), per chunk: a variadic argmax reduction ran at ~1.2 TB/s as its own pass (110 us at
+    DiffusionGemma's [256, 262144], benchmarks/results/2026-12-02_dg_generate_parts_s31_h200.md)."""
+    v = x.shape[-1]
+    z = x - jnp.max(x, axis=-1, keepdims=True)
     zc = _chunks(z)
+    w = zc.shape[-1]
     e = jnp.exp(zc)
     mass = jnp.sum(e, axis=-1)  # [..., C]
     t = jnp.sum(jnp.where(e > 0, e * zc, 0.0), axis=-1)  # [..., C]; an excluded entry adds 0, not 0 * -inf
-    # both chunk sums in one multi-output pass: without the barrier XLA folds t's and s's two-level sums into
+    index = jnp.arange(zc.shape[-2] * w, dtype=jnp.int32).reshape(zc.shape[-2:])
+    first = jnp.min(jnp.where(zc == 0, index, v), axis=-1)  # [..., C]: the chunk's first maximal entry, else V
+    # the chunk sums in one multi-output pass: without the barrier XLA folds t's and s's two-level sums into
     # whole-row reductions, which it cannot fuse with the chunk masses' (three passes, 135 us at canvas 256)
-    mass, t = jax.lax.optimization_barrier((mass, t))
+    mass, t, first = jax.lax.optimization_barrier((mass, t, first))
     s, t = jnp.sum(mass, axis=-1), jnp.sum(t, axis=-1)
     log_s = jnp.log(s)
     entropy = jnp.maximum(log_s - t / s, 0.0)
-    return argmax.astype(jnp.int32), z - log_s[..., None], entropy, mass / s[..., None]
+    return jnp.min(first, axis=-1), z - log_s[..., None], entropy, mass / s[..., None]
 
 
 def _inverse_cdf(key: jax.Array, logp: jax.Array, mass: jax.Array | None = None) -> jax.Array:

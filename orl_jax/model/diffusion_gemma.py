@@ -254,9 +254,11 @@ def _rope(cfg: DiffusionGemmaConfig, positions):
 
 
 def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: jax.Array, vis: dict,
-             cache: HybridKVCache | None = None, *, encoder: bool, collect_kv: bool = False, remat: bool = False):
+             cache: HybridKVCache | None = None, *, encoder: bool, collect_kv: bool = False, remat: bool = False,
+             in_place: bool = False):
     """Run all layers. x [B, L, D]; positions [B, L]; vis: {SLIDING, FULL} -> visibility among the current tokens
-    [B, L, L], and with a cache also {"cache_" + type} -> visibility of the cache slots [B, L, S].
+    [B, L, L], and with a cache also {"cache_" + type} -> visibility of the cache slots [B, L, S]. in_place: a
+    cache-free pass that is never differentiated (the prefill) reads the weights in place as cached passes do.
 
     Returns (hidden after the final norm [B, L, D], sliding (k, v) [G*k, B, L, K, H], full (k, v) [G, B, L, K, H]);
     the K/V are None unless collect_kv. The cache itself is not written here.
@@ -273,13 +275,18 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     # layers at static indices made a forward 0.8 ms slower and its first generate() compile 72 s instead of 32
     # (benchmarks/results/2026-11-30_engine_unroll_default_h200x2.md). Cache-free passes
     # (training, `forward`) need reverse-mode autodiff, which while_loop lacks: they scan each group's slice of the
-    # stacks, copies included. The pallas moe_impl's grouped kernel reads the expert stacks in place (StackedWeight).
+    # stacks, copies included; the prefill (`in_place`) needs none and loops as inference does (the scan copied
+    # ~105 MB of weights per sliding layer: 46 copies, ~1.4 ms of a 21 ms 26B prefill,
+    # benchmarks/results/2026-12-02_dg_generate_parts_s31_h200.md). The pallas moe_impl's grouped kernel reads the
+    # expert stacks in place (StackedWeight).
+    looped = cache is not None or (in_place and not remat)
     stacks = EXPERT_WEIGHTS if moe_impl(cfg) == "pallas" else ()
     sliding_w = {n: a for n, a in params["sliding"].items() if n not in stacks}
     full_w = {n: a for n, a in params["full"].items() if n not in stacks}
     if cache is not None and qwen3.cached_attention_impl(cfg) == "pallas":  # the kernel reads int8 masks
         vis = {name: m.astype(jnp.int8) for name, m in vis.items()}  # once, not in every layer (a launch each)
-    if cache is not None:  # inference: each layer's vectors (norms, scales) as one slice of a packed array
+    sliding_v = full_v = None
+    if looped:  # inference: each layer's vectors (norms, scales) as one slice of a packed array
         (sliding_w, sliding_v, sliding_layout), (full_w, full_v, full_layout) = map(pack_vectors, (sliding_w, full_w))
     take = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False, allow_negative_indices=False)  # noqa
     norm_offsets = _qk_kernel_offsets(cfg, sliding_layout) if cache is not None else None
@@ -290,7 +297,7 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
         return _layer(cfg, x, w, rope_s, vis[SLIDING], part, scalar)
 
     def sliding_group(x, lo):  # sliding layers lo .. lo + k - 1 -> (x, (k, v) [k, B, L, K, H] or None)
-        if cache is None:
+        if not looped:
             def body(x, xs):
                 x, kk, vv = sliding_layer(x, xs[1], xs[0])
                 return x, ((kk, vv) if collect_kv else None)
@@ -309,7 +316,8 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
             if sliding_v is not None:
                 w |= unpack_vectors(take(sliding_v, i), sliding_layout)
             # the cache as layer i of its stacks: the attention kernel may read it in place (Blocks.cache_in_place)
-            ck, cv = (StackedWeight(c, i, take(c, i)) for c in (cache.sliding.k, cache.sliding.v))
+            ck, cv = ((StackedWeight(c, i, take(c, i)) for c in (cache.sliding.k, cache.sliding.v))
+                      if cache is not None else (None, None))
             if norm_offsets is not None:  # the q/k norm kernel reads both weights from the packed stack (no copies)
                 w["packed_vectors"] = (sliding_v, i, norm_offsets)
             x, kk, vv = sliding_layer(x, i, w, ck, cv)
@@ -323,9 +331,9 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     def full_layer(x, g):
         w = {n: a[g] for n, a in full_w.items()} | {n: StackedWeight(params["full"][n], jnp.int32(g)) for n in stacks}
         part = None
+        if full_v is not None:
+            w |= unpack_vectors(full_v[g], full_layout)
         if cache is not None:
-            if full_v is not None:
-                w |= unpack_vectors(full_v[g], full_layout)
             ck, cv = (StackedWeight(c, jnp.int32(g), c[g]) for c in (cache.full.k, cache.full.v))
             part = (ck, cv, vis["cache_" + FULL])
         return _layer(cfg, x, w, rope_f, vis[FULL], part, scalar)
@@ -406,7 +414,7 @@ def prefill(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, lengths:
     positions = jnp.maximum(cache.positions(p), 0)
     valid = jnp.arange(p)[None] >= start[:, None]  # [B, P]: pad keys are invisible
     h, kv_s, kv_f = backbone(params, cfg, token_embed(params, cfg, tokens), positions,
-                             _encoder_vis(cfg, b, p, valid), encoder=True, collect_kv=True)
+                             _encoder_vis(cfg, b, p, valid), encoder=True, collect_kv=True, in_place=True)
     return logits(params, cfg, h[:, -1:])[:, 0], cache.write(kv_s, kv_f)
 
 
