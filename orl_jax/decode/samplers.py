@@ -76,8 +76,8 @@ def softmax_stats(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Ar
     probabilities)). With z = x - max <= 0, s = sum exp(z) >= 1 and t = sum exp(z) z <= 0: entropy =
     log s - t / s, two non-negative terms (no cancellation); log p = z - log s, as jax.nn.log_softmax.
     Pass 1 is a plain max; pass 2 also finds the argmax as the first index with z == 0 (jnp.argmax's first
-    occurrence, exactly), per chunk: a variadic argmax reduction ran at ~1.2 TB/s as its own pass (110 us at
-    DiffusionGemma's [256, 262144], benchmarks/results/2026-12-02_dg_generate_parts_s31_h200.md)."""
+    occurrence, exactly), per chunk. At DiffusionGemma's [256, 262144] the argmax's own variadic reduction took 111
+    us, the plain max takes 99 (benchmarks/results/2026-12-02_dg_generate_parts_s31_h200.md)."""
     v = x.shape[-1]
     z = x - jnp.max(x, axis=-1, keepdims=True)
     zc = _chunks(z)

@@ -276,7 +276,7 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     # (benchmarks/results/2026-11-30_engine_unroll_default_h200x2.md). Cache-free passes
     # (training, `forward`) need reverse-mode autodiff, which while_loop lacks: they scan each group's slice of the
     # stacks, copies included; the prefill (`in_place`) needs none and loops as inference does (the scan copied
-    # ~105 MB of weights per sliding layer: 46 copies, ~1.4 ms of a 21 ms 26B prefill,
+    # ~105 MB of weights per sliding layer: 46 copies, 1.4-1.6 ms of a ~20 ms 26B prefill,
     # benchmarks/results/2026-12-02_dg_generate_parts_s31_h200.md). The pallas moe_impl's grouped kernel reads the
     # expert stacks in place (StackedWeight).
     looped = cache is not None or (in_place and not remat)
