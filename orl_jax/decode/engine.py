@@ -170,10 +170,7 @@ def _generate_loop(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: Deco
         def commit(c, h):  # with the shift, the block's last hidden state starts the next block
             return model.commit(params, cfg, final, c, True) if shift else (model.commit(params, cfg, final, c), h)
 
-        if nb > 1:
-            cache, prev_h = jax.lax.cond(need_commit, commit, lambda c, h: (c, h), s.cache, s.prev_h)
-        else:  # one block (DiffusionGemma's one canvas): nothing is ever committed, no conditional in the loop
-            cache, prev_h = s.cache, s.prev_h
+        cache, prev_h = jax.lax.cond(need_commit, commit, lambda c, h: (c, h), s.cache, s.prev_h)
         if dcfg.stream:
             jax.lax.cond(finish, lambda: jax.debug.callback(_emit, final, s.block, ordered=True), lambda: None)
 
