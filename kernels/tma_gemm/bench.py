@@ -79,7 +79,8 @@ def bench_shape(name, k, n, m, record, only=None):
 
     xla = lambda x, w, i: jnp.dot(x, w if i is None else w[i], preferred_element_type=jnp.float32).astype(x.dtype)  # noqa: E731,E501
     variants = [("xla", xla)]
-    from orl_jax_kernels.small_m_gemm.kernel import Blocks as TBlocks, small_m_matmul  # noqa: E402
+    from orl_jax_kernels.small_m_gemm.kernel import Blocks as TBlocks  # noqa: E402
+    from orl_jax_kernels.small_m_gemm.kernel import small_m_matmul
     tuned = {(2560, 6144): TBlocks(128, 128, 2, 4, 4), (4096, 2560): TBlocks(64, 128, 4, 4, 4),
              (2560, 19456): TBlocks(128, 128, 1, 4, 4), (9728, 2560): TBlocks(64, 128, 4, 4, 4)}
     variants.append(("triton " + str(tuned[(k, n)]),
