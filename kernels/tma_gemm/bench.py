@@ -78,7 +78,9 @@ def bench_shape(name, k, n, m, record, only=None):
         return jax.jit(run)
 
     xla = lambda x, w, i: jnp.dot(x, w if i is None else w[i], preferred_element_type=jnp.float32).astype(x.dtype)  # noqa: E731,E501
-    variants = [("xla", xla)]
+    # the loop's own cost: the same dependency op on a product-shaped array, no GEMM
+    variants = [("no GEMM (loop and dependency only)", lambda x, w, i: jnp.zeros((m, n), x.dtype) + x[:, :1]),
+                ("xla", xla)]
     from orl_jax_kernels.small_m_gemm.kernel import Blocks as TBlocks  # noqa: E402
     from orl_jax_kernels.small_m_gemm.kernel import small_m_matmul
     tuned = {(2560, 6144): TBlocks(128, 128, 2, 4, 4), (4096, 2560): TBlocks(64, 128, 4, 4, 4),

@@ -107,8 +107,8 @@ def tma_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | None = None, *, bloc
 
     out = plgpu.kernel(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((s, m, n), out_dtype),
-        scratch_shapes=dict(o_smem=plgpu.SMEM((ROWS, tn), out_dtype)),
+        out_type=jax.ShapeDtypeStruct((s, m, n), out_dtype),
+        scratch_types=dict(o_smem=plgpu.SMEM((ROWS, tn), out_dtype)),
         grid=(n // tn, s), grid_names=("n", "split"),
         **({"interpret": _interpret_params()} if interpret else {}),
     )(xp, w, idx)
