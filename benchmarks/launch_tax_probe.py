@@ -62,7 +62,9 @@ with open(args.out, "a") as f:
         t = [median_seconds(chain(kind, n), x, ws, reps=20, calls=10) for n in lengths]
         per = (t[1] - t[0]) / (lengths[1] - lengths[0])
         row = {"what": "launch_tax", "kind": kind, "lengths": lengths, "ms": [s * 1e3 for s in t],
-               "us_per_kernel": per * 1e6, "weight_tb_s": ws[0].nbytes / per / 1e12 if kind == "gemm_4096" else None, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+               "us_per_kernel": per * 1e6,
+               "weight_tb_s": ws[0].nbytes / per / 1e12 if kind == "gemm_4096" else None,
+               "device": jax.devices()[0].device_kind, "jax": jax.__version__}
         f.write(json.dumps(row) + "\n")
         print(f"{kind:12s} {lengths[0]} kernels {t[0] * 1e3:.3f} ms, {lengths[1]} kernels {t[1] * 1e3:.3f} ms: "
               f"{per * 1e6:.2f} us per kernel", flush=True)
