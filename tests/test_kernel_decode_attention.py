@@ -333,3 +333,126 @@ def test_diffusion_gemma_decoder_with_the_kernel_equals_the_einsums(monkeypatch)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-4, rtol=2e-4)
     assert float(want.std()) > 0.01  # non-trivial logits
     assert calls and all(calls)  # traced once per group's sliding loop, in DiffusionGemma's order
+
+
+def _normed_inputs(key, dtype, b=2, l=32, s=96, kv=2, g=2, h=32, layers=3):
+    """A raw fused projection, RoPE tables, a packed vector stack holding (q_norm, k_norm) at offsets (5, 5 + h) of
+    layer 1, and the rest of _inputs."""
+    ks = jax.random.split(key, 4)
+    _, kc, vc, cm, _, _, sm = _inputs(ks[0], b=b, l=l, s=s, n=kv * g, kv=kv, h=h, dtype=dtype)
+    proj = jax.random.normal(ks[1], (b, l, kv, g + 2, h), jnp.float32).astype(dtype) * 3
+    from orl_jax.model.layers import rope_angles
+
+    cos, sin = rope_angles(jnp.broadcast_to(jnp.arange(l) + 70, (b, l)), h, 1e4)
+    vectors = (1 + 0.3 * jax.random.normal(ks[2], (layers, 2 * h + 9), jnp.float32)).astype(dtype)
+    return proj, kc, vc, cm, sm, cos, sin, vectors
+
+
+@pytest.mark.parametrize("gemma", [False, True], ids=["qwen3_order", "gemma_order"])
+@pytest.mark.parametrize("blocks", [Blocks(bl=16, bs=32, chunks_per_split=4),  # SHORT_PASS: splits + own split
+                                    Blocks(bl=16, bs=16, chunks_per_split=2, balanced=True),
+                                    Blocks(bl=32, bs=32, chunks_per_split=8)])  # one split: no merge
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)])
+def test_normed_kernel_equals_norm_then_attention_in_interpret_mode(gemma, blocks, dtype, tol):
+    """cached_attention_normed (norms and RoPE inside) against kernels/qk_norm_rope's oracle followed by the
+    plain kernel, in both orders; the cache stacks read at a traced layer."""
+    from orl_jax_kernels.decode_attention.kernel import cached_attention_normed
+    from orl_jax_kernels.qk_norm_rope.reference import gemma_qkv_reference, qk_norm_rope_reference
+
+    proj, kc, vc, cm, sm, cos, sin, vectors = _normed_inputs(jax.random.key(7), dtype)
+    b, l, kv, slots, h = proj.shape
+    offsets, eps = (5, 5 + h), 1e-6
+    q_norm, k_norm = vectors[1, 5:5 + h], vectors[1, 5 + h:5 + 2 * h]
+    ref = gemma_qkv_reference if gemma else qk_norm_rope_reference
+    q, k, v = ref(proj, cos, sin, q_norm, k_norm, eps)
+    stack = lambda a: jnp.stack([a * 0.5, a, a * 2])  # noqa: E731  layer 1 is the cache
+    want = cached_attention(q.reshape(b, l, kv * (slots - 2), h), stack(kc), stack(vc), cm, k, v, sm,
+                            scale=h ** -0.5, blocks=blocks, interpret=True, layer=jnp.int32(1))
+    got = cached_attention_normed(proj, stack(kc), stack(vc), cm, sm, cos, sin, vectors, jnp.int32(1),
+                                  offsets=offsets, eps=eps, gemma=gemma, scale=h ** -0.5, blocks=blocks,
+                                  interpret=True, layer=jnp.int32(1))
+    assert got.shape == want.shape and got.dtype == want.dtype
+    _assert_close_but_the_blind_row(got, want, tol)
+    # the check can fail: the other layer's norm weights change the output
+    other = cached_attention_normed(proj, stack(kc), stack(vc), cm, sm, cos, sin, vectors, jnp.int32(2),
+                                    offsets=offsets, eps=eps, gemma=gemma, scale=h ** -0.5, blocks=blocks,
+                                    interpret=True, layer=jnp.int32(1))
+    assert float(jnp.abs(other.astype(jnp.float32) - want.astype(jnp.float32)).max()) > 10 * tol
+
+
+def test_normed_kernel_rejects_grouped_blocks_and_mismatched_tables():
+    from orl_jax_kernels.decode_attention.kernel import cached_attention_normed
+
+    proj, kc, vc, cm, sm, cos, sin, vectors = _normed_inputs(jax.random.key(8), jnp.float32)
+    kw = dict(offsets=(5, 37), eps=1e-6, gemma=False, scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="group_heads"):
+        cached_attention_normed(proj, kc, vc, cm, sm, cos, sin, vectors, jnp.int32(0), blocks=GROUPED, **kw)
+    with pytest.raises(ValueError, match="do not match"):
+        cached_attention_normed(proj, kc, vc, cm, sm, cos[:, :16], sin, vectors, jnp.int32(0), **kw)
+    with pytest.raises(ValueError, match="do not match"):
+        cached_attention_normed(proj, kc, vc, cm, sm, cos, sin, vectors, jnp.int32(0),
+                                **{**kw, "offsets": (5, 60)})
+
+
+def test_generate_with_norms_inside_the_attention_kernel_equals_the_default(monkeypatch):
+    """qwen3.FUSED_QK_ATTENTION: the cached passes of a block take cached_attention_normed (norm kernel skipped), the
+    commit still writes normed, rotated keys: two blocks decode token for token as the default path does."""
+    from orl_jax import params as P
+    from orl_jax.config import preset
+    from orl_jax.decode.engine import generate
+    from orl_jax.decode.samplers import UniformSampler
+    from orl_jax.model import qwen3
+    from orl_jax_kernels.decode_attention import kernel
+
+    cfg = preset("tiny-qwendlm").replace(block_length=16, cached_attention_impl="pallas")
+    params = P.init(qwen3.param_specs(cfg), jax.random.key(0))
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    kw = dict(key=jax.random.key(1), max_new_tokens=32, sampler=UniformSampler(max_denoising_steps=4),
+              eos_token_id=(), pad_token_id=0)
+    monkeypatch.setattr(kernel, "blocks_for", lambda *shape: Blocks(bl=16, bs=16, chunks_per_split=2,
+                                                                    cache_in_place=True))
+    jax.clear_caches()
+    want = generate(params, cfg, prompts, **kw)
+    calls = []
+    real = kernel.cached_attention_normed
+    monkeypatch.setattr(kernel, "cached_attention_normed", lambda *a, **k: calls.append(k["gemma"]) or real(*a, **k))
+    monkeypatch.setattr(qwen3, "FUSED_QK_ATTENTION", True)
+    jax.clear_caches()
+    got = generate(params, cfg, prompts, **kw)
+    assert calls and not any(calls)  # traced, in Qwen3's order
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    assert int(got.total_forwards) == int(want.total_forwards)
+
+
+def test_normed_kernel_lowers_to_verified_triton_at_the_qwen3_block_shape():
+    """cached_attention_normed at Qwen3-4B's block-32 shape (SHORT_PASS, the cache stacks and the packed norm
+    weights read in place) through MLIR's verifier, no GPU needed."""
+    from orl_jax_kernels.decode_attention.kernel import SHORT_PASS, cached_attention_normed
+
+    sd = jax.ShapeDtypeStruct
+    b, l, kv, g, h, s = 1, 32, 8, 4, 128, 544
+    args = (sd((b, l, kv, g + 2, h), jnp.bfloat16), sd((36, b, s, kv, h), jnp.bfloat16),
+            sd((36, b, s, kv, h), jnp.bfloat16), sd((b, l, s), jnp.int8), sd((b, l, l), jnp.int8),
+            sd((b, l, h), jnp.float32), sd((b, l, h), jnp.float32), sd((36, 2 * h + 4), jnp.bfloat16),
+            sd((), jnp.int32))
+    verified_triton_modules(lambda *a: cached_attention_normed(
+        *a, offsets=(4, 4 + h), eps=1e-6, gemma=False, scale=h ** -0.5, blocks=SHORT_PASS, layer=a[-1]), *args)
+
+
+@pytest.mark.gpu
+def test_normed_kernel_compiled_on_gpu_equals_norm_then_attention():
+    """On a GPU, bf16, Qwen3-4B's block-32 shape: the normed kernel against the norm kernel + attention kernel."""
+    from orl_jax_kernels.decode_attention.kernel import SHORT_PASS, cached_attention_normed
+    from orl_jax_kernels.qk_norm_rope.kernel import qk_norm_rope_stacked
+
+    proj, kc, vc, cm, sm, cos, sin, vectors = _normed_inputs(jax.random.key(9), jnp.bfloat16, l=32, s=544, kv=8, g=4,
+                                                             h=128)
+    stack = lambda a: jnp.stack([a, a * 0.5])  # noqa: E731
+    offsets = (5, 133)
+    q, k, v = qk_norm_rope_stacked(proj, cos, sin, vectors, jnp.int32(1), offsets, 1e-6)
+    want = cached_attention(q.reshape(2, 32, 32, 128), stack(kc), stack(vc), cm, k, v, sm, scale=128 ** -0.5,
+                            blocks=SHORT_PASS, layer=jnp.int32(1))
+    got = cached_attention_normed(proj, stack(kc), stack(vc), cm, sm, cos, sin, vectors, jnp.int32(1),
+                                  offsets=offsets, eps=1e-6, gemma=False, scale=128 ** -0.5, blocks=SHORT_PASS,
+                                  layer=jnp.int32(1))
+    _assert_close_but_the_blind_row(got, want, 3e-2)

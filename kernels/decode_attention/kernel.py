@@ -160,14 +160,15 @@ def supported(l: int, s: int, h: int, blocks: Blocks = Blocks(), g: int = 1) -> 
             and (not blocks.group_heads or pow2(g)))
 
 
-def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref, ms_ref, o_ref, *stats, scale: float,
-            cs: int, ss: int, cps: int, grouped: bool, stacked: bool, balanced: bool):
+def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref, ms_ref, *refs, scale: float,
+            cs: int, ss: int, cps: int, grouped: bool, stacked: bool, balanced: bool, norm: tuple | None = None):
+    if norm is not None:  # q, own k and v raw from the projection [1, rows, 1, 1, H] (ungrouped programs only)
+        cos_ref, sin_ref, vec_ref, vec_layer_ref, *refs = refs
+    o_ref, *stats = refs
     if grouped:  # [BL, G, H] -> rows (query, head) of one dot
         bl, g, h = q_ref.shape[1:]
-        q = q_ref[0].reshape(bl * g, h)
     else:
-        q = q_ref[0, :, 0, :]  # [BL, H]
-        (bl, h), g = q.shape, 1
+        (bl, h), g = (q_ref.shape[1], q_ref.shape[-1]), 1
     split = pl.program_id(3)
     layer = layer_ref[0]
     n_cache = ((extent_ref[0, 0] + cs - 1) // cs).astype(jnp.int32)  # chunks up to the tile's last visible slot
@@ -190,20 +191,58 @@ def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref
         cache_trips = ((~own).astype(jnp.int32) * jnp.clip(n_cache - first, 0, cps)).astype(jnp.int32)
         self_trips = own.astype(jnp.int32) * n_self
 
-    def stream(k_ref, v_ref, m_ref, chunk, start, trips, carry, stacked=False):
+    if norm is None:
+        q = (q_ref[0].reshape(bl * g, h),) if grouped else (q_ref[0, :, 0, :],)  # one dot over all of H
+        load_cache = lambda s0, n: ((_kv(kc_ref, layer, s0, n, stacked),), _kv(vc_ref, layer, s0, n, stacked))  # noqa
+        load_self = lambda s0, n: ((_kv(ks_ref, layer, s0, n, False),), _kv(vs_ref, layer, s0, n, False))  # noqa
+    else:  # the two halves of H as separate dots (Triton has no register slicing; RoPE pairs the halves)
+        q_off, k_off, eps, gemma = norm
+        half = h // 2
+        lo, hi = pl.ds(0, half), pl.ds(half, half)
+        vec_layer = vec_layer_ref[0]
+        dt = q_ref.dtype
+
+        def norm_rope(x1, x2, rows, off):  # kernels/qk_norm_rope's order, rows [n, half] per half
+            f1, f2, inv = _inv_rms(x1, x2, eps)
+            w1, w2 = vec_ref[vec_layer, pl.ds(off, half)][None], vec_ref[vec_layer, pl.ds(off + half, half)][None]
+            if gemma:  # the weight multiplies in float32, then the cast
+                y1 = (w1.astype(jnp.float32) * (f1 * inv)).astype(dt)
+                y2 = (w2.astype(jnp.float32) * (f2 * inv)).astype(dt)
+            else:  # the cast, then the weight
+                y1, y2 = w1.astype(dt) * (f1 * inv).astype(dt), w2.astype(dt) * (f2 * inv).astype(dt)
+            c1, c2 = cos_ref[0, rows, lo].astype(dt), cos_ref[0, rows, hi].astype(dt)
+            s1, s2 = sin_ref[0, rows, lo].astype(dt), sin_ref[0, rows, hi].astype(dt)
+            return y1 * c1 + (-y2) * s1, y2 * c2 + y1 * s2
+
+        t0 = pl.multiple_of(pl.program_id(2) * bl, bl)
+        q = norm_rope(q_ref[0, :, 0, 0, lo], q_ref[0, :, 0, 0, hi], pl.ds(t0, bl), q_off)
+
+        def load_cache(s0, n):
+            if stacked:
+                k1, k2 = kc_ref[layer, 0, pl.ds(s0, n), 0, lo], kc_ref[layer, 0, pl.ds(s0, n), 0, hi]
+            else:
+                k1, k2 = kc_ref[0, pl.ds(s0, n), 0, lo], kc_ref[0, pl.ds(s0, n), 0, hi]
+            return (k1, k2), _kv(vc_ref, layer, s0, n, stacked)
+
+        def load_self(s0, n):
+            rows = pl.ds(s0, n)
+            k = norm_rope(ks_ref[0, rows, 0, 0, lo], ks_ref[0, rows, 0, 0, hi], rows, k_off)
+            v = vs_ref[0, rows, 0, 0, :]
+            if gemma:  # v: the weightless norm
+                f = v.astype(jnp.float32)
+                v = (f * jax.lax.rsqrt(jnp.mean(f * f, axis=1, keepdims=True) + eps)).astype(dt)
+            return k, v
+
+    def stream(load, m_ref, chunk, start, trips, carry):
         def body(j, carry):
             m, l, acc = carry
             s0 = pl.multiple_of((start + j) * chunk, chunk)
-            if stacked:  # [layers, 1, S, 1, H]: layer `layer` of the whole stack
-                k = k_ref[layer, 0, pl.ds(s0, chunk), 0, :]  # [C, H]
-                v = v_ref[layer, 0, pl.ds(s0, chunk), 0, :]
-            else:
-                k = k_ref[0, pl.ds(s0, chunk), 0, :]
-                v = v_ref[0, pl.ds(s0, chunk), 0, :]
+            k, v = load(s0, chunk)  # k: the parts of H matching q's
             vis = m_ref[0, :, pl.ds(s0, chunk)] != 0  # [BL, C]
             if grouped:  # every head of the group sees what its query sees
                 vis = jnp.broadcast_to(vis[:, None, :], (bl, g, chunk)).reshape(bl * g, chunk)
-            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+            s = sum(jax.lax.dot_general(qp, kp, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                    for qp, kp in zip(q, k)) * scale
             s = jnp.where(vis, s, NEG)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             alpha = jnp.exp(m - m_new)
@@ -216,8 +255,8 @@ def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref
     rows = bl * g
     carry = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
              jnp.zeros((rows, h), jnp.float32))
-    carry = stream(kc_ref, vc_ref, mc_ref, cs, first, cache_trips, carry, stacked)
-    m, l, acc = stream(ks_ref, vs_ref, ms_ref, ss, self_first, self_trips, carry)
+    carry = stream(load_cache, mc_ref, cs, first, cache_trips, carry)
+    m, l, acc = stream(load_self, ms_ref, ss, self_first, self_trips, carry)
     if not stats:  # o_ref: the block of the [B, L, N, H] output
         out = (acc / l[:, None]).astype(o_ref.dtype)
         if grouped:
@@ -237,6 +276,18 @@ def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref
         o_ref[0, 0, :, 0, :] = part  # the splits are combined outside
         m_out[0, 0, :, 0] = m
         l_out[0, 0, :, 0] = l
+
+
+def _kv(ref, layer, s0, n, stacked):
+    """Rows s0 .. s0 + n of a K or V block: [layers, 1, S, 1, H] at `layer` when stacked, else [1, S, 1, H]."""
+    return ref[layer, 0, pl.ds(s0, n), 0, :] if stacked else ref[0, pl.ds(s0, n), 0, :]
+
+
+def _inv_rms(x1, x2, eps):
+    """The two halves of rows in float32, and 1 / RMS over both."""
+    f1, f2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
+    ms = (jnp.sum(f1 * f1, axis=1, keepdims=True) + jnp.sum(f2 * f2, axis=1, keepdims=True)) / (2 * x1.shape[1])
+    return f1, f2, jax.lax.rsqrt(ms + eps)
 
 
 def combine(o, m, l, dtype, normalized: bool = False):
@@ -261,11 +312,47 @@ def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask,
     """q [B, L, N, H]; k/v_cache [B, S, K, H], or whole stacks [layers, B, S, K, H] read at int32 scalar `layer`;
     cache_mask [B, L, S]; k/v_self [B, L, K, H]; self_mask [B, L, L] (bool or int8; int8 avoids a conversion per
     call) -> [B, L, N, H]. Shapes: see `supported`."""
+    if k_self.shape != v_self.shape:
+        raise ValueError(f"cached_attention: k_self {k_self.shape} and v_self {v_self.shape} differ")
+    return _attend(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask, (), n=q.shape[2], scale=scale,
+                   blocks=blocks, interpret=interpret, layer=layer)
+
+
+@functools.partial(jax.jit, static_argnames=("offsets", "eps", "gemma", "scale", "blocks", "interpret"))
+def cached_attention_normed(proj, k_cache, v_cache, cache_mask, self_mask, cos, sin, vectors, vec_layer, *,
+                            offsets: tuple[int, int], eps: float, gemma: bool, scale: float,
+                            blocks: Blocks = Blocks(), interpret: bool = False, layer=None):
+    """cached_attention straight from the fused projection, kernels/qk_norm_rope's q/k norms and RoPE (and with
+    `gemma`, its order and v's weightless norm) done in the kernel: proj [B, L, K, G + 2, H] (per kv head its G query
+    heads, k, v; raw), cos / sin [B, L, H], the norm weights at vectors[vec_layer, q:q + H] and [k:k + H] for
+    offsets (q, k) (int32 scalar vec_layer) -> [B, L, K * G, H]. The cache holds normed, rotated keys already.
+    Why: one kernel launch fewer per layer; at decode sizes each launch costs more than the work it does
+    (benchmarks/results/2026-12-03_tma_gemm_h200.md). Programs serve one query head each (group_heads False); the
+    scores are two dots over the halves of H (RoPE's pairs), so they round differently from one dot; q, k and v
+    equal the norm kernel's bit for bit."""
+    b, l, kv, slots, h = proj.shape
+    if blocks.group_heads or h % 2 or (h // 2) & (h // 2 - 1):
+        raise ValueError(f"cached_attention_normed: H={h} (half a power of two needed) with {blocks} "
+                         f"(group_heads unsupported)")
+    if cos.shape != (b, l, h) or sin.shape != (b, l, h) or vectors.ndim != 2 or \
+            not all(0 <= o <= vectors.shape[1] - h for o in offsets):
+        raise ValueError(f"cached_attention_normed: proj {proj.shape}, cos {cos.shape}, sin {sin.shape}, vectors "
+                         f"{vectors.shape} and offsets {offsets} do not match")
+    vec_layer = layer_operand("cached_attention_normed", True, vec_layer, vectors.shape)
+    return _attend(proj, k_cache, v_cache, cache_mask, proj, proj, self_mask, (cos, sin, vectors, vec_layer),
+                   n=kv * (slots - 2), scale=scale, blocks=blocks, interpret=interpret, layer=layer,
+                   norm=(*offsets, eps, gemma))
+
+
+def _attend(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask, norm_args, *, n: int, scale: float,
+            blocks: Blocks, interpret: bool, layer, norm: tuple | None = None):
+    """The kernel's launch for both entry points; norm: (q offset, k offset, eps, gemma) when q, k_self and v_self
+    are the raw projection [B, L, K, G + 2, H] and norm_args (cos, sin, vectors, vector layer)."""
     stacked = k_cache.ndim == 5  # [layers, B, S, K, H]
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"cached_attention: k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")
     layer_arr = layer_operand("cached_attention", stacked, layer, k_cache.shape)
-    b, l, n, h = q.shape
+    b, l, h = q.shape[0], q.shape[1], q.shape[-1]
     s, kv = k_cache.shape[-3], k_cache.shape[-2]
     g = n // kv
     if not supported(l, s, h, blocks, g):
@@ -292,6 +379,16 @@ def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask,
     nh = g if grouped else 1  # query heads per program
     cache_spec = (pl.BlockSpec((k_cache.shape[0], 1, s, 1, h), lambda i, j, t, p: (0, i, 0, kvh(j), 0)) if stacked
                   else pl.BlockSpec((1, s, 1, h), lambda i, j, t, p: (i, 0, kvh(j), 0)))
+    if norm is None:
+        q_spec = pl.BlockSpec((1, bl, nh, h), lambda i, j, t, p: (i, t, j, 0))
+        self_specs = [pl.BlockSpec((1, l, 1, h), lambda i, j, t, p: (i, 0, kvh(j), 0))] * 2
+        norm_specs = []
+    else:  # slots of the projection: query head j % g of kv head j // g, then k (slot g) and v (slot g + 1)
+        q_spec = pl.BlockSpec((1, bl, 1, 1, h), lambda i, j, t, p: (i, t, j // g, j % g, 0))
+        self_specs = [pl.BlockSpec((1, l, 1, 1, h), lambda i, j, t, p, o=o: (i, 0, j // g, g + o, 0)) for o in (0, 1)]
+        vectors = norm_args[2]
+        norm_specs = [pl.BlockSpec((1, l, h), lambda i, j, t, p: (i, 0, 0))] * 2 + [
+            pl.BlockSpec(vectors.shape, lambda i, j, t, p: (0, 0)), pl.BlockSpec((1,), lambda i, j, t, p: (0,))]
     if splits == 1:  # the normalized output
         out_shape = (jax.ShapeDtypeStruct((b, l, n, h), q.dtype),)
         out_specs = (pl.BlockSpec((1, bl, nh, h), lambda i, j, t, p: (i, t, j, 0)),)
@@ -303,20 +400,19 @@ def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask,
         out_specs = (pl.BlockSpec((1, 1, bl, nh, h), lambda i, j, t, p: (p, i, t, j, 0)), stat_spec, stat_spec)
     outs = pl.pallas_call(
         functools.partial(_kernel, scale=scale, cs=cs, ss=ss, cps=blocks.chunks_per_split, grouped=grouped,
-                          stacked=stacked, balanced=balanced),
+                          stacked=stacked, balanced=balanced, norm=norm),
         out_shape=out_shape,
         grid=(b, kv if grouped else n, l // bl, splits),
         in_specs=[pl.BlockSpec((1,), lambda i, j, t, p: (0,)),
                   pl.BlockSpec((1, 1), lambda i, j, t, p: (i, t)),
-                  pl.BlockSpec((1, bl, nh, h), lambda i, j, t, p: (i, t, j, 0)),
-                  cache_spec, cache_spec,
+                  q_spec, cache_spec, cache_spec,
                   pl.BlockSpec((1, bl, s), lambda i, j, t, p: (i, t, 0)),
-                  pl.BlockSpec((1, l, 1, h), lambda i, j, t, p: (i, 0, kvh(j), 0)),
-                  pl.BlockSpec((1, l, 1, h), lambda i, j, t, p: (i, 0, kvh(j), 0)),
-                  pl.BlockSpec((1, bl, l), lambda i, j, t, p: (i, t, 0))],
+                  *self_specs,
+                  pl.BlockSpec((1, bl, l), lambda i, j, t, p: (i, t, 0)),
+                  *norm_specs],
         out_specs=out_specs,
         interpret=interpret,
         **triton_params(blocks.num_warps, blocks.num_stages, interpret),
     )(layer_arr, extent, q, k_cache, v_cache, cache_mask.astype(jnp.int8), k_self, v_self,
-      self_mask.astype(jnp.int8))
+      self_mask.astype(jnp.int8), *norm_args)
     return outs[0] if splits == 1 else combine(*outs, q.dtype, normalized=outs[0].dtype != f32)

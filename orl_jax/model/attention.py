@@ -93,6 +93,29 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
     return scaled_attention(q, [(_slice(k), _slice(v), m) for k, v, m in parts], scale)
 
 
+def attention_normed(proj: jax.Array, cache_part: tuple, self_vis: jax.Array, cos: jax.Array, sin: jax.Array,
+                     packed_vectors: tuple, eps: float, gemma: bool, scale: float | None = None) -> jax.Array | None:
+    """The cached pass's attention straight from the fused projection proj [B, L, K, G + 2, H] (raw q, k, v), the
+    q/k norms and RoPE inside kernels/decode_attention (`cached_attention_normed`): one launch instead of the norm
+    kernel's and the attention's. packed_vectors: (stack [layers, n], layer, (q offset, k offset)) where the norm
+    weights lie. None where the kernel's blocks for the shape are grouped, unsupported or not preferred (the
+    caller takes the two-kernel path)."""
+    from orl_jax_kernels.decode_attention.kernel import blocks_for, cached_attention_normed, preferred, supported
+
+    kc, vc, cm = cache_part
+    b, l, kv, slots, h = proj.shape
+    g, s = slots - 2, kc.shape[-3]
+    blocks = blocks_for(l, s, h, g)
+    if blocks.group_heads or not (supported(l, s, h, blocks, g) and preferred(l, s, h, g)):
+        return None
+    in_place = blocks.cache_in_place and isinstance(kc, StackedWeight)
+    kc, vc, layer = (kc.stack, vc.stack, kc.index) if in_place else (_slice(kc), _slice(vc), None)
+    vectors, vec_layer, offsets = packed_vectors
+    return cached_attention_normed(proj, kc, vc, cm, self_vis, cos, sin, vectors, vec_layer, offsets=offsets,
+                                   eps=eps, gemma=gemma, scale=h ** -0.5 if scale is None else scale,
+                                   blocks=blocks, layer=layer, interpret=jax.default_backend() == "cpu")
+
+
 def _slice(a):
     """A cache part's array; a StackedWeight (a layer of the cache stacks) as the layer loop delivers it."""
     return a.sliced() if isinstance(a, StackedWeight) else a

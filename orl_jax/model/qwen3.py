@@ -22,15 +22,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from orl_jax.config import ModelConfig, kernel_choice
-from orl_jax.model.attention import attention, cache_mask, causal_segments, self_mask
+from orl_jax.model.attention import attention, attention_normed, cache_mask, causal_segments, self_mask
 from orl_jax.model.cache import KVCache
-from orl_jax.model.layers import einsum, fused_gated_mlp, gated_mlp, qk_norm_rope, rms_norm, rope_angles
+from orl_jax.model.layers import apply_rope, einsum, fused_gated_mlp, gated_mlp, qk_norm_rope, rms_norm, rope_angles
 from orl_jax.model.streamed import StackedWeight, pack_vectors, unpack_vectors, vector_offsets
 from orl_jax.params import ParamSpec, ones, zeros
 from orl_jax.sharding import constrain
 
 ACTIVATION_AXES = ("batch", "length", None)  # the residual stream [B, L, D]: rows over the data axes, D whole
 MATRICES = ("qkv", "o", "gate_up", "down")  # the per-layer weights multiplied by `einsum`
+# Cached passes of at most FUSED_QK_MAX_TOKENS tokens (block decoding) with the Pallas attention: the q/k norms and
+# RoPE inside the attention kernel (model/attention.attention_normed), one launch per layer fewer than the norm
+# kernel + attention. Off until timed on a GPU (engine_step.py --set orl_jax.model.qwen3.FUSED_QK_ATTENTION=true).
+FUSED_QK_ATTENTION = False
+FUSED_QK_MAX_TOKENS = 64
 
 
 def param_specs(cfg: ModelConfig) -> dict:
@@ -118,19 +123,27 @@ def _layer(cfg: ModelConfig, x, w, cos, sin, self_vis, cache_part):
     impl = cfg.attention_impl if cache_part is None else cached_attention_impl(cfg)
     from orl_jax_kernels.qk_norm_rope import kernel as qk_kernel
 
-    if cache_part is not None and impl == "pallas" and qk_kernel.supported(cfg.num_kv_heads, g, cfg.head_dim):
-        # the Pallas path of cached passes: q/k norm + RoPE and the v slice in one kernel (four XLA kernels); the
-        # norm weights read in place from the packed vector stack where the layer loop passes it (backbone)
-        interpret = jax.default_backend() == "cpu"
-        if "packed_vectors" in w:
-            q, k, v = qk_kernel.qk_norm_rope_stacked(qkv, cos, sin, *w["packed_vectors"], eps, interpret)
-        else:
-            q, k, v = qk_kernel.qk_norm_rope(qkv, cos, sin, w["q_norm"], w["k_norm"], eps, interpret)
+    pallas = cache_part is not None and impl == "pallas" and qk_kernel.supported(cfg.num_kv_heads, g, cfg.head_dim)
+    attn = None
+    if pallas and FUSED_QK_ATTENTION and "packed_vectors" in w and l <= FUSED_QK_MAX_TOKENS:
+        attn = attention_normed(qkv, cache_part, self_vis, cos, sin, w["packed_vectors"], eps, gemma=False)
+    if attn is not None:  # k and v for a commit pass's cache write (XLA drops them from denoising passes)
+        k, v = apply_rope(rms_norm(qkv[:, :, :, g], w["k_norm"], eps), cos, sin), qkv[:, :, :, g + 1]
     else:
-        q, k, v = qk_norm_rope(qkv, cos, sin, w["q_norm"], w["k_norm"], eps)
-    q = q.reshape(b, l, cfg.num_heads, cfg.head_dim)  # [B, L, N, H]
-    parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
-    x = x + einsum("blnh,nhd->bld", attention(q, parts, impl), w["o"])
+        if pallas:
+            # the Pallas path of cached passes: q/k norm + RoPE and the v slice in one kernel (four XLA kernels);
+            # the norm weights read in place from the packed vector stack where the layer loop passes it (backbone)
+            interpret = jax.default_backend() == "cpu"
+            if "packed_vectors" in w:
+                q, k, v = qk_kernel.qk_norm_rope_stacked(qkv, cos, sin, *w["packed_vectors"], eps, interpret)
+            else:
+                q, k, v = qk_kernel.qk_norm_rope(qkv, cos, sin, w["q_norm"], w["k_norm"], eps, interpret)
+        else:
+            q, k, v = qk_norm_rope(qkv, cos, sin, w["q_norm"], w["k_norm"], eps)
+        q = q.reshape(b, l, cfg.num_heads, cfg.head_dim)  # [B, L, N, H]
+        parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
+        attn = attention(q, parts, impl)
+    x = x + einsum("blnh,nhd->bld", attn, w["o"])
     x = x + fused_gated_mlp(rms_norm(x, w["mlp_norm"], eps), w["gate_up"], w["down"])
     return x, k, v
 
