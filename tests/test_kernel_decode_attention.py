@@ -135,6 +135,7 @@ def test_generate_with_the_kernel_equals_the_default(in_place, monkeypatch):
                         lambda *a, **k: (k["layer"] is not None and layers_read.append(k["layer"])) or real(*a, **k))
     from orl_jax_kernels.qk_norm_rope import kernel as qk_kernel
 
+    monkeypatch.setattr(qwen3, "FUSED_QK_ATTENTION", False)  # the norm kernel, then the attention kernel
     norms_read = []  # the q/k norm kernel takes its weights from the packed vector stack, in place
     real_qk = qk_kernel.qk_norm_rope_stacked
     monkeypatch.setattr(qk_kernel, "qk_norm_rope_stacked",
@@ -396,7 +397,7 @@ def test_normed_kernel_rejects_grouped_blocks_and_mismatched_tables():
 
 def test_generate_with_norms_inside_the_attention_kernel_equals_the_default(monkeypatch):
     """qwen3.FUSED_QK_ATTENTION: the cached passes of a block take cached_attention_normed (norm kernel skipped), the
-    commit still writes normed, rotated keys: two blocks decode token for token as the default path does."""
+    commit still writes normed, rotated keys: two blocks decode token for token as the two-kernel path does."""
     from orl_jax import params as P
     from orl_jax.config import preset
     from orl_jax.decode.engine import generate
@@ -411,6 +412,7 @@ def test_generate_with_norms_inside_the_attention_kernel_equals_the_default(monk
               eos_token_id=(), pad_token_id=0)
     monkeypatch.setattr(kernel, "blocks_for", lambda *shape: Blocks(bl=16, bs=16, chunks_per_split=2,
                                                                     cache_in_place=True))
+    monkeypatch.setattr(qwen3, "FUSED_QK_ATTENTION", False)
     jax.clear_caches()
     want = generate(params, cfg, prompts, **kw)
     calls = []

@@ -33,8 +33,9 @@ ACTIVATION_AXES = ("batch", "length", None)  # the residual stream [B, L, D]: ro
 MATRICES = ("qkv", "o", "gate_up", "down")  # the per-layer weights multiplied by `einsum`
 # Cached passes of at most FUSED_QK_MAX_TOKENS tokens (block decoding) with the Pallas attention: the q/k norms and
 # RoPE inside the attention kernel (model/attention.attention_normed), one launch per layer fewer than the norm
-# kernel + attention. Off until timed on a GPU (engine_step.py --set orl_jax.model.qwen3.FUSED_QK_ATTENTION=true).
-FUSED_QK_ATTENTION = False
+# kernel + attention. A Qwen3-4B block-32 step: 3.38-3.41 against 3.44-3.47 ms (while loop), 427 -> 391 kernels
+# (benchmarks/results/2026-12-03_tma_gemm_h200.md). Longer passes (canvas 256) keep the two kernels: grouped heads.
+FUSED_QK_ATTENTION = True
 FUSED_QK_MAX_TOKENS = 64
 
 
