@@ -20,6 +20,9 @@ its tile (the own keys, and the cache up to the tile's last visible slot), where
 value. When the whole cache fits one program's chunks, that program also takes the own keys and writes the
 normalized output: no partial results and no merge.
 
+`cached_attention_normed` is the same kernel fed the raw fused projection: it applies the q/k RMSNorms and RoPE
+(kernels/qk_norm_rope's orders) as it loads q and the own keys, one launch per layer fewer for block decoding.
+
 Pallas, Triton lowering (pallas.triton); interpret mode on CPU for tests.
 """
 
@@ -327,7 +330,7 @@ def cached_attention_normed(proj, k_cache, v_cache, cache_mask, self_mask, cos, 
     heads, k, v; raw), cos / sin [B, L, H], the norm weights at vectors[vec_layer, q:q + H] and [k:k + H] for
     offsets (q, k) (int32 scalar vec_layer) -> [B, L, K * G, H]. The cache holds normed, rotated keys already.
     Why: one kernel launch fewer per layer; at decode sizes each launch costs more than the work it does
-    (benchmarks/results/2026-12-03_tma_gemm_h200.md). Programs serve one query head each (group_heads False); the
+    (benchmarks/results/2026-12-03_engine_launch_tax_h200.md). Programs serve one query head each (group_heads False); the
     scores are two dots over the halves of H (RoPE's pairs), so they round differently from one dot; q, k and v
     equal the norm kernel's bit for bit."""
     b, l, kv, slots, h = proj.shape
