@@ -330,9 +330,9 @@ def cached_attention_normed(proj, k_cache, v_cache, cache_mask, self_mask, cos, 
     heads, k, v; raw), cos / sin [B, L, H], the norm weights at vectors[vec_layer, q:q + H] and [k:k + H] for
     offsets (q, k) (int32 scalar vec_layer) -> [B, L, K * G, H]. The cache holds normed, rotated keys already.
     Why: one kernel launch fewer per layer; at decode sizes each launch costs more than the work it does
-    (benchmarks/results/2026-12-03_engine_launch_tax_h200.md). Programs serve one query head each (group_heads False); the
-    scores are two dots over the halves of H (RoPE's pairs), so they round differently from one dot; q, k and v
-    equal the norm kernel's bit for bit."""
+    (benchmarks/results/2026-12-03_engine_launch_tax_h200.md). Programs serve one query head each (group_heads
+    False); the scores are two dots over the halves of H (RoPE's pairs), so they round differently from one dot;
+    q, k and v equal the norm kernel's bit for bit."""
     b, l, kv, slots, h = proj.shape
     if blocks.group_heads or h % 2 or (h // 2) & (h // 2 - 1):
         raise ValueError(f"cached_attention_normed: H={h} (half a power of two needed) with {blocks} "

@@ -33,8 +33,9 @@ ACTIVATION_AXES = ("batch", "length", None)  # the residual stream [B, L, D]: ro
 MATRICES = ("qkv", "o", "gate_up", "down")  # the per-layer weights multiplied by `einsum`
 # Cached passes of at most FUSED_QK_MAX_TOKENS tokens (block decoding) with the Pallas attention: the q/k norms and
 # RoPE inside the attention kernel (model/attention.attention_normed), one launch per layer fewer than the norm
-# kernel + attention. A Qwen3-4B block-32 step: 3.38-3.41 against 3.44-3.47 ms (while loop), 427 -> 391 kernels
-# (benchmarks/results/2026-12-03_engine_launch_tax_h200.md). Longer passes (canvas 256) keep the two kernels: grouped heads.
+# kernel + attention. A Qwen3-4B block-32 step: 3.38-3.41 against 3.44-3.48 ms (while loop), 427 -> 391 kernels
+# (benchmarks/results/2026-12-03_engine_launch_tax_h200.md). Longer passes (canvas 256) keep the two kernels: their
+# attention blocks group the heads, which the normed entry does not take.
 FUSED_QK_ATTENTION = True
 FUSED_QK_MAX_TOKENS = 64
 
