@@ -24,7 +24,7 @@ import numpy as np
 from orl_jax.config import ModelConfig, kernel_choice
 from orl_jax.model.attention import attention, attention_normed, cache_mask, causal_segments, self_mask
 from orl_jax.model.cache import KVCache
-from orl_jax.model.layers import apply_rope, einsum, fused_gated_mlp, gated_mlp, qk_norm_rope, rms_norm, rope_angles
+from orl_jax.model.layers import einsum, fused_gated_mlp, gated_mlp, qk_norm_rope, rms_norm, rope_angles
 from orl_jax.model.streamed import StackedWeight, pack_vectors, unpack_vectors, vector_offsets
 from orl_jax.params import ParamSpec, ones, zeros
 from orl_jax.sharding import constrain
@@ -129,8 +129,8 @@ def _layer(cfg: ModelConfig, x, w, cos, sin, self_vis, cache_part):
     attn = None
     if pallas and FUSED_QK_ATTENTION and "packed_vectors" in w and l <= FUSED_QK_MAX_TOKENS:
         attn = attention_normed(qkv, cache_part, self_vis, cos, sin, w["packed_vectors"], eps, gemma=False)
-    if attn is not None:  # k and v for a commit pass's cache write (XLA drops them from denoising passes)
-        k, v = apply_rope(rms_norm(qkv[:, :, :, g], w["k_norm"], eps), cos, sin), qkv[:, :, :, g + 1]
+    if attn is not None:  # k and v for a commit pass's cache write (XLA drops them, and q, where they are unused)
+        _, k, v = qk_norm_rope(qkv, cos, sin, w["q_norm"], w["k_norm"], eps)
     else:
         if pallas:
             # the Pallas path of cached passes: q/k norm + RoPE and the v slice in one kernel (four XLA kernels);
