@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 
 from orl_jax.model.attention import _NEG as NEG  # masked keys score exactly as in the reference
 from orl_jax_kernels.pallas_args import layer_operand, triton_params
+from orl_jax_kernels.qk_norm_rope.kernel import norm_rope_halves
 
 
 @dataclass(frozen=True)
@@ -205,17 +206,11 @@ def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref
         vec_layer = vec_layer_ref[0]
         dt = q_ref.dtype
 
-        def norm_rope(x1, x2, rows, off):  # kernels/qk_norm_rope's order, rows [n, half] per half
-            f1, f2, inv = _inv_rms(x1, x2, eps)
+        def norm_rope(x1, x2, rows, off):  # kernels/qk_norm_rope's norm + RoPE on rows [n, half] per half
             w1, w2 = vec_ref[vec_layer, pl.ds(off, half)][None], vec_ref[vec_layer, pl.ds(off + half, half)][None]
-            if gemma:  # the weight multiplies in float32, then the cast
-                y1 = (w1.astype(jnp.float32) * (f1 * inv)).astype(dt)
-                y2 = (w2.astype(jnp.float32) * (f2 * inv)).astype(dt)
-            else:  # the cast, then the weight
-                y1, y2 = w1.astype(dt) * (f1 * inv).astype(dt), w2.astype(dt) * (f2 * inv).astype(dt)
             c1, c2 = cos_ref[0, rows, lo].astype(dt), cos_ref[0, rows, hi].astype(dt)
             s1, s2 = sin_ref[0, rows, lo].astype(dt), sin_ref[0, rows, hi].astype(dt)
-            return y1 * c1 + (-y2) * s1, y2 * c2 + y1 * s2
+            return norm_rope_halves(x1, x2, w1, w2, c1, c2, s1, s2, eps, gemma)
 
         t0 = pl.multiple_of(pl.program_id(2) * bl, bl)
         q = norm_rope(q_ref[0, :, 0, 0, lo], q_ref[0, :, 0, 0, hi], pl.ds(t0, bl), q_off)
@@ -284,13 +279,6 @@ def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref
 def _kv(ref, layer, s0, n, stacked):
     """Rows s0 .. s0 + n of a K or V block: [layers, 1, S, 1, H] at `layer` when stacked, else [1, S, 1, H]."""
     return ref[layer, 0, pl.ds(s0, n), 0, :] if stacked else ref[0, pl.ds(s0, n), 0, :]
-
-
-def _inv_rms(x1, x2, eps):
-    """The two halves of rows in float32, and 1 / RMS over both."""
-    f1, f2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
-    ms = (jnp.sum(f1 * f1, axis=1, keepdims=True) + jnp.sum(f2 * f2, axis=1, keepdims=True)) / (2 * x1.shape[1])
-    return f1, f2, jax.lax.rsqrt(ms + eps)
 
 
 def combine(o, m, l, dtype, normalized: bool = False):

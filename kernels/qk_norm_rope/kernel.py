@@ -27,6 +27,27 @@ def supported(k: int, g: int, h: int) -> bool:
     return pow2(k) and pow2(g) and h % 2 == 0 and pow2(h // 2)
 
 
+def inv_rms(x1, x2, eps: float):
+    """The two halves of H (last axis) in float32, and 1 / RMS over both (kept as a last axis of 1)."""
+    f1, f2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
+    ms = (jnp.sum(f1 * f1, axis=-1, keepdims=True) + jnp.sum(f2 * f2, axis=-1, keepdims=True)) / (2 * x1.shape[-1])
+    return f1, f2, jax.lax.rsqrt(ms + eps)
+
+
+def norm_rope_halves(x1, x2, w1, w2, c1, c2, s1, s2, eps: float, gemma: bool):
+    """RMSNorm with weight (w1 | w2) then RoPE on HF's rotate-half layout, on the two halves of H (Triton has no
+    register slicing): every operand broadcastable to x1, cos / sin already in x's dtype; returns x's dtype. The
+    cast order of layers.rms_norm (the cast, then the weight), or with `gemma` layers.rms_norm_fp32's (the weight
+    multiplies in float32, then the cast). Shared by this kernel and kernels/decode_attention's normed entry."""
+    dt = x1.dtype
+    f1, f2, inv = inv_rms(x1, x2, eps)
+    if gemma:
+        y1, y2 = (w1.astype(jnp.float32) * (f1 * inv)).astype(dt), (w2.astype(jnp.float32) * (f2 * inv)).astype(dt)
+    else:
+        y1, y2 = w1.astype(dt) * (f1 * inv).astype(dt), w2.astype(dt) * (f2 * inv).astype(dt)
+    return y1 * c1 + (-y2) * s1, y2 * c2 + y1 * s2  # x * cos + rotate_half(x) * sin
+
+
 def _kernel(layer_ref, qkv_ref, cos_ref, sin_ref, vec_ref, q_ref, k_ref, v_ref, *, g: int, half: int, eps: float,
             offsets: tuple[int, int], gemma: bool):
     r = pl.program_id(0)
@@ -36,21 +57,10 @@ def _kernel(layer_ref, qkv_ref, cos_ref, sin_ref, vec_ref, q_ref, k_ref, v_ref, 
     c1, c2 = cos_ref[r, lo].astype(dt), cos_ref[r, hi].astype(dt)  # [half]
     s1, s2 = sin_ref[r, lo].astype(dt), sin_ref[r, hi].astype(dt)
 
-    def normed(x1, x2):  # the two halves of H in float32, and 1 / RMS over both
-        f1, f2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
-        ms = (jnp.sum(f1 * f1, axis=-1, keepdims=True) + jnp.sum(f2 * f2, axis=-1, keepdims=True)) / (2 * half)
-        return f1, f2, jax.lax.rsqrt(ms + eps)
-
     def norm_rope(x1, x2, off):  # the two halves of H, [..., half] each; the norm weight at vectors[layer, off:]
         row = lambda v: v.reshape((1,) * (x1.ndim - 1) + (half,))  # noqa: E731  (explicit broadcasting)
-        f1, f2, inv = normed(x1, x2)
         w1, w2 = vec_ref[layer, pl.ds(off, half)], vec_ref[layer, pl.ds(off + half, half)]
-        if gemma:  # the weight multiplies in float32, then the cast (layers.rms_norm_fp32)
-            y1 = (row(w1.astype(jnp.float32)) * (f1 * inv)).astype(dt)
-            y2 = (row(w2.astype(jnp.float32)) * (f2 * inv)).astype(dt)
-        else:  # the cast, then the weight (layers.rms_norm)
-            y1, y2 = row(w1.astype(dt)) * (f1 * inv).astype(dt), row(w2.astype(dt)) * (f2 * inv).astype(dt)
-        return y1 * row(c1) + (-y2) * row(s1), y2 * row(c2) + y1 * row(s2)  # x * cos + rotate_half(x) * sin
+        return norm_rope_halves(x1, x2, row(w1), row(w2), row(c1), row(c2), row(s1), row(s2), eps, gemma)
 
     q_off, k_off = offsets
     q1, q2 = norm_rope(qkv_ref[r, :, pl.ds(0, g), lo], qkv_ref[r, :, pl.ds(0, g), hi], q_off)  # [K, G, half]
@@ -59,7 +69,7 @@ def _kernel(layer_ref, qkv_ref, cos_ref, sin_ref, vec_ref, q_ref, k_ref, v_ref, 
     k_ref[r, :, lo], k_ref[r, :, hi] = k1, k2
     v1, v2 = qkv_ref[r, :, g + 1, lo], qkv_ref[r, :, g + 1, hi]
     if gemma:  # v gets the weightless norm
-        f1, f2, inv = normed(v1, v2)
+        f1, f2, inv = inv_rms(v1, v2, eps)
         v1, v2 = (f1 * inv).astype(dt), (f2 * inv).astype(dt)
     v_ref[r, :, lo], v_ref[r, :, hi] = v1, v2
 

@@ -72,14 +72,12 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
         return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation=impl)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if impl == "pallas" and len(parts) == 2:
-        from orl_jax_kernels.decode_attention.kernel import blocks_for, cached_attention, preferred, supported
+        from orl_jax_kernels.decode_attention.kernel import cached_attention
 
         (kc, vc, cm), (ks, vs, sm) = parts
-        (l, h), s, g = q.shape[1::2], kc.shape[1], q.shape[2] // kc.shape[2]
-        blocks = blocks_for(l, s, h, g)
-        if supported(l, s, h, blocks, g) and preferred(l, s, h, g):
-            in_place = blocks.cache_in_place and isinstance(kc, StackedWeight)
-            kc, vc, layer = (kc.stack, vc.stack, kc.index) if in_place else (_slice(kc), _slice(vc), None)
+        plan = _kernel_plan(kc, vc, q.shape[1], q.shape[-1], q.shape[2] // kc.shape[2])
+        if plan is not None:
+            blocks, kc, vc, layer = plan
             return cached_attention(q, kc, vc, cm, ks, vs, sm, scale=scale, blocks=blocks, layer=layer,
                                     interpret=jax.default_backend() == "cpu")
     if JOIN_WIDE_PARTS and len(parts) > 1 and q.shape[-1] > CUDNN_MAX_HEAD_DIM:
@@ -100,20 +98,34 @@ def attention_normed(proj: jax.Array, cache_part: tuple, self_vis: jax.Array, co
     kernel's and the attention's. packed_vectors: (stack [layers, n], layer, (q offset, k offset)) where the norm
     weights lie. None where the kernel's blocks for the shape are grouped, unsupported or not preferred (the
     caller takes the two-kernel path)."""
-    from orl_jax_kernels.decode_attention.kernel import blocks_for, cached_attention_normed, preferred, supported
+    from orl_jax_kernels.decode_attention.kernel import cached_attention_normed
 
     kc, vc, cm = cache_part
     b, l, kv, slots, h = proj.shape
-    g, s = slots - 2, kc.shape[-3]
-    blocks = blocks_for(l, s, h, g)
-    if blocks.group_heads or not (supported(l, s, h, blocks, g) and preferred(l, s, h, g)):
+    plan = _kernel_plan(kc, vc, l, h, slots - 2)
+    if plan is None or plan[0].group_heads:
         return None
-    in_place = blocks.cache_in_place and isinstance(kc, StackedWeight)
-    kc, vc, layer = (kc.stack, vc.stack, kc.index) if in_place else (_slice(kc), _slice(vc), None)
+    blocks, kc, vc, layer = plan
     vectors, vec_layer, offsets = packed_vectors
     return cached_attention_normed(proj, kc, vc, cm, self_vis, cos, sin, vectors, vec_layer, offsets=offsets,
                                    eps=eps, gemma=gemma, scale=h ** -0.5 if scale is None else scale,
                                    blocks=blocks, layer=layer, interpret=jax.default_backend() == "cpu")
+
+
+def _kernel_plan(kc, vc, l: int, h: int, g: int):
+    """The attention kernel's blocks for l queries over the cache part (kc, vc) (head dim h, g query heads per kv
+    head), and the cache as the kernel takes it: (blocks, k, v, layer), the whole stacks and the layer index when the
+    blocks read the cache in place, else the layer loop's slices and None. None where the kernel does not take the
+    shape or is not preferred there."""
+    from orl_jax_kernels.decode_attention.kernel import blocks_for, preferred, supported
+
+    s = kc.shape[-3]
+    blocks = blocks_for(l, s, h, g)
+    if not (supported(l, s, h, blocks, g) and preferred(l, s, h, g)):
+        return None
+    if blocks.cache_in_place and isinstance(kc, StackedWeight):
+        return blocks, kc.stack, vc.stack, kc.index
+    return blocks, _slice(kc), _slice(vc), None
 
 
 def _slice(a):
