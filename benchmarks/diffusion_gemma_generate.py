@@ -40,6 +40,7 @@ ap.add_argument("--moe-impl", default="bucketed",
 ap.add_argument("--profile", action="store_true",
                 help="also trace 5 decoder forwards per impl: GPU kernel time vs idle, top kernels (xplane_summary.py);"
                      " the compiled decoder's HLO goes beside --out (OUT.IMPL.hlo.txt.gz)")
+ap.add_argument("--profile-top", type=int, default=40, help="--profile: how many kernels to describe")
 ap.add_argument("--gemm-table", help="tuned expert GEMM tiles for moe_impl pallas (kernels/small_m_gemm/bench.py "
                                     "or kernels/grouped_gemm/bench.py --table)")
 ap.add_argument("--gemm-sweep", help="a JSON list [{'name':, 'table': [rows as in --gemm-table], "
@@ -214,7 +215,7 @@ def one_forward(cfg, cache=None, options=None):
         hlo = compiled.as_text()
         with gzip.open(Path(args.out).with_suffix(f".{cfg.moe_impl}.hlo.txt.gz"), "wt") as fh:  # to read the copies
             fh.write(hlo)
-        prof = summarize(d, steps=5, top=40, hlo_text=hlo)
+        prof = summarize(d, steps=5, top=args.profile_top, hlo_text=hlo)
         top, gaps = prof.pop("top", []), prof.pop("gaps", [])
         log(what="profile", moe_impl=cfg.moe_impl, **prof)
         for row in top:

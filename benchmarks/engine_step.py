@@ -30,6 +30,7 @@ ap.add_argument("--xla-default", action="store_true", help="do not apply orl_jax
 ap.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/orl_jax/xla"))
 ap.add_argument("--out", default="engine_bench.jsonl")
 ap.add_argument("--prompt", type=int, default=512)
+ap.add_argument("--profile-top", type=int, default=25, help="--phase profile: how many kernels to describe")
 ap.add_argument("--preset", default="qwen3-4b", help="model shape (tiny-qwen3 for a CPU smoke run)")
 ap.add_argument("--tensor", type=int, default=1, help="tensor-parallel over the first N devices (mesh tensor=N)")
 ap.add_argument("--cached-attention", choices=["auto", "orl_jax", "pallas", "xla", "cudnn"], default="auto",
@@ -202,7 +203,7 @@ def profile_phase(params):
         with jax.profiler.trace(d):
             jax.block_until_ready(call())
         hlo = f.lower(params, cache, canvas, 16, jax.random.key(3), True).compile().as_text()
-        s = summarize(d, steps=16, hlo_text=hlo)
+        s = summarize(d, steps=16, top=args.profile_top, hlo_text=hlo)
         top = s.pop("top", [])
         log(what="profile", block=L, **s)
         for row in top:
