@@ -10,7 +10,7 @@ import pytest
 from triton_ir import verified_triton_modules
 
 from orl_jax.model.attention import attention, cache_mask, full_segments, self_mask
-from orl_jax_kernels.decode_attention.kernel import Blocks, blocks_for, cached_attention, supported
+from orl_jax_kernels.decode_attention.kernel import Blocks, blocks_for, cache_extent, cached_attention, supported
 
 
 def _inputs(key, b=2, l=32, s=96, n=4, kv=2, h=32, dtype=jnp.float32):
@@ -96,6 +96,29 @@ def test_cache_chunks_past_the_visible_slots_are_not_read(blocks):
     got = cached_attention(q, kc.at[:, 64:].set(jnp.nan), vc.at[:, 64:].set(jnp.nan), cm, kself, vself, sm,
                            scale=q.shape[-1] ** -0.5, blocks=blocks, interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("blocks", [Blocks(bl=16, bs=16, chunks_per_split=1),
+                                    Blocks(bl=16, bs=16, chunks_per_split=2, balanced=True),
+                                    dataclasses.replace(GROUPED, bs=16)])
+def test_each_query_tile_streams_to_its_furthest_query(blocks):
+    """Queries of one tile see different cache extents (query i: slots < 8 + 2 i): the tile streams up to its
+    furthest query's, given or computed, and NaN past it (from the next 16-slot chunk on) changes nothing."""
+    q, kc, vc, _, kself, vself, sm = _inputs(jax.random.key(3))
+    b, l, s = q.shape[0], q.shape[1], kc.shape[1]
+    cm = jnp.arange(s)[None, None, :] < (8 + 2 * jnp.arange(l))[None, :, None]
+    cm = jnp.broadcast_to(cm, (b, l, s))  # the furthest query (31) sees slots < 70
+    want = attention(q, [(kc.at[:, 80:].set(0.0), vc.at[:, 80:].set(0.0), cm), (kself, vself, sm)])
+    extent = cache_extent(cm.astype(jnp.int8))
+    np.testing.assert_array_equal(np.asarray(extent), np.broadcast_to(8 + 2 * np.arange(l), (b, l)))
+    nan_k, nan_v = kc.at[:, 80:].set(jnp.nan), vc.at[:, 80:].set(jnp.nan)
+    for given in (None, extent):
+        got = cached_attention(q, nan_k, nan_v, cm, kself, vself, sm, scale=q.shape[-1] ** -0.5, blocks=blocks,
+                               interpret=True, extent=given)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="extent"):
+        cached_attention(q, kc, vc, cm, kself, vself, sm, scale=1.0, blocks=blocks, interpret=True,
+                         extent=extent[:, :8])
 
 
 def test_supported_shapes():
@@ -334,6 +357,22 @@ def test_diffusion_gemma_decoder_with_the_kernel_equals_the_einsums(monkeypatch)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-4, rtol=2e-4)
     assert float(want.std()) > 0.01  # non-trivial logits
     assert calls and all(calls)  # traced once per group's sliding loop, in DiffusionGemma's order
+    # the masks' int8 conversion and the kernel's extents are made once per pass, not in the sliding layers' loop
+    jaxpr = jax.make_jaxpr(lambda p: dg.decode(p, fused, canvas, cache))(params).jaxpr
+    in_loop = [e for w in _equations(jaxpr) if w.primitive.name == "while"
+               for e in _equations(w.params["body_jaxpr"].jaxpr)]
+    assert any(e.primitive.name == "pallas_call" for e in in_loop)
+    on_masks = [e.primitive.name for e in in_loop if e.primitive.name in ("reduce_max", "convert_element_type")
+                and any(getattr(v.aval, "shape", ())[-1:] == (48,) for v in e.invars)]
+    assert not on_masks
+
+
+def _equations(jaxpr):
+    """Every equation of a jaxpr, those of its sub-jaxprs (pjit, loops, custom calls) included."""
+    for e in jaxpr.eqns:
+        yield e
+        for sub in jax.core.jaxprs_in_params(e.params):
+            yield from _equations(sub)
 
 
 def _normed_inputs(key, dtype, b=2, l=32, s=96, kv=2, g=2, h=32, layers=3):

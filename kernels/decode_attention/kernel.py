@@ -175,7 +175,8 @@ def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref
         (bl, h), g = (q_ref.shape[1], q_ref.shape[-1]), 1
     split = pl.program_id(3)
     layer = layer_ref[0]
-    n_cache = ((extent_ref[0, 0] + cs - 1) // cs).astype(jnp.int32)  # chunks up to the tile's last visible slot
+    extent = jnp.max(extent_ref[0, :])  # one past the last cache slot any query of the tile sees
+    n_cache = ((extent + cs - 1) // cs).astype(jnp.int32)  # chunks up to it
     n_self = ks_ref.shape[1] // ss
     self_first = jnp.int32(0)
     if not stats:  # one split: the cache, then the own keys, normalized here
@@ -299,20 +300,21 @@ def combine(o, m, l, dtype, normalized: bool = False):
 
 @functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
 def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask, *, scale: float,
-                     blocks: Blocks = Blocks(), interpret: bool = False, layer=None):
+                     blocks: Blocks = Blocks(), interpret: bool = False, layer=None, extent=None):
     """q [B, L, N, H]; k/v_cache [B, S, K, H], or whole stacks [layers, B, S, K, H] read at int32 scalar `layer`;
     cache_mask [B, L, S]; k/v_self [B, L, K, H]; self_mask [B, L, L] (bool or int8; int8 avoids a conversion per
-    call) -> [B, L, N, H]. Shapes: see `supported`."""
+    call); extent [B, L]: cache_extent(cache_mask), computed here when None -> [B, L, N, H]. Shapes: see
+    `supported`."""
     if k_self.shape != v_self.shape:
         raise ValueError(f"cached_attention: k_self {k_self.shape} and v_self {v_self.shape} differ")
     return _attend(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask, (), n=q.shape[2], scale=scale,
-                   blocks=blocks, interpret=interpret, layer=layer)
+                   blocks=blocks, interpret=interpret, layer=layer, extent=extent)
 
 
 @functools.partial(jax.jit, static_argnames=("offsets", "eps", "gemma", "scale", "blocks", "interpret"))
 def cached_attention_normed(proj, k_cache, v_cache, cache_mask, self_mask, cos, sin, vectors, vec_layer, *,
                             offsets: tuple[int, int], eps: float, gemma: bool, scale: float,
-                            blocks: Blocks = Blocks(), interpret: bool = False, layer=None):
+                            blocks: Blocks = Blocks(), interpret: bool = False, layer=None, extent=None):
     """cached_attention straight from the fused projection, kernels/qk_norm_rope's q/k norms and RoPE (and with
     `gemma`, its order and v's weightless norm) done in the kernel: proj [B, L, K, G + 2, H] (per kv head its G query
     heads, k, v; raw), cos / sin [B, L, H], the norm weights at vectors[vec_layer, q:q + H] and [k:k + H] for
@@ -331,12 +333,20 @@ def cached_attention_normed(proj, k_cache, v_cache, cache_mask, self_mask, cos, 
                          f"{vectors.shape} and offsets {offsets} do not match")
     vec_layer = layer_operand("cached_attention_normed", True, vec_layer, vectors.shape)
     return _attend(proj, k_cache, v_cache, cache_mask, proj, proj, self_mask, (cos, sin, vectors, vec_layer),
-                   n=kv * (slots - 2), scale=scale, blocks=blocks, interpret=interpret, layer=layer,
+                   n=kv * (slots - 2), scale=scale, blocks=blocks, interpret=interpret, layer=layer, extent=extent,
                    norm=(*offsets, eps, gemma))
 
 
+def cache_extent(cache_mask: jax.Array) -> jax.Array:
+    """[B, L, S] visibility (bool or int8) -> [B, L] int32: per query, one past the last cache slot it sees (0:
+    none). The kernel's `extent` operand; a layer loop computes it once per pass, not once per layer (XLA left the
+    two reductions in each DiffusionGemma sliding layer: benchmarks/results/2026-12-03_engine_invariants_h200.md)."""
+    s = cache_mask.shape[-1]
+    return jnp.max(jnp.where(cache_mask != 0, jnp.arange(1, s + 1, dtype=jnp.int32), 0), axis=-1)
+
+
 def _attend(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask, norm_args, *, n: int, scale: float,
-            blocks: Blocks, interpret: bool, layer, norm: tuple | None = None):
+            blocks: Blocks, interpret: bool, layer, extent=None, norm: tuple | None = None):
     """The kernel's launch for both entry points; norm: (q offset, k offset, eps, gemma) when q, k_self and v_self
     are the raw projection [B, L, K, G + 2, H] and norm_args (cos, sin, vectors, vector layer)."""
     stacked = k_cache.ndim == 5  # [layers, B, S, K, H]
@@ -358,12 +368,12 @@ def _attend(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask, norm_arg
     else:
         cache_splits = -(-(s // cs) // blocks.chunks_per_split)
         splits = 1 if cache_splits == 1 else cache_splits + 1
-    # Per (row, query tile): one past the last cache slot any of its queries sees. Chunks beyond it are not streamed,
-    # so slots a generation has not filled yet (a third of a 768-slot cache at a 512-token prompt's first canvas)
-    # cost nothing. The same mask feeds every layer, so XLA may share this across layers (CSE in an unrolled stack,
-    # loop-invariant motion in a scan); no profile has checked which it does.
-    seen = jnp.any(cache_mask.reshape(b, l // bl, bl, s) != 0, axis=2)  # [B, T, S]
-    extent = jnp.max(jnp.where(seen, jnp.arange(1, s + 1, dtype=jnp.int32), 0), axis=-1)  # [B, T]
+    # Per query: one past the last cache slot it sees; each program streams the cache up to its tile's maximum, so
+    # slots a generation has not filled yet (a third of a 768-slot cache at a 512-token prompt's first canvas) cost
+    # nothing. Callers in a layer loop pass it in, computed once per pass (`cache_extent`).
+    extent = cache_extent(cache_mask) if extent is None else extent
+    if extent.shape != (b, l):
+        raise ValueError(f"cached_attention: extent {extent.shape} is not [B, L] = {(b, l)}")
     f32 = jnp.float32
     grouped = blocks.group_heads
     kvh = (lambda j: j) if grouped else (lambda j: j // g)  # grid axis 1: kv heads (grouped) or query heads
@@ -395,7 +405,7 @@ def _attend(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask, norm_arg
         out_shape=out_shape,
         grid=(b, kv if grouped else n, l // bl, splits),
         in_specs=[pl.BlockSpec((1,), lambda i, j, t, p: (0,)),
-                  pl.BlockSpec((1, 1), lambda i, j, t, p: (i, t)),
+                  pl.BlockSpec((1, bl), lambda i, j, t, p: (i, t)),
                   q_spec, cache_spec, cache_spec,
                   pl.BlockSpec((1, bl, s), lambda i, j, t, p: (i, t, 0)),
                   *self_specs,
@@ -404,6 +414,6 @@ def _attend(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask, norm_arg
         out_specs=out_specs,
         interpret=interpret,
         **triton_params(blocks.num_warps, blocks.num_stages, interpret),
-    )(layer_arr, extent, q, k_cache, v_cache, cache_mask.astype(jnp.int8), k_self, v_self,
+    )(layer_arr, extent.astype(jnp.int32), q, k_cache, v_cache, cache_mask.astype(jnp.int8), k_self, v_self,
       self_mask.astype(jnp.int8), *norm_args)
     return outs[0] if splits == 1 else combine(*outs, q.dtype, normalized=outs[0].dtype != f32)

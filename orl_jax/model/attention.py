@@ -12,6 +12,8 @@ Which keys a query sees is a boolean mask [B, L, S + L] built here:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -46,9 +48,36 @@ WIDE_SOFTMAX_KERNEL = True
 # (benchmarks/results/2026-12-01_dg_query_major_h200.md; the switch that compared them is in git at a6ef11e).
 
 
+class KernelMask(NamedTuple):
+    """A cache part's visibility as kernels/decode_attention takes it, made once per pass outside the layer loop
+    (`kernel_masks`): the int8 mask [B, L, S] and each query's extent [B, L] (one past its last visible slot). The
+    other attention paths read `mask`."""
+    mask: jax.Array
+    extent: jax.Array
+
+
+def kernel_masks(vis: dict[str, jax.Array], cache_names: tuple[str, ...]) -> dict:
+    """A pass's visibility masks for the Pallas attention, computed once before the layer loop: every mask as int8
+    (the kernel's operand; one conversion, not one per layer) and the cache parts' (those in cache_names) as
+    KernelMask. Behind an optimization barrier: otherwise XLA sinks a constant mask (a canvas's all-visible self
+    part) into the layer loop as a broadcast launched in every layer, and recomputes the extent's two reductions
+    in every DiffusionGemma sliding layer (~1-2 us each, 3 of the ~39 launches per sliding layer;
+    benchmarks/results/2026-12-03_engine_invariants_h200.md)."""
+    from orl_jax_kernels.decode_attention.kernel import cache_extent
+
+    out = {name: m.astype(jnp.int8) for name, m in vis.items()}
+    out |= {name: KernelMask(out[name], cache_extent(out[name])) for name in cache_names}
+    return jax.lax.optimization_barrier(out)
+
+
+def _mask(m) -> jax.Array:
+    return m.mask if isinstance(m, KernelMask) else m
+
+
 def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]], impl: str = "orl_jax",
               scale: float | None = None) -> jax.Array:
-    """q [B, L, N, H]; parts: (k [B, S, K, H], v [B, S, K, H], mask [B, L, S]) -> [B, L, N, H].
+    """q [B, L, N, H]; parts: (k [B, S, K, H], v [B, S, K, H], mask [B, L, S]) -> [B, L, N, H]; a cache part's mask
+    may be a KernelMask (`kernel_masks`).
 
     The parts (cache, self) share one softmax: their scores are concatenated, not their K/V, so a long cache is
     read once and not copied; heads wider than cuDNN's join the parts instead (JOIN_WIDE_PARTS, measured faster
@@ -67,10 +96,6 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
     masked keys still multiply it by 0 in later layers (tests: test_objectives.py, the cuDNN one marked gpu;
     self_mask lets padding rows see themselves, so cached passes have no such row).
     """
-    if impl in ("xla", "cudnn") and not (impl == "cudnn" and q.shape[-1] > CUDNN_MAX_HEAD_DIM):
-        k, v, mask = _joined(parts)
-        return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation=impl)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
     if impl == "pallas" and len(parts) == 2:
         from orl_jax_kernels.decode_attention.kernel import cached_attention
 
@@ -78,8 +103,14 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
         plan = _kernel_plan(kc, vc, q.shape[1], q.shape[-1], q.shape[2] // kc.shape[2])
         if plan is not None:
             blocks, kc, vc, layer = plan
-            return cached_attention(q, kc, vc, cm, ks, vs, sm, scale=scale, blocks=blocks, layer=layer,
+            return cached_attention(q, kc, vc, _mask(cm), ks, vs, sm, scale=q.shape[-1] ** -0.5 if scale is None
+                                    else scale, blocks=blocks, layer=layer, extent=_extent(cm),
                                     interpret=jax.default_backend() == "cpu")
+    parts = [(k, v, _mask(m)) for k, v, m in parts]
+    if impl in ("xla", "cudnn") and not (impl == "cudnn" and q.shape[-1] > CUDNN_MAX_HEAD_DIM):
+        k, v, mask = _joined(parts)
+        return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation=impl)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     if JOIN_WIDE_PARTS and len(parts) > 1 and q.shape[-1] > CUDNN_MAX_HEAD_DIM:
         joined = _joined(parts)
         if impl == "pallas" and WIDE_SOFTMAX_KERNEL:
@@ -107,9 +138,14 @@ def attention_normed(proj: jax.Array, cache_part: tuple, self_vis: jax.Array, co
         return None
     blocks, kc, vc, layer = plan
     vectors, vec_layer, offsets = packed_vectors
-    return cached_attention_normed(proj, kc, vc, cm, self_vis, cos, sin, vectors, vec_layer, offsets=offsets,
+    return cached_attention_normed(proj, kc, vc, _mask(cm), self_vis, cos, sin, vectors, vec_layer, offsets=offsets,
                                    eps=eps, gemma=gemma, scale=h ** -0.5 if scale is None else scale,
-                                   blocks=blocks, layer=layer, interpret=jax.default_backend() == "cpu")
+                                   blocks=blocks, layer=layer, extent=_extent(cm),
+                                   interpret=jax.default_backend() == "cpu")
+
+
+def _extent(m) -> jax.Array | None:
+    return m.extent if isinstance(m, KernelMask) else None
 
 
 def _kernel_plan(kc, vc, l: int, h: int, g: int):

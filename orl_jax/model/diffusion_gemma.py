@@ -53,7 +53,14 @@ import numpy as np
 
 from orl_jax.config import FULL, SLIDING, DiffusionGemmaConfig, kernel_choice
 from orl_jax.model import qwen3
-from orl_jax.model.attention import attention, causal_segments, full_segments, self_mask, window_mask
+from orl_jax.model.attention import (
+    attention,
+    causal_segments,
+    full_segments,
+    kernel_masks,
+    self_mask,
+    window_mask,
+)
 from orl_jax.model.cache import HybridKVCache, KVCache
 from orl_jax.model.layers import (
     apply_rope,
@@ -283,8 +290,8 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     stacks = EXPERT_WEIGHTS if moe_impl(cfg) == "pallas" else ()
     sliding_w = {n: a for n, a in params["sliding"].items() if n not in stacks}
     full_w = {n: a for n, a in params["full"].items() if n not in stacks}
-    if cache is not None and qwen3.cached_attention_impl(cfg) == "pallas":  # the kernel reads int8 masks
-        vis = {name: m.astype(jnp.int8) for name, m in vis.items()}  # once, not in every layer (a launch each)
+    if cache is not None and qwen3.cached_attention_impl(cfg) == "pallas":  # int8, the extents: once, not per layer
+        vis = kernel_masks(vis, ("cache_" + SLIDING, "cache_" + FULL))
     sliding_v = full_v = None
     if looped:  # inference: each layer's vectors (norms, scales) as one slice of a packed array
         (sliding_w, sliding_v, sliding_layout), (full_w, full_v, full_layout) = map(pack_vectors, (sliding_w, full_w))

@@ -22,7 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from orl_jax.config import ModelConfig, kernel_choice
-from orl_jax.model.attention import attention, attention_normed, cache_mask, causal_segments, self_mask
+from orl_jax.model.attention import (
+    attention,
+    attention_normed,
+    cache_mask,
+    causal_segments,
+    kernel_masks,
+    self_mask,
+)
 from orl_jax.model.cache import KVCache
 from orl_jax.model.layers import einsum, fused_gated_mlp, gated_mlp, qk_norm_rope, rms_norm, rope_angles
 from orl_jax.model.streamed import StackedWeight, pack_vectors, unpack_vectors, vector_offsets
@@ -168,8 +175,9 @@ def backbone(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
     """
     cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
     cvis = None if cache is None else cache_mask(cache.start, cache.length, cache.size, x.shape[1])
-    if cache is not None and cached_attention_impl(cfg) == "pallas":  # the kernel reads int8 masks: convert once
-        cvis, self_vis = cvis.astype(jnp.int8), self_vis.astype(jnp.int8)
+    if cache is not None and cached_attention_impl(cfg) == "pallas":  # int8, the extent: once, not per layer
+        vis = kernel_masks({"cache": cvis, "self": self_vis}, ("cache",))
+        cvis, self_vis = vis["cache"], vis["self"]
 
     streamed = cache is not None and cfg.cached_matmul_impl == "pallas"
     # the attention kernel may read layer i of the cache stacks in place (decode_attention Blocks.cache_in_place)
@@ -195,7 +203,10 @@ def backbone(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
 
     if remat:
         body = jax.checkpoint(body, prevent_cse=False)
-    ws = (layers, packed, jnp.arange(cfg.num_layers, dtype=jnp.int32) if streamed or cache_stacked else None)
+    # the layer indices as a literal, not jnp.arange: XLA unrolls the loop in the engine's graph and a slice of an
+    # iota stays a kernel launch per layer (36 per Qwen3-4B step), a slice of a constant folds away
+    index = np.arange(cfg.num_layers, dtype=np.int32)
+    ws = (layers, packed, jnp.asarray(index) if streamed or cache_stacked else None)
     xs = (ws, None, None) if cache is None else (ws, cache.k, cache.v)
     unroll = 1 if cache is None or cfg.layer_unroll is None else min(cfg.layer_unroll, cfg.num_layers)
     x, (k, v) = jax.lax.scan(body, constrain(x, ACTIVATION_AXES), xs, unroll=unroll)
