@@ -332,26 +332,18 @@ def test_diffusion_gemma_layer_shapes_lower_to_verified_triton(l, s, kv, h):
         sd((1, l, l), jnp.int8))
 
 
-@pytest.mark.parametrize("normed", [False, True])
-def test_diffusion_gemma_decoder_with_the_kernel_equals_the_einsums(monkeypatch, normed):
+def test_diffusion_gemma_decoder_with_the_kernel_equals_the_einsums(monkeypatch):
     """DiffusionGemmaConfig.cached_attention_impl="pallas": the decoder's cache passes (sliding and full layers,
     scale 1.0) through the kernel in interpret mode give the einsum path's logits. The sliding layers' q/k/v norms
-    and RoPE go through kernels/qk_norm_rope (gemma order), their weights read from the packed vector stack, or
-    (normed: diffusion_gemma.FUSED_QK_ATTENTION) through the attention kernel's normed entry."""
+    and RoPE go through kernels/qk_norm_rope (gemma order), their weights read from the packed vector stack."""
     from orl_jax import params as P
     from orl_jax.config import DG_PRESETS
     from orl_jax.model import diffusion_gemma as dg
-    from orl_jax_kernels.decode_attention import kernel as attention_kernel
     from orl_jax_kernels.qk_norm_rope import kernel as qk_kernel
 
-    monkeypatch.setattr(dg, "FUSED_QK_ATTENTION", normed)
     calls = []
     real = qk_kernel.qk_norm_rope_stacked
-    monkeypatch.setattr(qk_kernel, "qk_norm_rope_stacked",
-                        lambda *a, **k: calls.append(("norm", k["gemma"])) or real(*a, **k))
-    real_normed = attention_kernel.cached_attention_normed
-    monkeypatch.setattr(attention_kernel, "cached_attention_normed",
-                        lambda *a, **k: calls.append(("normed", k["gemma"])) or real_normed(*a, **k))
+    monkeypatch.setattr(qk_kernel, "qk_norm_rope_stacked", lambda *a, **k: calls.append(k["gemma"]) or real(*a, **k))
 
     cfg = DG_PRESETS["tiny-dg"].replace(head_dim=16, global_head_dim=32, block_length=16)
     params = P.init(dg.param_specs(cfg), jax.random.key(0))
@@ -364,12 +356,7 @@ def test_diffusion_gemma_decoder_with_the_kernel_equals_the_einsums(monkeypatch,
     got = dg.decode(params, fused, canvas, cache)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-4, rtol=2e-4)
     assert float(want.std()) > 0.01  # non-trivial logits
-    # traced once per group's sliding loop, in DiffusionGemma's order
-    assert calls and set(calls) == {("normed" if normed else "norm", True)}
-    # a commit through the kernel writes the einsum path's keys and values (the normed path's from XLA's norms)
-    for want_c, got_c in zip(jax.tree.leaves(dg.commit(params, cfg, canvas, cache)),
-                             jax.tree.leaves(dg.commit(params, fused, canvas, cache))):
-        np.testing.assert_allclose(np.asarray(got_c), np.asarray(want_c), atol=2e-4, rtol=2e-4)
+    assert calls and all(calls)  # traced once per group's sliding loop, in DiffusionGemma's order
     # the masks' int8 conversion and the kernel's extents are made once per pass, not in the sliding layers' loop
     jaxpr = jax.make_jaxpr(lambda p: dg.decode(p, fused, canvas, cache))(params).jaxpr
     in_loop = [e for w in _equations(jaxpr) if w.primitive.name == "while"
@@ -478,43 +465,35 @@ def test_generate_with_norms_inside_the_attention_kernel_equals_the_default(monk
     assert int(got.total_forwards) == int(want.total_forwards)
 
 
-@pytest.mark.parametrize("l, s, kv, g, h, layers, gemma, blocks", [
-    (32, 544, 8, 4, 128, 36, False, "SHORT_PASS"),  # Qwen3-4B, block 32
-    (256, 768, 8, 2, 256, 25, True, "WIDE_HEADS"),  # DiffusionGemma 26B's sliding layers, canvas 256
-])
-def test_normed_kernel_lowers_to_verified_triton(l, s, kv, g, h, layers, gemma, blocks):
-    """cached_attention_normed at the engine's shapes (the cache stacks and the packed norm weights read in
-    place) through MLIR's verifier, no GPU needed."""
-    from orl_jax_kernels.decode_attention import kernel
+def test_normed_kernel_lowers_to_verified_triton_at_the_qwen3_block_shape():
+    """cached_attention_normed at Qwen3-4B's block-32 shape (SHORT_PASS, the cache stacks and the packed norm
+    weights read in place) through MLIR's verifier, no GPU needed."""
+    from orl_jax_kernels.decode_attention.kernel import SHORT_PASS, cached_attention_normed
 
-    sd, b = jax.ShapeDtypeStruct, 1
-    args = (sd((b, l, kv, g + 2, h), jnp.bfloat16), sd((layers, b, s, kv, h), jnp.bfloat16),
-            sd((layers, b, s, kv, h), jnp.bfloat16), sd((b, l, s), jnp.int8), sd((b, l, l), jnp.int8),
-            sd((b, l, h), jnp.float32), sd((b, l, h), jnp.float32), sd((layers, 2 * h + 4), jnp.bfloat16),
+    sd = jax.ShapeDtypeStruct
+    b, l, kv, g, h, s = 1, 32, 8, 4, 128, 544
+    args = (sd((b, l, kv, g + 2, h), jnp.bfloat16), sd((36, b, s, kv, h), jnp.bfloat16),
+            sd((36, b, s, kv, h), jnp.bfloat16), sd((b, l, s), jnp.int8), sd((b, l, l), jnp.int8),
+            sd((b, l, h), jnp.float32), sd((b, l, h), jnp.float32), sd((36, 2 * h + 4), jnp.bfloat16),
             sd((), jnp.int32))
-    verified_triton_modules(lambda *a: kernel.cached_attention_normed(
-        *a, offsets=(4, 4 + h), eps=1e-6, gemma=gemma, scale=h ** -0.5, blocks=getattr(kernel, blocks),
-        layer=a[-1]), *args)
+    verified_triton_modules(lambda *a: cached_attention_normed(
+        *a, offsets=(4, 4 + h), eps=1e-6, gemma=False, scale=h ** -0.5, blocks=SHORT_PASS, layer=a[-1]), *args)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("l, s, kv, g, h, gemma, blocks", [(32, 544, 8, 4, 128, False, "SHORT_PASS"),
-                                                          (256, 768, 8, 2, 256, True, "WIDE_HEADS")])
-def test_normed_kernel_compiled_on_gpu_equals_norm_then_attention(l, s, kv, g, h, gemma, blocks):
-    """On a GPU, bf16, Qwen3-4B's block-32 shape and DiffusionGemma's sliding layers: the normed kernel against the
-    norm kernel + attention kernel."""
-    from orl_jax_kernels.decode_attention import kernel
+def test_normed_kernel_compiled_on_gpu_equals_norm_then_attention():
+    """On a GPU, bf16, Qwen3-4B's block-32 shape: the normed kernel against the norm kernel + attention kernel."""
+    from orl_jax_kernels.decode_attention.kernel import SHORT_PASS, cached_attention_normed
     from orl_jax_kernels.qk_norm_rope.kernel import qk_norm_rope_stacked
 
-    blocks = getattr(kernel, blocks)
-    proj, kc, vc, cm, sm, cos, sin, vectors = _normed_inputs(jax.random.key(9), jnp.bfloat16, l=l, s=s, kv=kv, g=g,
-                                                             h=h)
+    proj, kc, vc, cm, sm, cos, sin, vectors = _normed_inputs(jax.random.key(9), jnp.bfloat16, l=32, s=544, kv=8, g=4,
+                                                             h=128)
     stack = lambda a: jnp.stack([a, a * 0.5])  # noqa: E731
-    offsets = (5, 5 + h)
-    q, k, v = qk_norm_rope_stacked(proj, cos, sin, vectors, jnp.int32(1), offsets, 1e-6, gemma=gemma)
-    want = cached_attention(q.reshape(2, l, kv * g, h), stack(kc), stack(vc), cm, k, v, sm, scale=h ** -0.5,
-                            blocks=blocks, layer=jnp.int32(1))
-    got = kernel.cached_attention_normed(proj, stack(kc), stack(vc), cm, sm, cos, sin, vectors, jnp.int32(1),
-                                         offsets=offsets, eps=1e-6, gemma=gemma, scale=h ** -0.5, blocks=blocks,
-                                         layer=jnp.int32(1))
+    offsets = (5, 133)
+    q, k, v = qk_norm_rope_stacked(proj, cos, sin, vectors, jnp.int32(1), offsets, 1e-6)
+    want = cached_attention(q.reshape(2, 32, 32, 128), stack(kc), stack(vc), cm, k, v, sm, scale=128 ** -0.5,
+                            blocks=SHORT_PASS, layer=jnp.int32(1))
+    got = cached_attention_normed(proj, stack(kc), stack(vc), cm, sm, cos, sin, vectors, jnp.int32(1),
+                                  offsets=offsets, eps=1e-6, gemma=False, scale=128 ** -0.5, blocks=SHORT_PASS,
+                                  layer=jnp.int32(1))
     _assert_close_but_the_blind_row(got, want, 3e-2)

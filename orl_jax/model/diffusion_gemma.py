@@ -55,7 +55,6 @@ from orl_jax.config import FULL, SLIDING, DiffusionGemmaConfig, kernel_choice
 from orl_jax.model import qwen3
 from orl_jax.model.attention import (
     attention,
-    attention_normed,
     causal_segments,
     full_segments,
     kernel_masks,
@@ -81,10 +80,6 @@ ACT = "gelu_tanh"  # HF: gelu_pytorch_tanh
 
 
 EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")  # [layers, E, ...] per layer type
-# Sliding layers of cached passes with the Pallas attention: the q/k/v norms and RoPE inside the attention kernel
-# (model/attention.attention_normed, as qwen3.FUSED_QK_ATTENTION) instead of kernels/qk_norm_rope's launch before
-# it. Read at trace time. Under measurement (session 33); off until an H200 says otherwise.
-FUSED_QK_ATTENTION = False
 
 
 def _layer_specs(cfg: DiffusionGemmaConfig, n: int, kv: int, hd: int, own_v: bool) -> dict:
@@ -213,13 +208,7 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     own_v = "qkv" in w  # full layers: "qk", K = V
     proj = einsum("bld,dkth->blkth", h, w["qkv" if own_v else "qk"])  # [B, L, K, G + 2 (or + 1), H]
     g = cfg.num_heads // proj.shape[2]
-    attn = None
-    if FUSED_QK_ATTENTION and own_v and "packed_vectors" in w:
-        attn = attention_normed(proj, cache_part, self_vis, *rope, w["packed_vectors"], eps, gemma=True, scale=1.0)
-    if attn is not None:  # k and v for a commit's cache write (XLA drops them where unused: the decoder)
-        k = apply_rope(rms_norm_fp32(proj[:, :, :, g], w["k_norm"], eps), *rope)
-        v = rms_norm_fp32(proj[:, :, :, g + 1], None, eps)
-    elif own_v and "packed_vectors" in w:  # sliding layers of cached passes on a GPU: q/k/v norms + RoPE, one kernel
+    if own_v and "packed_vectors" in w:  # sliding layers of cached passes on a GPU: q/k/v norms + RoPE, one kernel
         from orl_jax_kernels.qk_norm_rope import kernel as qk_kernel
 
         q, k, v = qk_kernel.qk_norm_rope_stacked(proj, *rope, *w["packed_vectors"], eps, gemma=True,
@@ -230,10 +219,9 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
         k = rms_norm_fp32(proj[:, :, :, g], w["k_norm"], eps)  # [B, L, K, H]
         v = rms_norm_fp32(proj[:, :, :, g + 1 if own_v else g], None, eps)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    if attn is None:
-        parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
-        attn = attention(q, parts, "orl_jax" if cache_part is None else qwen3.cached_attention_impl(cfg), scale=1.0)
-    attn = einsum("blnh,nhd->bld", attn, w["o"])
+    parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
+    impl = "orl_jax" if cache_part is None else qwen3.cached_attention_impl(cfg)
+    attn = einsum("blnh,nhd->bld", attention(q, parts, impl, scale=1.0), w["o"])
     x = x + rms_norm_fp32(attn, w["post_attn_norm"], eps)
 
     mlp_in = rms_norm_fp32(x, w["mlp_norm"], eps)
