@@ -367,10 +367,37 @@ def test_diffusion_gemma_decoder_with_the_kernel_equals_the_einsums(monkeypatch)
     assert not on_masks
 
 
+def test_qwen3_cached_pass_takes_its_layer_indices_as_a_literal():
+    """The cached pass's layer indices (the kernels' in-place layer operand) are a constant, not an iota: XLA unrolls
+    the layer loop in the engine's program and a slice of an iota stays a launch per layer there (a constant folds);
+    its masks and extents are made before the loop."""
+    from orl_jax import params as P
+    from orl_jax.config import preset
+    from orl_jax.model import qwen3
+    from orl_jax.model.cache import KVCache
+
+    cfg = preset("tiny-qwendlm").replace(cached_attention_impl="pallas")
+    params = P.init(qwen3.param_specs(cfg), jax.random.key(0))
+    cache = KVCache.empty(cfg.num_layers, 1, 32, cfg.num_kv_heads, cfg.head_dim, cfg.jnp_dtype)
+    x = jnp.zeros((1, 16, cfg.hidden_size), cfg.jnp_dtype)
+    vis = self_mask(full_segments(1, 16))
+    jaxpr = jax.make_jaxpr(lambda p, c: qwen3.backbone(p, cfg, x, cache.positions(16), vis, c))(params, cache).jaxpr
+    eqns = list(_equations(jaxpr))
+    assert any(e.primitive.name == "pallas_call" for e in eqns)
+    assert not [e for e in eqns if e.primitive.name == "iota" and e.outvars[0].aval.shape == (cfg.num_layers,)]
+    in_loop = [e for w in _equations(jaxpr) if w.primitive.name in ("scan", "while")
+               for e in _equations(w.params["jaxpr" if w.primitive.name == "scan" else "body_jaxpr"].jaxpr)]
+    assert in_loop and not [e for e in in_loop if e.primitive.name in ("reduce_max", "convert_element_type")
+                            and any(getattr(v.aval, "shape", ())[-1:] == (32,) for v in e.invars)]
+
+
 def _equations(jaxpr):
-    """Every equation of a jaxpr, those of its sub-jaxprs (pjit, loops, custom calls) included."""
+    """Every equation of a jaxpr, those of its sub-jaxprs (pjit, loops, custom calls) included; a kernel's own body
+    (pallas_call) is not XLA's and is skipped."""
     for e in jaxpr.eqns:
         yield e
+        if e.primitive.name == "pallas_call":
+            continue
         for sub in jax.core.jaxprs_in_params(e.params):
             yield from _equations(sub)
 
