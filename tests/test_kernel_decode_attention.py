@@ -358,13 +358,9 @@ def test_diffusion_gemma_decoder_with_the_kernel_equals_the_einsums(monkeypatch)
     assert float(want.std()) > 0.01  # non-trivial logits
     assert calls and all(calls)  # traced once per group's sliding loop, in DiffusionGemma's order
     # the masks' int8 conversion and the kernel's extents are made once per pass, not in the sliding layers' loop
-    jaxpr = jax.make_jaxpr(lambda p: dg.decode(p, fused, canvas, cache))(params).jaxpr
-    in_loop = [e for w in _equations(jaxpr) if w.primitive.name == "while"
-               for e in _equations(w.params["body_jaxpr"].jaxpr)]
+    in_loop = _in_layer_loops(jax.make_jaxpr(lambda p: dg.decode(p, fused, canvas, cache))(params).jaxpr)
     assert any(e.primitive.name == "pallas_call" for e in in_loop)
-    on_masks = [e.primitive.name for e in in_loop if e.primitive.name in ("reduce_max", "convert_element_type")
-                and any(getattr(v.aval, "shape", ())[-1:] == (48,) for v in e.invars)]
-    assert not on_masks
+    assert not _mask_work(in_loop, 48)
 
 
 def test_qwen3_cached_pass_takes_its_layer_indices_as_a_literal():
@@ -385,10 +381,21 @@ def test_qwen3_cached_pass_takes_its_layer_indices_as_a_literal():
     eqns = list(_equations(jaxpr))
     assert any(e.primitive.name == "pallas_call" for e in eqns)
     assert not [e for e in eqns if e.primitive.name == "iota" and e.outvars[0].aval.shape == (cfg.num_layers,)]
-    in_loop = [e for w in _equations(jaxpr) if w.primitive.name in ("scan", "while")
-               for e in _equations(w.params["jaxpr" if w.primitive.name == "scan" else "body_jaxpr"].jaxpr)]
-    assert in_loop and not [e for e in in_loop if e.primitive.name in ("reduce_max", "convert_element_type")
-                            and any(getattr(v.aval, "shape", ())[-1:] == (32,) for v in e.invars)]
+    in_loop = _in_layer_loops(jaxpr)
+    assert in_loop and not _mask_work(in_loop, 32)
+
+
+def _in_layer_loops(jaxpr) -> list:
+    """The equations inside the bodies of a jaxpr's scans and while loops (the layer loops)."""
+    bodies = {"scan": "jaxpr", "while": "body_jaxpr"}
+    return [e for w in _equations(jaxpr) if w.primitive.name in bodies
+            for e in _equations(w.params[bodies[w.primitive.name]].jaxpr)]
+
+
+def _mask_work(eqns, slots: int) -> list:
+    """Reductions and conversions over an array whose last axis is the cache's `slots`: a mask's, here."""
+    return [e for e in eqns if e.primitive.name in ("reduce_max", "convert_element_type")
+            and any(getattr(v.aval, "shape", ())[-1:] == (slots,) for v in e.invars)]
 
 
 def _equations(jaxpr):

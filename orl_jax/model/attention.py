@@ -75,6 +75,10 @@ def _mask(m) -> jax.Array:
     return m.mask if isinstance(m, KernelMask) else m
 
 
+def _extent(m) -> jax.Array | None:
+    return m.extent if isinstance(m, KernelMask) else None
+
+
 def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]], impl: str = "orl_jax",
               scale: float | None = None) -> jax.Array:
     """q [B, L, N, H]; parts: (k [B, S, K, H], v [B, S, K, H], mask [B, L, S]) -> [B, L, N, H]; a cache part's mask
@@ -97,6 +101,7 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
     masked keys still multiply it by 0 in later layers (tests: test_objectives.py, the cuDNN one marked gpu;
     self_mask lets padding rows see themselves, so cached passes have no such row).
     """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale  # jax.nn.dot_product_attention's default too
     if impl == "pallas" and len(parts) == 2:
         from orl_jax_kernels.decode_attention.kernel import cached_attention
 
@@ -104,14 +109,12 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
         plan = _kernel_plan(kc, vc, q.shape[1], q.shape[-1], q.shape[2] // kc.shape[2])
         if plan is not None:
             blocks, kc, vc, layer = plan
-            return cached_attention(q, kc, vc, _mask(cm), ks, vs, sm, scale=q.shape[-1] ** -0.5 if scale is None
-                                    else scale, blocks=blocks, layer=layer, extent=_extent(cm),
-                                    interpret=jax.default_backend() == "cpu")
+            return cached_attention(q, kc, vc, _mask(cm), ks, vs, sm, scale=scale, blocks=blocks, layer=layer,
+                                    extent=_extent(cm), interpret=jax.default_backend() == "cpu")
     parts = [(k, v, _mask(m)) for k, v, m in parts]
     if impl in ("xla", "cudnn") and not (impl == "cudnn" and q.shape[-1] > CUDNN_MAX_HEAD_DIM):
         k, v, mask = _joined(parts)
         return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation=impl)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
     if JOIN_WIDE_PARTS and len(parts) > 1 and q.shape[-1] > CUDNN_MAX_HEAD_DIM:
         joined = _joined(parts)
         if impl == "pallas" and WIDE_SOFTMAX_KERNEL:
@@ -144,9 +147,6 @@ def attention_normed(proj: jax.Array, cache_part: tuple, self_vis: jax.Array, co
                                    blocks=blocks, layer=layer, extent=_extent(cm),
                                    interpret=jax.default_backend() == "cpu")
 
-
-def _extent(m) -> jax.Array | None:
-    return m.extent if isinstance(m, KernelMask) else None
 
 
 def _kernel_plan(kc, vc, l: int, h: int, g: int):
