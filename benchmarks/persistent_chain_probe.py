@@ -1,0 +1,224 @@
+"""Issue #3: can one persistent kernel run a chain of dependent decode-size GEMMs cheaper than one launch each?
+
+Session 32 found a dependent cuBLAS call in the engine's CUDA graph costs ~3.6-4 us before it reads a byte
+(benchmarks/launch_tax_probe.py: [32, 4096] x [4096, 4096] took 11.44 us, 2.93 TB/s), and sessions 32-33 that at
+block 32 only fewer kernels on the dependency chain can take that off. The way the seeds' engine does it is one
+kernel whose programs stay resident (one per SM) and wait at a grid-wide barrier between phases. This probe measures
+what that costs in Pallas (Triton lowering) before anything is built on it:
+
+  barrier     a persistent grid that only passes R grid barriers: the cost of one barrier
+  chain       L dependent GEMMs y_i = y_{i-1} @ W_(i mod 16) at [32, 4096] x [4096, 4096] bf16 (16 distinct
+              weights, 537 MB, each read from HBM), each program owning bn output columns, a grid barrier after each
+              layer; against the same chain as L cuBLAS calls in the engine's command buffers (launch_tax_probe's
+              gemm_4096). Per layer = the difference between two chain lengths over the extra layers.
+
+The barrier: every program counts itself in with an acquire-release atomic add on one int32 in global memory (after
+a block barrier, so the release covers all its threads' stores) and spins on atomic reads until the count reaches
+programs x phases; a spin cap keeps a grid that is not all resident from hanging (its rows then report the spins and
+are not valid). Activations written by other programs are read with volatile loads (not from a possibly stale L1;
+jax 0.10-0.11 map Triton's ".cg" modifier to a missing key).
+
+  python benchmarks/persistent_chain_probe.py --out probe.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--out", default="persistent_chain.jsonl")
+ap.add_argument("--lengths", default="16,64", help="two chain lengths, comma-separated")
+ap.add_argument("--configs", default="32:256:4:4:0,32:256:4:4:1,32:128:4:4:0,32:128:4:4:1,32:512:4:3:0,"
+                "32:256:8:4:0,64:256:4:4:0,64:256:8:3:1",
+                help="chain kernel tiles bn:bk:warps:stages:prefetch (the next W's first tile before the barrier)")
+ap.add_argument("--interpret", action="store_true", help="export for CUDA and verify the Triton IR only (any machine)")
+args = ap.parse_args()
+lengths = [int(n) for n in args.lengths.split(",")]
+if len(lengths) != 2 or not 0 < lengths[0] < lengths[1]:
+    ap.error(f"--lengths must be two increasing positive counts, got {args.lengths!r}")
+
+from orl_jax import runtime  # noqa: E402
+
+runtime.configure(None)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+from jax.experimental.pallas import triton as pltriton  # noqa: E402
+
+from orl_jax_kernels.pallas_args import triton_params  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from timing import median_seconds  # noqa: E402
+
+MAX_SPIN = 1 << 20  # ~a second of spinning: a grid that cannot be resident finishes (wrongly) instead of hanging
+M, D, N_W = 32, 4096, 16
+
+
+def grid_barrier(count_ref, target):
+    """Wait until `target` arrivals are counted in count_ref[0] (this program's included); -> spins taken."""
+    pltriton.debug_barrier()  # the program's stores before thread 0's release
+    seen = pltriton.atomic_add(count_ref, (0,), jnp.int32(1)) + 1
+    seen, spins = jax.lax.while_loop(
+        lambda c: (c[0] < target) & (c[1] < MAX_SPIN),
+        lambda c: (pltriton.atomic_add(count_ref, (0,), jnp.int32(0)), c[1] + 1), (seen, jnp.int32(0)))
+    pltriton.debug_barrier()  # every thread after thread 0's acquire
+    return spins
+
+
+def _barrier_kernel(count_in, count_ref, spins_ref, *, rounds: int):
+    nprog = pl.num_programs(0)
+    spins = jax.lax.fori_loop(0, rounds, lambda r, s: jnp.maximum(s, grid_barrier(count_ref, (r + 1) * nprog)),
+                              jnp.int32(0))
+    spins_ref[pl.program_id(0)] = spins
+
+
+def _chain_kernel(x_ref, w_ref, count_in, ys_ref, count_ref, spins_ref, *, bn: int, bk: int, prefetch: bool):
+    pid = pl.program_id(0)
+    nprog = pl.num_programs(0)
+    cols = pl.ds(pl.multiple_of(pid * bn, bn), bn)
+    n_layers = ys_ref.shape[0]
+
+    def w_tile(i, k):  # K tile k of this program's columns of W_(i mod N_W)
+        start = k * bk if isinstance(k, int) else pl.multiple_of(k * bk, bk)
+        return w_ref[jax.lax.rem(i, jnp.int32(N_W)), pl.ds(start, bk), cols]
+
+    def gemm(load_x, i, w0):  # w0: the first K tile of W_i, loaded before this layer's barrier (prefetch)
+        def body(k, acc):
+            return acc + jnp.dot(load_x(pl.ds(pl.multiple_of(k * bk, bk), bk)), w_tile(i, k),
+                                 preferred_element_type=jnp.float32)
+        acc = jnp.dot(load_x(pl.ds(0, bk)), w0 if prefetch else w_tile(i, 0), preferred_element_type=jnp.float32)
+        return jax.lax.fori_loop(1, D // bk, body, acc)
+
+    i0 = jnp.int32(0)
+    ys_ref[0, :, cols] = gemm(lambda ks: x_ref[:, ks], i0, w_tile(i0, 0)).astype(ys_ref.dtype)
+    w0 = w_tile(i0 + 1, 0) if prefetch else None  # issued before the wait: its latency hides behind the barrier
+    spins = grid_barrier(count_ref, nprog)
+
+    def layer(i, carry):
+        spins, w0 = carry
+        acc = gemm(lambda ks: pltriton.load(ys_ref.at[i - 1, :, ks], volatile=True), i, w0)
+        ys_ref[i, :, cols] = acc.astype(ys_ref.dtype)
+        w0 = w_tile(i + 1, 0) if prefetch else w0
+        return jnp.maximum(spins, grid_barrier(count_ref, (i + 1) * nprog)), w0
+
+    spins_ref[pid] = jax.lax.fori_loop(1, n_layers, layer, (spins, w0))[0]
+
+
+def full(shape):
+    return pl.BlockSpec(shape, lambda i: (0,) * len(shape))
+
+
+def barrier_fn(nprog: int, rounds: int):
+    def run():
+        count = jnp.zeros((1,), jnp.int32)
+        return pl.pallas_call(
+            functools.partial(_barrier_kernel, rounds=rounds),
+            out_shape=(jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((nprog,), jnp.int32)),
+            grid=(nprog,), in_specs=[full((1,))], out_specs=(full((1,)), full((nprog,))),
+            input_output_aliases={0: 0}, interpret=False, **triton_params(4, 1, False))(count)[1]
+    return run
+
+
+def chain_fn(n_layers: int, bn: int, bk: int, warps: int, stages: int, prefetch: int):
+    def run(x, ws):
+        count = jnp.zeros((1,), jnp.int32)
+        ys, _, spins = pl.pallas_call(
+            functools.partial(_chain_kernel, bn=bn, bk=bk, prefetch=bool(prefetch)),
+            out_shape=(jax.ShapeDtypeStruct((n_layers, M, D), x.dtype), jax.ShapeDtypeStruct((1,), jnp.int32),
+                       jax.ShapeDtypeStruct((D // bn,), jnp.int32)),
+            grid=(D // bn,), in_specs=[full(x.shape), full(ws.shape), full((1,))],
+            out_specs=(full((n_layers, M, D)), full((1,)), full((D // bn,))),
+            input_output_aliases={2: 1}, **triton_params(warps, stages, False))(x, ws, count)
+        return ys[-1], ys[0], jnp.max(spins)
+    return run
+
+
+def cublas_fn(n_layers: int):
+    def run(x, ws):
+        first = x = jax.lax.optimization_barrier(jnp.dot(x, ws[0]))
+        for i in range(1, n_layers):
+            x = jax.lax.optimization_barrier(jnp.dot(x, ws[i % N_W]))
+        return x, first
+    return run
+
+
+def graphed(fn):
+    """Compiled as the engine's programs are: in CUDA graphs (command buffers)."""
+    return jax.jit(fn, compiler_options=runtime.ENGINE_COMPILER_OPTIONS)
+
+
+def rel_err(a, b):
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+key = jax.random.key(0)
+x = jax.random.normal(key, (M, D), jnp.bfloat16)
+ws = (jax.random.normal(jax.random.key(1), (N_W, D, D), jnp.float32) * D**-0.5).astype(jnp.bfloat16)
+configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
+
+if args.interpret:  # export for CUDA on any machine and verify the Triton IR (no GPU: nothing is compiled or timed)
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    from triton_ir import verified_triton_modules
+
+    n = verified_triton_modules(barrier_fn(128, 3))
+    for bn, bk, warps, stages, prefetch in configs:
+        n += verified_triton_modules(chain_fn(lengths[0], bn, bk, warps, stages, prefetch), x, ws)
+    print(f"verified {n} Triton modules", flush=True)
+    sys.exit(0)
+
+meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
+with open(args.out, "a") as f:
+    def emit(row):
+        row.update(meta)
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        print(json.dumps(row), flush=True)
+
+    for nprog in (128, 132):
+        spins = int(jnp.max(graphed(barrier_fn(nprog, 3))()))
+        if spins >= MAX_SPIN:  # not all resident: timing it would only time the spin cap
+            emit({"what": "grid_barrier", "programs": nprog, "max_spins": spins, "valid": False})
+            continue
+        fns = [graphed(barrier_fn(nprog, r)) for r in (100, 1100)]
+        t = [median_seconds(fn, reps=10) for fn in fns]
+        emit({"what": "grid_barrier", "programs": nprog, "rounds": [100, 1100], "ms": [s * 1e3 for s in t],
+              "us_per_barrier": (t[1] - t[0]) / 1000 * 1e6, "max_spins": spins, "valid": spins < MAX_SPIN})
+
+    ref = [graphed(cublas_fn(n)) for n in lengths]
+    ref_out = [fn(x, ws) for fn in ref]
+    t = [median_seconds(fn, x, ws, reps=20, calls=10) for fn in ref]
+    per = (t[1] - t[0]) / (lengths[1] - lengths[0])
+    emit({"what": "chain", "impl": "cublas", "lengths": lengths, "ms": [s * 1e3 for s in t],
+          "us_per_layer": per * 1e6, "weight_tb_s": D * D * 2 / per / 1e12})
+
+    for bn, bk, warps, stages, prefetch in configs:
+        row = {"what": "chain", "impl": "persistent", "bn": bn, "bk": bk, "warps": warps, "stages": stages,
+               "prefetch": bool(prefetch),
+               "programs": D // bn, "lengths": lengths}
+        try:
+            fns = [graphed(chain_fn(n, bn, bk, warps, stages, prefetch)) for n in lengths]
+            outs = [fns[0](x, ws)]
+            if int(outs[0][2]) < MAX_SPIN:
+                outs.append(fns[1](x, ws))
+            spins = max(int(o[2]) for o in outs)
+            if spins >= MAX_SPIN:
+                row.update(max_spins=spins, valid=False)
+                emit(row)
+                continue
+            row.update(max_spins=spins, valid=spins < MAX_SPIN,
+                       rel_err_first=rel_err(outs[0][1], ref_out[0][1]),
+                       rel_err_last=[rel_err(o[0], r[0]) for o, r in zip(outs, ref_out)])
+            t = [median_seconds(fn, x, ws, reps=20, calls=10) for fn in fns]
+            per = (t[1] - t[0]) / (lengths[1] - lengths[0])
+            row.update(ms=[s * 1e3 for s in t], us_per_layer=per * 1e6, weight_tb_s=D * D * 2 / per / 1e12)
+        except Exception as e:  # noqa: BLE001 - one config failing to compile must not end the sweep
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        emit(row)
