@@ -24,19 +24,23 @@ jax 0.10-0.11 map Triton's ".cg" modifier to a missing key).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
 import sys
+from dataclasses import dataclass
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", default="persistent_chain.jsonl")
 ap.add_argument("--lengths", default="16,64", help="two chain lengths, comma-separated")
-ap.add_argument("--configs", default="32:256:4:4:0,32:256:4:4:1,32:128:4:4:0,32:128:4:4:1,32:512:4:3:0,"
-                "32:256:8:4:0,64:256:4:4:0,64:256:8:3:1",
-                help="chain kernel tiles bn:bk:warps:stages:prefetch (the next W's first tile before the barrier)")
+ap.add_argument("--configs", default="32:256:4:4:p,32:256:4:4:px,32:256:4:4:pb,32:256:4:4:pbx,32:512:4:3:pbx,"
+                "32:256:4:6:pbx,32:128:4:8:pbx,16:256:4:3:pbx,64:256:8:4:pbx",
+                help="chain kernel configs bn:bk:warps:stages:flags, flags from p (prefetch: the next W's first tile "
+                     "loaded before the barrier), b (W blocked [P, K, bn]: each program's columns contiguous), x "
+                     "(plain loads of the activations instead of volatile ones)")
 ap.add_argument("--interpret", action="store_true", help="export for CUDA and verify the Triton IR only (any machine)")
 args = ap.parse_args()
 lengths = [int(n) for n in args.lengths.split(",")]
@@ -79,7 +83,22 @@ def _barrier_kernel(count_in, count_ref, spins_ref, *, rounds: int):
     spins_ref[pl.program_id(0)] = spins
 
 
-def _chain_kernel(x_ref, w_ref, count_in, ys_ref, count_ref, spins_ref, *, bn: int, bk: int, prefetch: bool):
+@dataclass(frozen=True)
+class Chain:
+    bn: int  # output columns per program (programs: D // bn, all resident)
+    bk: int  # K rows per step
+    warps: int
+    stages: int
+    flags: str  # p: prefetch, b: blocked weights, x: plain activation loads
+
+    @staticmethod
+    def parse(text: str) -> Chain:
+        bn, bk, warps, stages, *flags = text.split(":")
+        return Chain(int(bn), int(bk), int(warps), int(stages), flags[0] if flags else "")
+
+
+def _chain_kernel(x_ref, w_ref, count_in, ys_ref, count_ref, spins_ref, *, bn: int, bk: int, prefetch: bool,
+                  blocked: bool, plain_x: bool):
     pid = pl.program_id(0)
     nprog = pl.num_programs(0)
     cols = pl.ds(pl.multiple_of(pid * bn, bn), bn)
@@ -87,7 +106,8 @@ def _chain_kernel(x_ref, w_ref, count_in, ys_ref, count_ref, spins_ref, *, bn: i
 
     def w_tile(i, k):  # K tile k of this program's columns of W_(i mod N_W)
         start = k * bk if isinstance(k, int) else pl.multiple_of(k * bk, bk)
-        return w_ref[jax.lax.rem(i, jnp.int32(N_W)), pl.ds(start, bk), cols]
+        w_i = jax.lax.rem(i, jnp.int32(N_W))
+        return w_ref[w_i, pid, pl.ds(start, bk), :] if blocked else w_ref[w_i, pl.ds(start, bk), cols]
 
     def gemm(load_x, i, w0):  # w0: the first K tile of W_i, loaded before this layer's barrier (prefetch)
         def body(k, acc):
@@ -103,7 +123,9 @@ def _chain_kernel(x_ref, w_ref, count_in, ys_ref, count_ref, spins_ref, *, bn: i
 
     def layer(i, carry):
         spins, w0 = carry
-        acc = gemm(lambda ks: pltriton.load(ys_ref.at[i - 1, :, ks], volatile=True), i, w0)
+        load = (lambda ks: ys_ref[i - 1, :, ks]) if plain_x else (
+            lambda ks: pltriton.load(ys_ref.at[i - 1, :, ks], volatile=True))
+        acc = gemm(load, i, w0)
         ys_ref[i, :, cols] = acc.astype(ys_ref.dtype)
         w0 = w_tile(i + 1, 0) if prefetch else w0
         return jnp.maximum(spins, grid_barrier(count_ref, (i + 1) * nprog)), w0
@@ -126,16 +148,19 @@ def barrier_fn(nprog: int, rounds: int):
     return run
 
 
-def chain_fn(n_layers: int, bn: int, bk: int, warps: int, stages: int, prefetch: int):
-    def run(x, ws):
+def chain_fn(n_layers: int, c: Chain):
+    bn = c.bn
+
+    def run(x, ws):  # ws [N_W, D, D], or blocked [N_W, D // bn, D, bn]
         count = jnp.zeros((1,), jnp.int32)
         ys, _, spins = pl.pallas_call(
-            functools.partial(_chain_kernel, bn=bn, bk=bk, prefetch=bool(prefetch)),
+            functools.partial(_chain_kernel, bn=bn, bk=c.bk, prefetch="p" in c.flags, blocked="b" in c.flags,
+                              plain_x="x" in c.flags),
             out_shape=(jax.ShapeDtypeStruct((n_layers, M, D), x.dtype), jax.ShapeDtypeStruct((1,), jnp.int32),
                        jax.ShapeDtypeStruct((D // bn,), jnp.int32)),
             grid=(D // bn,), in_specs=[full(x.shape), full(ws.shape), full((1,))],
             out_specs=(full((n_layers, M, D)), full((1,)), full((D // bn,))),
-            input_output_aliases={2: 1}, **triton_params(warps, stages, False))(x, ws, count)
+            input_output_aliases={2: 1}, **triton_params(c.warps, c.stages, False))(x, ws, count)
         return ys[-1], ys[0], jnp.max(spins)
     return run
 
@@ -162,15 +187,20 @@ def rel_err(a, b):
 key = jax.random.key(0)
 x = jax.random.normal(key, (M, D), jnp.bfloat16)
 ws = (jax.random.normal(jax.random.key(1), (N_W, D, D), jnp.float32) * D**-0.5).astype(jnp.bfloat16)
-configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
+configs = [Chain.parse(c) for c in args.configs.split(",")]
+
+
+def weights_for(c: Chain):
+    """The weights as config c reads them: blocked, each program's bn columns of every W one contiguous [D, bn]."""
+    return ws.reshape(N_W, D, D // c.bn, c.bn).transpose(0, 2, 1, 3) if "b" in c.flags else ws
 
 if args.interpret:  # export for CUDA on any machine and verify the Triton IR (no GPU: nothing is compiled or timed)
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from triton_ir import verified_triton_modules
 
     n = verified_triton_modules(barrier_fn(128, 3))
-    for bn, bk, warps, stages, prefetch in configs:
-        n += verified_triton_modules(chain_fn(lengths[0], bn, bk, warps, stages, prefetch), x, ws)
+    for c in configs:
+        n += verified_triton_modules(chain_fn(lengths[0], c), x, weights_for(c))
     print(f"verified {n} Triton modules", flush=True)
     sys.exit(0)
 
@@ -199,15 +229,15 @@ with open(args.out, "a") as f:
     emit({"what": "chain", "impl": "cublas", "lengths": lengths, "ms": [s * 1e3 for s in t],
           "us_per_layer": per * 1e6, "weight_tb_s": D * D * 2 / per / 1e12})
 
-    for bn, bk, warps, stages, prefetch in configs:
-        row = {"what": "chain", "impl": "persistent", "bn": bn, "bk": bk, "warps": warps, "stages": stages,
-               "prefetch": bool(prefetch),
-               "programs": D // bn, "lengths": lengths}
+    for c in configs:
+        row = {"what": "chain", "impl": "persistent", **dataclasses.asdict(c), "programs": D // c.bn,
+               "lengths": lengths}
         try:
-            fns = [graphed(chain_fn(n, bn, bk, warps, stages, prefetch)) for n in lengths]
-            outs = [fns[0](x, ws)]
+            wc = jax.block_until_ready(weights_for(c))
+            fns = [graphed(chain_fn(n, c)) for n in lengths]
+            outs = [fns[0](x, wc)]
             if int(outs[0][2]) < MAX_SPIN:
-                outs.append(fns[1](x, ws))
+                outs.append(fns[1](x, wc))
             spins = max(int(o[2]) for o in outs)
             if spins >= MAX_SPIN:
                 row.update(max_spins=spins, valid=False)
@@ -216,7 +246,8 @@ with open(args.out, "a") as f:
             row.update(max_spins=spins, valid=spins < MAX_SPIN,
                        rel_err_first=rel_err(outs[0][1], ref_out[0][1]),
                        rel_err_last=[rel_err(o[0], r[0]) for o, r in zip(outs, ref_out)])
-            t = [median_seconds(fn, x, ws, reps=20, calls=10) for fn in fns]
+            t = [median_seconds(fn, x, wc, reps=20, calls=10) for fn in fns]
+            del wc
             per = (t[1] - t[0]) / (lengths[1] - lengths[0])
             row.update(ms=[s * 1e3 for s in t], us_per_layer=per * 1e6, weight_tb_s=D * D * 2 / per / 1e12)
         except Exception as e:  # noqa: BLE001 - one config failing to compile must not end the sweep
