@@ -36,11 +36,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", default="persistent_chain.jsonl")
 ap.add_argument("--lengths", default="16,64", help="two chain lengths, comma-separated")
-ap.add_argument("--configs", default="32:256:4:4:p,32:256:4:4:px,32:256:4:4:pb,32:256:4:4:pbx,32:512:4:3:pbx,"
-                "32:256:4:6:pbx,32:128:4:8:pbx,16:256:4:3:pbx,64:256:8:4:pbx",
+ap.add_argument("--configs", default="32:128:4:8:pbx,32:256:4:4:pbx,32:128:4:8:bl,32:256:4:4:bl,32:128:4:8:pbxc,"
+                "32:256:4:4:pbxc,32:128:8:8:pbx,32:64:4:12:pbx",
                 help="chain kernel configs bn:bk:warps:stages:flags, flags from p (prefetch: the next W's first tile "
                      "loaded before the barrier), b (W blocked [P, K, bn]: each program's columns contiguous), x "
-                     "(plain loads of the activations instead of volatile ones)")
+                     "(plain loads of the activations instead of volatile ones), c (constant activations, no loads: "
+                     "the weights' streaming alone; wrong products), l (one launch per layer, no barrier)")
 ap.add_argument("--interpret", action="store_true", help="export for CUDA and verify the Triton IR only (any machine)")
 args = ap.parse_args()
 lengths = [int(n) for n in args.lengths.split(",")]
@@ -89,7 +90,7 @@ class Chain:
     bk: int  # K rows per step
     warps: int
     stages: int
-    flags: str  # p: prefetch, b: blocked weights, x: plain activation loads
+    flags: str  # p: prefetch, b: blocked weights, x: plain activation loads, c: constant activations, l: launches
 
     @staticmethod
     def parse(text: str) -> Chain:
@@ -98,7 +99,7 @@ class Chain:
 
 
 def _chain_kernel(x_ref, w_ref, count_in, ys_ref, count_ref, spins_ref, *, bn: int, bk: int, prefetch: bool,
-                  blocked: bool, plain_x: bool):
+                  blocked: bool, plain_x: bool, const_x: bool):
     pid = pl.program_id(0)
     nprog = pl.num_programs(0)
     cols = pl.ds(pl.multiple_of(pid * bn, bn), bn)
@@ -110,6 +111,8 @@ def _chain_kernel(x_ref, w_ref, count_in, ys_ref, count_ref, spins_ref, *, bn: i
         return w_ref[w_i, pid, pl.ds(start, bk), :] if blocked else w_ref[w_i, pl.ds(start, bk), cols]
 
     def gemm(load_x, i, w0):  # w0: the first K tile of W_i, loaded before this layer's barrier (prefetch)
+        if const_x:  # no activation loads (wrong products): what streaming the weights alone costs
+            load_x = lambda ks: jnp.full((M, bk), 0.01, jnp.bfloat16)  # noqa: E731
         def body(k, acc):
             return acc + jnp.dot(load_x(pl.ds(pl.multiple_of(k * bk, bk), bk)), w_tile(i, k),
                                  preferred_element_type=jnp.float32)
@@ -155,13 +158,42 @@ def chain_fn(n_layers: int, c: Chain):
         count = jnp.zeros((1,), jnp.int32)
         ys, _, spins = pl.pallas_call(
             functools.partial(_chain_kernel, bn=bn, bk=c.bk, prefetch="p" in c.flags, blocked="b" in c.flags,
-                              plain_x="x" in c.flags),
+                              plain_x="x" in c.flags, const_x="c" in c.flags),
             out_shape=(jax.ShapeDtypeStruct((n_layers, M, D), x.dtype), jax.ShapeDtypeStruct((1,), jnp.int32),
                        jax.ShapeDtypeStruct((D // bn,), jnp.int32)),
             grid=(D // bn,), in_specs=[full(x.shape), full(ws.shape), full((1,))],
             out_specs=(full((n_layers, M, D)), full((1,)), full((D // bn,))),
             input_output_aliases={2: 1}, **triton_params(c.warps, c.stages, False))(x, ws, count)
         return ys[-1], ys[0], jnp.max(spins)
+    return run
+
+
+def _layer_kernel(i_ref, x_ref, w_ref, y_ref, *, bn: int, bk: int, blocked: bool):
+    """One layer of the chain as its own launch: y[:, this program's columns] = x @ W_i[:, those columns]."""
+    pid = pl.program_id(0)
+    cols = pl.ds(pl.multiple_of(pid * bn, bn), bn)
+    i = i_ref[0]
+
+    def body(k, acc):
+        ks = pl.ds(pl.multiple_of(k * bk, bk), bk)
+        w = w_ref[i, pid, ks, :] if blocked else w_ref[i, ks, cols]
+        return acc + jnp.dot(x_ref[:, ks], w, preferred_element_type=jnp.float32)
+
+    y_ref[:, cols] = jax.lax.fori_loop(0, D // bk, body, jnp.zeros((M, bn), jnp.float32)).astype(y_ref.dtype)
+
+
+def launches_fn(n_layers: int, c: Chain):
+    """The same GEMM code launched once per layer (no barrier): against `chain_fn`, a launch against a barrier."""
+    def run(x, ws):
+        call = pl.pallas_call(
+            functools.partial(_layer_kernel, bn=c.bn, bk=c.bk, blocked="b" in c.flags),
+            out_shape=jax.ShapeDtypeStruct((M, D), x.dtype), grid=(D // c.bn,),
+            in_specs=[full((1,)), full(x.shape), full(ws.shape)], out_specs=full((M, D)),
+            **triton_params(c.warps, c.stages, False))
+        first = x = call(jnp.zeros((1,), jnp.int32), x, ws)
+        for i in range(1, n_layers):
+            x = call(jnp.full((1,), i % N_W, jnp.int32), x, ws)
+        return x, first, jnp.int32(0)
     return run
 
 
@@ -200,7 +232,8 @@ if args.interpret:  # export for CUDA on any machine and verify the Triton IR (n
 
     n = verified_triton_modules(barrier_fn(128, 3))
     for c in configs:
-        n += verified_triton_modules(chain_fn(lengths[0], c), x, weights_for(c))
+        fn = launches_fn if "l" in c.flags else chain_fn
+        n += verified_triton_modules(fn(lengths[0], c), x, weights_for(c))
     print(f"verified {n} Triton modules", flush=True)
     sys.exit(0)
 
@@ -230,11 +263,12 @@ with open(args.out, "a") as f:
           "us_per_layer": per * 1e6, "weight_tb_s": D * D * 2 / per / 1e12})
 
     for c in configs:
-        row = {"what": "chain", "impl": "persistent", **dataclasses.asdict(c), "programs": D // c.bn,
+        row = {"what": "chain", "impl": "launches" if "l" in c.flags else "persistent", **dataclasses.asdict(c),
+               "programs": D // c.bn,
                "lengths": lengths}
         try:
             wc = jax.block_until_ready(weights_for(c))
-            fns = [graphed(chain_fn(n, c)) for n in lengths]
+            fns = [graphed((launches_fn if "l" in c.flags else chain_fn)(n, c)) for n in lengths]
             outs = [fns[0](x, wc)]
             if int(outs[0][2]) < MAX_SPIN:
                 outs.append(fns[1](x, wc))
