@@ -47,7 +47,7 @@ class _StepDraws:
 
     def multinomial(self, probs, num_samples, **kw):
         logp = jnp.log(jnp.asarray(probs.numpy()).reshape(B, L, V))
-        return torch.from_numpy(np.asarray(categorical(self.k_sample, logp, self.rng)).reshape(-1, 1)).long()
+        return torch.from_numpy(np.array(categorical(self.k_sample, logp, self.rng)).reshape(-1, 1)).long()
 
     def randint(self, low=0, high=None, size=None, **kw):
         return torch.from_numpy(np.array(jax.random.randint(self.k_noise, tuple(size), low, high, jnp.int32))).long()
