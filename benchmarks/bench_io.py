@@ -66,3 +66,12 @@ def set_switches(items) -> dict:
     for name, value in switches.items():
         set_switch(name, value)
     return switches
+
+
+def chain_lengths(ap, text: str) -> list[int]:
+    """The two chain lengths of a per-kernel probe (launch_tax_probe, persistent_chain_probe): 'N1,N2', 0 < N1 < N2;
+    the difference between their timings over N2 - N1 is the cost per link."""
+    lengths = [int(n) for n in text.split(",")]
+    if len(lengths) != 2 or not 0 < lengths[0] < lengths[1]:
+        ap.error(f"--lengths must be two increasing positive counts, got {text!r}")
+    return lengths

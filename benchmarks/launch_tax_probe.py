@@ -24,9 +24,10 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--out", default="launch_tax.jsonl")
 ap.add_argument("--lengths", default="64,256", help="two chain lengths, comma-separated")
 args = ap.parse_args()
-lengths = [int(n) for n in args.lengths.split(",")]
-if len(lengths) != 2 or not 0 < lengths[0] < lengths[1]:
-    ap.error(f"--lengths must be two increasing positive counts, got {args.lengths!r}")
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_io import chain_lengths  # noqa: E402
+
+lengths = chain_lengths(ap, args.lengths)
 
 from orl_jax import runtime  # noqa: E402
 

@@ -44,9 +44,10 @@ ap.add_argument("--configs", default="32:128:4:8:pbx,32:256:4:4:pbx,32:128:4:8:b
                      "the weights' streaming alone; wrong products), l (one launch per layer, no barrier)")
 ap.add_argument("--interpret", action="store_true", help="export for CUDA and verify the Triton IR only (any machine)")
 args = ap.parse_args()
-lengths = [int(n) for n in args.lengths.split(",")]
-if len(lengths) != 2 or not 0 < lengths[0] < lengths[1]:
-    ap.error(f"--lengths must be two increasing positive counts, got {args.lengths!r}")
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_io import chain_lengths  # noqa: E402
+
+lengths = chain_lengths(ap, args.lengths)
 
 from orl_jax import runtime  # noqa: E402
 
@@ -56,11 +57,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as pltriton  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 from orl_jax_kernels.pallas_args import triton_params  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(__file__))
-from timing import median_seconds  # noqa: E402
 
 MAX_SPIN = 1 << 20  # ~a second of spinning: a grid that cannot be resident finishes (wrongly) instead of hanging
 M, D, N_W = 32, 4096, 16
