@@ -160,27 +160,6 @@ def test_expert_kernel_gather_changes_no_logit(dg_ours, monkeypatch):
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
 
 
-def test_topk_sort_kernel_changes_no_logit(dg_ours, monkeypatch):
-    """moe.TOPK_SORT_KERNEL (on by default): the pallas MoE routes with kernels/expert_sort/topk_sort (top-k, weights
-    and sort in one launch; the tiny model's k = 3 and E = 8 padded inside). The decoder's jaxpr has the kernel and no
-    XLA top-k; in fp32 its logits equal those of moe.route + kernels/expert_sort."""
-    from orl_jax.model import moe
-
-    cfg, params = dg_ours
-    cfg = cfg.replace(moe_impl="pallas")
-    prompt, canvas = jnp.asarray(_tokens((2, 11), 5)), jnp.asarray(_tokens((2, cfg.block_length), 6))
-    _, cache = jax.jit(dg.prefill, static_argnums=(1, 4))(params, cfg, prompt, jnp.asarray([11, 7], jnp.int32), 19)
-    jaxpr = str(jax.make_jaxpr(lambda p: dg.decode(p, cfg, canvas, cache))(params))
-    assert "name=topk_sort" in jaxpr and "top_k[" not in jaxpr
-    want = np.asarray(jax.jit(dg.decode, static_argnums=(1,))(params, cfg, canvas, cache))
-    monkeypatch.setattr(moe, "TOPK_SORT_KERNEL", False)
-    jaxpr = str(jax.make_jaxpr(lambda p: dg.decode(p, cfg, canvas, cache))(params))
-    assert "name=topk_sort" not in jaxpr and "top_k[" in jaxpr
-    got = np.asarray(jax.jit(dg.decode, static_argnums=(1,))(params, cfg, canvas, cache))  # traced afresh
-    assert np.abs(want).max() > 1.0
-    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
-
-
 @pytest.mark.parametrize("self_cond", [False, True], ids=["no-sc", "sc"])
 def test_decoder_matches_hf(dg_ours, dg_hf, self_cond):
     """Decoder logits after a prefill and after a commit, rows of different prompt lengths (left-padded here,

@@ -72,7 +72,7 @@ from orl_jax.model.layers import (
     rope_inv_freq,
     soft_cap,
 )
-from orl_jax.model.moe import experts_mlp, route_sorted
+from orl_jax.model.moe import experts_mlp, route
 from orl_jax.model.streamed import StackedWeight, pack_vectors, unpack_vectors, vector_offsets
 from orl_jax.params import ParamSpec, ones
 
@@ -226,11 +226,9 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
 
     mlp_in = rms_norm_fp32(x, w["mlp_norm"], eps)
     flat = x.reshape(b * l, d)  # [T, D]
-    impl = moe_impl(cfg)
-    weights, experts, rows = route_sorted(flat, w["router_scale"], w["router"], w["expert_scale"],
-                                          cfg.top_k_experts, eps, impl)
+    weights, experts = route(flat, w["router_scale"], w["router"], w["expert_scale"], cfg.top_k_experts, eps)
     moe_in = rms_norm_fp32(flat, w["moe_norm"], eps)
-    moe = experts_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT, impl, rows)
+    moe = experts_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT, moe_impl(cfg))
     moe = moe.reshape(b, l, d)  # [B, L, D]
     mlp = fused_gated_mlp(mlp_in, w["gate_up"], w["down"], ACT)
     ffw = rms_norm_fp32(mlp, w["post_mlp_norm"], eps) + rms_norm_fp32(moe, w["post_moe_norm"], eps)

@@ -31,12 +31,6 @@ from orl_jax.model.streamed import as_stacked, xla_ragged_dot
 ROUTER_TOPK_F32 = True  # read at trace time; see route
 
 
-def route_logits(x: jax.Array, scale: jax.Array, proj, eps: float) -> jax.Array:
-    """The Gemma 4 router's logits [T, E]: x [T, D] under a weightless RMSNorm, times `scale` [D] and D^-1/2, @ proj."""
-    h = rms_norm_fp32(x, None, eps) * scale.astype(x.dtype)[None] * (x.shape[-1] ** -0.5)
-    return einsum("td,de->te", h, proj)
-
-
 def route(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: int, eps: float):
     """Gemma 4 router. x [T, D] -> (weights [T, k] float32, experts [T, k] int32).
 
@@ -51,34 +45,12 @@ def route(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: 
     forward on an H200 (benchmarks/dg_router_topk_dtype_sweep.json): 15.589 / 15.602 against 15.605 / 15.590 ms,
     equal, so the measured float32 cast stays (2026-12-01_dg_attention_order_h200.md).
     """
-    logits = route_logits(x, scale, proj, eps)
+    h = rms_norm_fp32(x, None, eps) * scale.astype(x.dtype)[None] * (x.shape[-1] ** -0.5)
+    logits = einsum("td,de->te", h, proj)
     top, e = jax.lax.top_k(logits.astype(jnp.float32) if ROUTER_TOPK_F32 else logits, top_k)  # [T, k]
     e = e.astype(jnp.int32)
     w = jax.nn.softmax(top.astype(jnp.float32), axis=-1)
     return w * in_bounds_take(expert_scale, e).astype(jnp.float32), e
-
-
-# The pallas path routes with kernels/expert_sort/topk_sort when True: the top-k, the weights and the counting sort in
-# one launch after the router GEMM, instead of XLA's cast, top-k, conversion and slice, kernels/expert_sort and the
-# weights' fusion (six launches on each MoE layer's dependency chain). Read at trace time
-# (benchmarks/diffusion_gemma_generate.py --set orl_jax.model.moe.TOPK_SORT_KERNEL=false turns it off).
-TOPK_SORT_KERNEL = True
-TOPK_SORT_PER_PROGRAM = 4  # experts each of the kernel's programs sorts (E / 4 programs, each repeating the top-k)
-
-
-def route_sorted(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: int, eps: float, impl: str):
-    """`route`, and for experts_mlp's pallas path (impl "pallas", SORT_KERNEL and TOPK_SORT_KERNEL, shapes
-    kernels/expert_sort/topk_sort takes) also the sorted rows as `_sorted_rows` gives them, all from one kernel:
-    -> (weights, experts, sorted rows or None)."""
-    if impl == "pallas" and SORT_KERNEL and TOPK_SORT_KERNEL:
-        from orl_jax_kernels.expert_sort.topk_sort import supported, topk_sort
-
-        if supported(x.shape[0], expert_scale.shape[0], top_k):
-            w, e, tokens, pos, offsets = topk_sort(route_logits(x, scale, proj, eps), expert_scale, top_k,
-                                                   min(TOPK_SORT_PER_PROGRAM, expert_scale.shape[0]),
-                                                   interpret=jax.default_backend() == "cpu")
-            return w, e, (tokens, pos, offsets[1:] - offsets[:-1], offsets)
-    return (*route(x, scale, proj, expert_scale, top_k, eps), None)
 
 
 def in_bounds_take(a: jax.Array, idx: jax.Array) -> jax.Array:
@@ -117,15 +89,14 @@ def capacity(tokens: int, top_k: int, num_experts: int) -> int:
 
 
 def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up, down, act: str,
-                impl: str = "bucketed", sorted_rows: tuple | None = None) -> jax.Array:
+                impl: str = "bucketed") -> jax.Array:
     """sum_j weights[t, j] * MLP_{experts[t, j]}(x_t). x [T, D]; gate_up [E, D, 2F] (gate | up); down [E, F, D].
     impl (decode sizes): "bucketed", "dense" or "pallas" (the sorted rows through kernels/grouped_gemm, any T, no
-    buckets). See the module docstring. sorted_rows: the pallas path's sort of `experts`, made already
-    (`route_sorted`)."""
+    buckets). See the module docstring."""
     t, k = experts.shape
     if impl == "pallas":  # expert stacks as StackedWeight: their ragged_dot is the grouped kernel
         return grouped_experts_mlp(x, weights, experts, as_stacked(gate_up), as_stacked(down), act,
-                                   sort_kernel=SORT_KERNEL, sorted_rows=sorted_rows)
+                                   sort_kernel=SORT_KERNEL)
     if t > BUCKETED_MAX_TOKENS:
         return grouped_experts_mlp(x, weights, experts, gate_up, down, act)
     c = capacity(t, k, gate_up.shape[0])
@@ -242,15 +213,13 @@ def _sorted_rows(experts: jax.Array, num_experts: int, kernel: bool):
 GATHER_IN_KERNEL = True
 
 
-def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False,
-                        sorted_rows: tuple | None = None) -> jax.Array:
+def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False) -> jax.Array:
     """Rows sorted by expert and multiplied group by group (`grouped_matmul`): work proportional to T * k. The
     outputs come back by a gather (each assignment reads its sorted row), weighted and summed over the k choices.
     sort_kernel: sort with kernels/expert_sort (one launch, and the group offsets the grouped kernel needs) up to its
-    MAX_ASSIGNMENTS, instead of sort_by_expert's XLA fusions. sorted_rows: (tokens, pos, sizes, offsets) as
-    `_sorted_rows` returns them, made already (`route_sorted`)."""
+    MAX_ASSIGNMENTS, instead of sort_by_expert's XLA fusions."""
     t, k = experts.shape
-    tokens, pos, sizes, offsets = sorted_rows or _sorted_rows(experts, gate_up.shape[0], sort_kernel)
+    tokens, pos, sizes, offsets = _sorted_rows(experts, gate_up.shape[0], sort_kernel)
     # Indices from the sort kernel (offsets given) take bare gathers. XLA's sort keeps jnp.take: a gather whose index
     # is used once fused the whole counting sort into itself (170 us per 26B layer, session 16).
     take = in_bounds_take if offsets is not None else (lambda a, i: jnp.take(a, i, axis=0))  # noqa: E731
