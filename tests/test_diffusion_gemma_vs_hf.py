@@ -482,7 +482,7 @@ class _EngineDraws:
         k_sample, self.k_noise = jax.random.split(k_step)
         # HF's [B * L, V] rows draw as the engine's [B, L, V]: jax.random's draws are laid out row-major either way
         logp = jnp.log(jnp.asarray(probs.numpy()))
-        return torch.from_numpy(np.asarray(categorical(k_sample, logp, self.rng))).long()[:, None]
+        return torch.from_numpy(np.array(categorical(k_sample, logp, self.rng))).long()[:, None]
 
 
 def test_categorical_is_gumbel_argmax():
