@@ -160,6 +160,34 @@ def test_expert_kernel_gather_changes_no_logit(dg_ours, monkeypatch):
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
 
 
+def test_router_kernel_changes_no_logit(dg_ours, monkeypatch):
+    """moe.ROUTER_TOPK_KERNEL (on by default): the pallas MoE picks its top-k with kernels/expert_sort/router_topk (the
+    tiny model's k = 3 of E = 8 padded inside). The decoder's jaxpr has the kernel and no XLA top-k; in fp32 its logits
+    equal those of XLA's top-k. moe.EXPERT_SORT_BY_TOKEN (on): the same logits with the per-assignment sort."""
+    from orl_jax.model import moe
+
+    cfg, params = dg_ours
+    cfg = cfg.replace(moe_impl="pallas")
+    prompt, canvas = jnp.asarray(_tokens((2, 11), 5)), jnp.asarray(_tokens((2, cfg.block_length), 6))
+    _, cache = jax.jit(dg.prefill, static_argnums=(1, 4))(params, cfg, prompt, jnp.asarray([11, 7], jnp.int32), 19)
+
+    def run():
+        jaxpr = str(jax.make_jaxpr(lambda p: dg.decode(p, cfg, canvas, cache))(params))
+        return jaxpr, np.asarray(jax.jit(dg.decode, static_argnums=(1,))(params, cfg, canvas, cache))  # traced afresh
+
+    jaxpr, want = run()
+    assert "name=router_topk" in jaxpr and "top_k[" not in jaxpr and "name=expert_sort_by_token" in jaxpr
+    monkeypatch.setattr(moe, "EXPERT_SORT_BY_TOKEN", False)
+    jaxpr, got = run()
+    assert "name=expert_sort_by_token" not in jaxpr
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    monkeypatch.setattr(moe, "ROUTER_TOPK_KERNEL", False)
+    jaxpr, got = run()
+    assert "name=router_topk" not in jaxpr and "top_k[" in jaxpr
+    assert np.abs(want).max() > 1.0
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+
+
 @pytest.mark.parametrize("self_cond", [False, True], ids=["no-sc", "sc"])
 def test_decoder_matches_hf(dg_ours, dg_hf, self_cond):
     """Decoder logits after a prefill and after a commit, rows of different prompt lengths (left-padded here,

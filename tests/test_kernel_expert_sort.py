@@ -30,6 +30,15 @@ def test_equals_a_stable_argsort(tokens, top_k, experts):
     _assert_equal(expert_sort(ids, experts, top_k, interpret=True), expert_sort_reference(ids, experts, top_k))
 
 
+@pytest.mark.parametrize("tokens,top_k,experts", [(24, 3, 8), (7, 2, 16), (64, 8, 128), (5, 1, 4)])
+def test_by_token_equals_a_stable_argsort(tokens, top_k, experts):
+    """by_token (distinct choices per token, ranks over the tokens): the same rows, tokens and offsets; T and k
+    padded (24 x 3, 7 x 2, 5 x 1) or not."""
+    ids = _routed(2 * tokens + experts, tokens, top_k, experts)
+    _assert_equal(expert_sort(ids, experts, top_k, by_token=True, interpret=True),
+                  expert_sort_reference(ids, experts, top_k))
+
+
 def test_one_expert_takes_almost_everything():
     """Ties keep (token, choice) order: the rows of one heavy expert come out in assignment order."""
     ids = jnp.array([3, 3, 0, 3, 3, 3, 1, 3, 3, 3], jnp.int32)
@@ -48,13 +57,18 @@ def test_rejects_wrong_inputs():
         expert_sort(jnp.zeros((MAX_ASSIGNMENTS + 1,), jnp.int32), 8, interpret=True)
     with pytest.raises(ValueError, match="k must be a positive int, got 0"):
         expert_sort(jnp.zeros((8,), jnp.int32), 8, 0, interpret=True)
+    with pytest.raises(ValueError, match="M=9 a multiple of k=2"):
+        expert_sort(jnp.zeros((9,), jnp.int32), 8, 2, by_token=True, interpret=True)
+    with pytest.raises(ValueError, match="more than MAX_ASSIGNMENTS"):
+        expert_sort(jnp.zeros((MAX_ASSIGNMENTS + 8,), jnp.int32), 8, 8, by_token=True, interpret=True)
 
 
 def test_lowers_to_verified_triton_at_the_canvas():
     """Pallas -> Triton IR for 256 tokens x top-8 of 128 experts, and a length that pads, no GPU needed."""
     for m in (2048, 1000):
-        verified_triton_modules(lambda e: expert_sort(e, 128, 8),
-                                jax.ShapeDtypeStruct((m,), jnp.int32))
+        for by_token in (False, True):
+            verified_triton_modules(lambda e, by_token=by_token: expert_sort(e, 128, 8, by_token=by_token),
+                                    jax.ShapeDtypeStruct((m,), jnp.int32))
 
 
 @pytest.mark.gpu
@@ -66,3 +80,5 @@ def test_compiled_on_gpu_equals_a_stable_argsort():
     _assert_equal(expert_sort(skewed, 128, 8), expert_sort_reference(skewed, 128, 8))
     odd = ids[:1000]  # pads to 1024
     _assert_equal(expert_sort(odd, 128, 8), expert_sort_reference(odd, 128, 8))
+    for routed in (ids, odd, _routed(6, 512, 8, 128)):  # by_token: distinct choices per token (not `skewed`)
+        _assert_equal(expert_sort(routed, 128, 8, by_token=True), expert_sort_reference(routed, 128, 8))

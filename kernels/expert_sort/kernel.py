@@ -55,16 +55,41 @@ def _kernel(e_ref, pos_ref, off_ref, src_ref, *, m: int, total: int, num_experts
         off_ref[pl.ds(num_experts, 1)] = jnp.full((1,), total, jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("num_experts", "k", "interpret"))
-def expert_sort(experts: jax.Array, num_experts: int, k: int = 1, interpret: bool = False):
+def _token_kernel(e_ref, pos_ref, off_ref, src_ref, *, m: int, num_experts: int):
+    """by_token: ids [T, k] whose rows hold distinct experts. A token holds at most one of expert e's assignments, so
+    their ranks are a cumsum over the T tokens instead of the T * k assignments, and the token is the row's source."""
+    from jax.experimental.pallas import triton as plt
+
+    e = pl.program_id(0)
+    ids = e_ref[...]  # [T, k]
+    hit = ids == e
+    start = jnp.sum((ids < e).astype(jnp.int32))
+    token_hit = jnp.sum(hit.astype(jnp.int32), axis=1)  # [T]: 0 or 1
+    row = start + jnp.cumsum(token_hit) - 1  # [T]: the sorted row of each of this expert's tokens
+    plt.store(pos_ref, jnp.broadcast_to(row[:, None], ids.shape), mask=hit)
+    past = (start + jnp.sum(token_hit)) % m  # as in _kernel: other tokens' lanes aim outside this expert's rows
+    has = token_hit > 0
+    plt.store(src_ref.at[jnp.where(has, row, past)], jax.lax.broadcasted_iota(jnp.int32, row.shape, 0), mask=has)
+    off_ref[pl.ds(e, 1)] = jnp.full((1,), start, jnp.int32)
+
+    @pl.when(e == num_experts - 1)
+    def _():
+        off_ref[pl.ds(num_experts, 1)] = jnp.full((1,), m, jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("num_experts", "k", "by_token", "interpret"))
+def expert_sort(experts: jax.Array, num_experts: int, k: int = 1, by_token: bool = False, interpret: bool = False):
     """experts [M] int32 in [0, E), M <= MAX_ASSIGNMENTS -> (source [M]: the assignment in each sorted row divided by
     k (k = choices per token: the row's token; k = 1: the assignment), pos [M]: the sorted row of each assignment,
-    offsets [E + 1]: each expert's first row, then M)."""
+    offsets [E + 1]: each expert's first row, then M). by_token: the M / k tokens' k choices are distinct experts (a
+    router's top-k): ranks counted over the tokens (`_token_kernel`), the same results."""
     if experts.ndim != 1 or experts.dtype != jnp.int32:
         raise ValueError(f"expert_sort: experts must be a 1-D int32 array, got {experts.dtype}{list(experts.shape)}")
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"expert_sort: k must be a positive int, got {k!r}")
     m = experts.shape[0]
+    if by_token:
+        return _by_token(experts, num_experts, k, interpret)
     mp = max(16, 1 << (m - 1).bit_length())  # Triton's vectors have power-of-two sizes: pad with id E, no expert's
     if mp > MAX_ASSIGNMENTS:
         raise ValueError(f"expert_sort: {m} assignments, more than MAX_ASSIGNMENTS={MAX_ASSIGNMENTS}")
@@ -81,3 +106,42 @@ def expert_sort(experts: jax.Array, num_experts: int, k: int = 1, interpret: boo
         **triton_params(4, 1, interpret),
     )(ids)
     return source[:m], pos[:m], offsets
+
+
+def _token_tile(t: int, k: int) -> tuple[int, int]:
+    """by_token's [T, k] ids padded to powers of two (with id E, no expert's)."""
+    return max(16, 1 << (t - 1).bit_length()), 1 << (k - 1).bit_length()
+
+
+def by_token_fits(tokens: int, k: int) -> bool:
+    """Whether expert_sort(by_token=True) takes `tokens` tokens of k choices."""
+    tp, kp = _token_tile(tokens, k)
+    return tp * kp <= MAX_ASSIGNMENTS
+
+
+def _by_token(experts: jax.Array, num_experts: int, k: int, interpret: bool):
+    m = experts.shape[0]
+    if m % k:
+        raise ValueError(f"expert_sort: by_token needs M={m} a multiple of k={k}")
+    t = m // k
+    tp, kp = _token_tile(t, k)
+    if not by_token_fits(t, k):
+        raise ValueError(f"expert_sort: {t} tokens x {k} (padded {tp} x {kp}), more than MAX_ASSIGNMENTS={MAX_ASSIGNMENTS}")
+    ids = experts.reshape(t, k)
+    if (tp, kp) != (t, k):
+        ids = jnp.pad(ids, ((0, tp - t), (0, kp - k)), constant_values=num_experts)
+    mp = max(16, 1 << (m - 1).bit_length())
+    whole = lambda *n: pl.BlockSpec(n, lambda e: (0,) * len(n))  # noqa: E731
+    pos, offsets, source = pl.pallas_call(
+        functools.partial(_token_kernel, m=m, num_experts=num_experts),
+        out_shape=(jax.ShapeDtypeStruct((tp, kp), jnp.int32), jax.ShapeDtypeStruct((num_experts + 1,), jnp.int32),
+                   jax.ShapeDtypeStruct((mp,), jnp.int32)),
+        grid=(num_experts,),
+        in_specs=[whole(tp, kp)],
+        out_specs=(whole(tp, kp), whole(num_experts + 1), whole(mp)),
+        interpret=interpret,
+        name="expert_sort_by_token",
+        **triton_params(4, 1, interpret),
+    )(ids)
+    pos = pos[:t, :k] if (tp, kp) != (t, k) else pos
+    return (source[:m] if mp > m else source), pos.reshape(-1), offsets

@@ -31,7 +31,17 @@ from orl_jax.model.streamed import as_stacked, xla_ragged_dot
 ROUTER_TOPK_F32 = True  # read at trace time; see route
 
 
-def route(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: int, eps: float):
+# The pallas path (route(kernel=True)) picks the top-k and computes the weights with kernels/expert_sort/router_topk:
+# one launch after the router GEMM instead of XLA's cast, top-k (a sort), conversion, slice and the weights' fusion.
+# Read at trace time; ROUTER_TOPK_ROWS / _METHOD / _WARPS are the kernel's settings (benchmarks' sweeps set them).
+ROUTER_TOPK_KERNEL = True
+ROUTER_TOPK_ROWS = 2
+ROUTER_TOPK_METHOD = "rank"
+ROUTER_TOPK_WARPS = 4
+
+
+def route(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: int, eps: float,
+          kernel: bool = False):
     """Gemma 4 router. x [T, D] -> (weights [T, k] float32, experts [T, k] int32).
 
     RMSNorm without weight, times `scale` [D] and D^-1/2 -> logits over E -> softmax (float32) -> top-k ->
@@ -44,9 +54,16 @@ def route(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: 
     tested), without the [T, E] cast kernel before XLA's sort (2.0 us per 26B layer in the profile). Timed in the 26B
     forward on an H200 (benchmarks/dg_router_topk_dtype_sweep.json): 15.589 / 15.602 against 15.605 / 15.590 ms,
     equal, so the measured float32 cast stays (2026-12-01_dg_attention_order_h200.md).
+    kernel (moe_impl "pallas", not differentiable, as its expert kernels are not): with ROUTER_TOPK_KERNEL the top-k
+    and weights from the logits in one kernel, the same values (experts exact, weights to float32 rounding).
     """
     h = rms_norm_fp32(x, None, eps) * scale.astype(x.dtype)[None] * (x.shape[-1] ** -0.5)
     logits = einsum("td,de->te", h, proj)
+    if kernel and ROUTER_TOPK_KERNEL:
+        from orl_jax_kernels.expert_sort.router_topk import router_topk
+
+        return router_topk(logits, expert_scale, top_k, ROUTER_TOPK_ROWS, ROUTER_TOPK_METHOD, ROUTER_TOPK_WARPS,
+                           interpret=jax.default_backend() == "cpu")
     top, e = jax.lax.top_k(logits.astype(jnp.float32) if ROUTER_TOPK_F32 else logits, top_k)  # [T, k]
     e = e.astype(jnp.int32)
     w = jax.nn.softmax(top.astype(jnp.float32), axis=-1)
@@ -89,14 +106,15 @@ def capacity(tokens: int, top_k: int, num_experts: int) -> int:
 
 
 def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up, down, act: str,
-                impl: str = "bucketed") -> jax.Array:
+                impl: str = "bucketed", distinct: bool = False) -> jax.Array:
     """sum_j weights[t, j] * MLP_{experts[t, j]}(x_t). x [T, D]; gate_up [E, D, 2F] (gate | up); down [E, F, D].
     impl (decode sizes): "bucketed", "dense" or "pallas" (the sorted rows through kernels/grouped_gemm, any T, no
-    buckets). See the module docstring."""
+    buckets). See the module docstring. distinct: each token's k experts differ (a top-k router's): the pallas path
+    may then sort by token (EXPERT_SORT_BY_TOKEN)."""
     t, k = experts.shape
     if impl == "pallas":  # expert stacks as StackedWeight: their ragged_dot is the grouped kernel
         return grouped_experts_mlp(x, weights, experts, as_stacked(gate_up), as_stacked(down), act,
-                                   sort_kernel=SORT_KERNEL)
+                                   sort_kernel=SORT_KERNEL, by_token=distinct and EXPERT_SORT_BY_TOKEN)
     if t > BUCKETED_MAX_TOKENS:
         return grouped_experts_mlp(x, weights, experts, gate_up, down, act)
     c = capacity(t, k, gate_up.shape[0])
@@ -153,6 +171,9 @@ def dense_experts_mlp(x, weights, experts, gate_up, down, act: str) -> jax.Array
 # sort, alternating, same tokens (benchmarks/results/2026-12-01_dg_sort_kernel_stages_h200.md). False: XLA's
 # sort_by_expert (`benchmarks/diffusion_gemma_generate.py --xla-sort`). Read at trace time.
 SORT_KERNEL = True
+# With distinct choices per token (experts_mlp(distinct=True)) kernels/expert_sort counts ranks over the T tokens
+# instead of the T * k assignments (by_token): the same rows. Read at trace time.
+EXPERT_SORT_BY_TOKEN = True
 
 # Above this many one-hot entries (assignments x experts) sort_by_expert sorts instead of counting: training passes
 # (tens of thousands of assignments) would otherwise build one-hot tables of hundreds of MB.
@@ -189,16 +210,18 @@ def sort_by_expert(experts: jax.Array, num_experts: int):
     return order, pos, sizes
 
 
-def _sorted_rows(experts: jax.Array, num_experts: int, kernel: bool):
+def _sorted_rows(experts: jax.Array, num_experts: int, kernel: bool, by_token: bool = False):
     """experts [T, k] -> (tokens [M]: the token of each sorted row, pos, sizes as in sort_by_expert, the group
     offsets [E + 1]): from kernels/expert_sort when `kernel` and the assignments fit it (MAX_ASSIGNMENTS), else from
-    XLA (offsets None: the grouped kernel derives them)."""
-    k = experts.shape[1]
+    XLA (offsets None: the grouped kernel derives them). by_token: each token's experts are distinct (see
+    expert_sort)."""
+    t, k = experts.shape
     if kernel:
-        from orl_jax_kernels.expert_sort.kernel import MAX_ASSIGNMENTS, expert_sort
+        from orl_jax_kernels.expert_sort.kernel import MAX_ASSIGNMENTS, by_token_fits, expert_sort
 
-        if experts.size <= MAX_ASSIGNMENTS:
-            tokens, pos, offsets = expert_sort(experts.reshape(-1), num_experts, k,
+        by_token = by_token and by_token_fits(t, k)
+        if by_token or experts.size <= MAX_ASSIGNMENTS:
+            tokens, pos, offsets = expert_sort(experts.reshape(-1), num_experts, k, by_token=by_token,
                                                interpret=jax.default_backend() == "cpu")
             return tokens, pos, offsets[1:] - offsets[:-1], offsets
     order, pos, sizes = sort_by_expert(experts, num_experts)
@@ -213,13 +236,15 @@ def _sorted_rows(experts: jax.Array, num_experts: int, kernel: bool):
 GATHER_IN_KERNEL = True
 
 
-def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False) -> jax.Array:
+def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False,
+                        by_token: bool = False) -> jax.Array:
     """Rows sorted by expert and multiplied group by group (`grouped_matmul`): work proportional to T * k. The
     outputs come back by a gather (each assignment reads its sorted row), weighted and summed over the k choices.
     sort_kernel: sort with kernels/expert_sort (one launch, and the group offsets the grouped kernel needs) up to its
-    MAX_ASSIGNMENTS, instead of sort_by_expert's XLA fusions."""
+    MAX_ASSIGNMENTS, instead of sort_by_expert's XLA fusions (by_token: each token's experts distinct, see
+    _sorted_rows)."""
     t, k = experts.shape
-    tokens, pos, sizes, offsets = _sorted_rows(experts, gate_up.shape[0], sort_kernel)
+    tokens, pos, sizes, offsets = _sorted_rows(experts, gate_up.shape[0], sort_kernel, by_token)
     # Indices from the sort kernel (offsets given) take bare gathers. XLA's sort keeps jnp.take: a gather whose index
     # is used once fused the whole counting sort into itself (170 us per 26B layer, session 16).
     take = in_bounds_take if offsets is not None else (lambda a, i: jnp.take(a, i, axis=0))  # noqa: E731
