@@ -37,7 +37,7 @@ ROUTER_TOPK_F32 = True  # read at trace time; see route
 ROUTER_TOPK_KERNEL = True
 ROUTER_TOPK_ROWS = 2
 ROUTER_TOPK_METHOD = "rank"
-ROUTER_TOPK_WARPS = 4
+ROUTER_TOPK_WARPS = 2
 
 
 def route(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: int, eps: float,
