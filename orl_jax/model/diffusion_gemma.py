@@ -201,12 +201,6 @@ def soft_embed(params: dict, cfg: DiffusionGemmaConfig, probs: jax.Array) -> jax
 
 # --- the layer stack ---------------------------------------------------------------------------------------------
 
-# The dense MLP's input made after the router's top-k (0 x its first weight added) when True: its GEMMs then cannot take
-# the SMs before the routing kernels start (in a trace the top-k waited ~7 us for the dense gate/up GEMM's SMs,
-# benchmarks/results/2026-12-03_dg_router_topk_h200.md). A NaN weight would make the MLP NaN. Read at trace time.
-DENSE_AFTER_ROUTER = False
-
-
 def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: str):
     eps = cfg.rms_norm_eps
     b, l, d = x.shape
@@ -239,8 +233,6 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     moe = experts_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT, impl,
                       distinct=True)  # a top-k's choices
     moe = moe.reshape(b, l, d)  # [B, L, D]
-    if DENSE_AFTER_ROUTER:  # a data dependency (XLA's command buffers order kernels by the buffers they read)
-        mlp_in = mlp_in + (weights[0, 0] * 0.0).astype(mlp_in.dtype)
     mlp = fused_gated_mlp(mlp_in, w["gate_up"], w["down"], ACT)
     ffw = rms_norm_fp32(mlp, w["post_mlp_norm"], eps) + rms_norm_fp32(moe, w["post_moe_norm"], eps)
     x = (x + rms_norm_fp32(ffw, w["post_ffw_norm"], eps)) * w[scalar][0]

@@ -35,9 +35,9 @@ ROUTER_TOPK_F32 = True  # read at trace time; see route
 # one launch after the router GEMM instead of XLA's cast, top-k (a sort), conversion, slice and the weights' fusion.
 # Read at trace time; ROUTER_TOPK_ROWS / _METHOD / _WARPS are the kernel's settings (benchmarks' sweeps set them).
 ROUTER_TOPK_KERNEL = True
-ROUTER_TOPK_ROWS = 2
-ROUTER_TOPK_METHOD = "rank"
-ROUTER_TOPK_WARPS = 2
+ROUTER_TOPK_ROWS = 1
+ROUTER_TOPK_METHOD = "rounds"
+ROUTER_TOPK_WARPS = 1
 
 
 def route(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: int, eps: float,
