@@ -126,7 +126,8 @@ def _by_token(experts: jax.Array, num_experts: int, k: int, interpret: bool):
     t = m // k
     tp, kp = _token_tile(t, k)
     if not by_token_fits(t, k):
-        raise ValueError(f"expert_sort: {t} tokens x {k} (padded {tp} x {kp}), more than MAX_ASSIGNMENTS={MAX_ASSIGNMENTS}")
+        raise ValueError(f"expert_sort: {t} tokens x {k} (padded {tp} x {kp}), "
+                         f"more than MAX_ASSIGNMENTS={MAX_ASSIGNMENTS}")
     ids = experts.reshape(t, k)
     if (tp, kp) != (t, k):
         ids = jnp.pad(ids, ((0, tp - t), (0, kp - k)), constant_values=num_experts)

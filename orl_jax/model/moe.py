@@ -34,6 +34,9 @@ ROUTER_TOPK_F32 = True  # read at trace time; see route
 # The pallas path (route(kernel=True)) picks the top-k and computes the weights with kernels/expert_sort/router_topk:
 # one launch after the router GEMM instead of XLA's cast, top-k (a sort), conversion, slice and the weights' fusion.
 # Read at trace time; ROUTER_TOPK_ROWS / _METHOD / _WARPS are the kernel's settings (benchmarks' sweeps set them).
+# On an H200, with EXPERT_SORT_BY_TOKEN, the 26B forward took 14.729 ms against 14.841-14.885 with XLA's top-k and the
+# per-assignment sort (alternating in one process; rank / 2 rows / 2 warps 14.649 against 14.728-14.756 on another
+# machine; rank at 4 rows / 4 warps spills: 35 ms), benchmarks/results/2026-12-03_dg_router_topk_h200.md.
 ROUTER_TOPK_KERNEL = True
 ROUTER_TOPK_ROWS = 1
 ROUTER_TOPK_METHOD = "rounds"
@@ -172,7 +175,8 @@ def dense_experts_mlp(x, weights, experts, gate_up, down, act: str) -> jax.Array
 # sort_by_expert (`benchmarks/diffusion_gemma_generate.py --xla-sort`). Read at trace time.
 SORT_KERNEL = True
 # With distinct choices per token (experts_mlp(distinct=True)) kernels/expert_sort counts ranks over the T tokens
-# instead of the T * k assignments (by_token): the same rows. Read at trace time.
+# instead of the T * k assignments (by_token): the same rows, 2.0 us against 7.5 per 26B layer in an H200 profile
+# (-0.01 to -0.05 ms per forward alone, 2026-12-03_dg_router_topk_h200.md). Read at trace time.
 EXPERT_SORT_BY_TOKEN = True
 
 # Above this many one-hot entries (assignments x experts) sort_by_expert sorts instead of counting: training passes
