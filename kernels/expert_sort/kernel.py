@@ -48,6 +48,11 @@ def _kernel(e_ref, pos_ref, off_ref, src_ref, *, m: int, total: int, num_experts
     # the inverse: row -> assignment // k; other experts' lanes aim at a row outside this expert's (see above)
     past = (start + jnp.sum(hit.astype(jnp.int32))) % m
     plt.store(src_ref.at[jnp.where(hit, row, past)], jnp.arange(m, dtype=jnp.int32) // k, mask=hit)
+    _offsets(off_ref, e, start, total, num_experts)
+
+
+def _offsets(off_ref, e, start, total: int, num_experts: int):
+    """offsets[e] = expert e's first row; the last program also writes offsets[E] = the number of assignments."""
     off_ref[pl.ds(e, 1)] = jnp.full((1,), start, jnp.int32)
 
     @pl.when(e == num_experts - 1)
@@ -70,11 +75,7 @@ def _token_kernel(e_ref, pos_ref, off_ref, src_ref, *, m: int, num_experts: int)
     past = (start + jnp.sum(token_hit)) % m  # as in _kernel: other tokens' lanes aim outside this expert's rows
     has = token_hit > 0
     plt.store(src_ref.at[jnp.where(has, row, past)], jax.lax.broadcasted_iota(jnp.int32, row.shape, 0), mask=has)
-    off_ref[pl.ds(e, 1)] = jnp.full((1,), start, jnp.int32)
-
-    @pl.when(e == num_experts - 1)
-    def _():
-        off_ref[pl.ds(num_experts, 1)] = jnp.full((1,), m, jnp.int32)
+    _offsets(off_ref, e, start, m, num_experts)
 
 
 @functools.partial(jax.jit, static_argnames=("num_experts", "k", "by_token", "interpret"))
