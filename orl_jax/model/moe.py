@@ -35,8 +35,9 @@ ROUTER_TOPK_F32 = True  # read at trace time; see route
 # one launch after the router GEMM instead of XLA's cast, top-k (a sort), conversion, slice and the weights' fusion.
 # Read at trace time; ROUTER_TOPK_ROWS / _METHOD / _WARPS are the kernel's settings (benchmarks' sweeps set them).
 # On an H200, with EXPERT_SORT_BY_TOKEN, the 26B forward took 14.729 ms against 14.841-14.885 with XLA's top-k and the
-# per-assignment sort (alternating in one process; rank / 2 rows / 2 warps 14.649 against 14.728-14.756 on another
-# machine; rank at 4 rows / 4 warps spills: 35 ms), benchmarks/results/2026-12-03_dg_router_topk_h200.md.
+# per-assignment sort, alternating in one process; 14.636 / 14.651 against 14.785 / 14.761 on a second machine;
+# rank / 2 rows / 2 warps 14.649 against 14.728-14.756 on a third; rank at 4 rows / 4 warps spills: 35 ms
+# (benchmarks/results/2026-12-03_dg_router_topk_h200.md).
 ROUTER_TOPK_KERNEL = True
 ROUTER_TOPK_ROWS = 1
 ROUTER_TOPK_METHOD = "rounds"
