@@ -9,6 +9,11 @@ import jax
 import jax.numpy as jnp
 
 
+def pow2(n: int, least: int = 1) -> int:
+    """The smallest power of two >= n and >= least: Triton's tensor sizes are powers of two (pad up to it)."""
+    return max(least, 1 << (n - 1).bit_length())
+
+
 def triton_params(num_warps: int, num_stages: int, interpret: bool) -> dict:
     """pallas_call keyword arguments: the Triton compiler params on a GPU, nothing in interpret mode."""
     if interpret:

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from orl_jax_kernels.pallas_args import triton_params
+from orl_jax_kernels.pallas_args import pow2, triton_params
 
 # Every program holds all the assignments' ids in registers: DiffusionGemma's canvas has 2048. Longer passes (training
 # batches) take model/moe.sort_by_expert's XLA path.
@@ -91,7 +91,7 @@ def expert_sort(experts: jax.Array, num_experts: int, k: int = 1, by_token: bool
     m = experts.shape[0]
     if by_token:
         return _by_token(experts, num_experts, k, interpret)
-    mp = max(16, 1 << (m - 1).bit_length())  # Triton's vectors have power-of-two sizes: pad with id E, no expert's
+    mp = pow2(m, 16)  # Triton's vectors have power-of-two sizes: pad with id E, no expert's
     if mp > MAX_ASSIGNMENTS:
         raise ValueError(f"expert_sort: {m} assignments, more than MAX_ASSIGNMENTS={MAX_ASSIGNMENTS}")
     ids = jnp.pad(experts, (0, mp - m), constant_values=num_experts) if mp > m else experts
@@ -111,7 +111,7 @@ def expert_sort(experts: jax.Array, num_experts: int, k: int = 1, by_token: bool
 
 def _token_tile(t: int, k: int) -> tuple[int, int]:
     """by_token's [T, k] ids padded to powers of two (with id E, no expert's)."""
-    return max(16, 1 << (t - 1).bit_length()), 1 << (k - 1).bit_length()
+    return pow2(t, 16), pow2(k)
 
 
 def by_token_fits(tokens: int, k: int) -> bool:
@@ -132,7 +132,7 @@ def _by_token(experts: jax.Array, num_experts: int, k: int, interpret: bool):
     ids = experts.reshape(t, k)
     if (tp, kp) != (t, k):
         ids = jnp.pad(ids, ((0, tp - t), (0, kp - k)), constant_values=num_experts)
-    mp = max(16, 1 << (m - 1).bit_length())
+    mp = pow2(m, 16)
     whole = lambda *n: pl.BlockSpec(n, lambda e: (0,) * len(n))  # noqa: E731
     pos, offsets, source = pl.pallas_call(
         functools.partial(_token_kernel, m=m, num_experts=num_experts),

@@ -7,9 +7,12 @@ forward (benchmarks/results/2026-12-03_dg_topk_sort_h200.md). Session 34's kerne
 repeat all 256 tokens' top-k (78 us per layer); here each token's top-k is done once, by the program that owns it.
 
 Two ways to pick, both exact and with jax.lax.top_k's order (descending, ties to the lower expert):
-- "rank" (default): every logit's rank in its row, rank_i = #{j: x_j > x_i, or x_j == x_i and j < i}, as one [R, E, E]
+- "rounds" (default): k rounds of a row maximum (the lowest expert among equal maxima), each masking its choice out.
+- "rank": every logit's rank in its row, rank_i = #{j: x_j > x_i, or x_j == x_i and j < i}, as one [R, E, E]
   comparison and a sum: no chain of dependent reductions. Logit i is chosen iff rank_i < k and lands in slot rank_i.
-- "rounds": k rounds of a row maximum (the lowest expert among equal maxima), each masking its choice out.
+  Its [R, E, E] comparison spills registers at 4 rows and 4 warps (35 ms per 26B forward against ~14.7).
+In the 26B forward on an H200, 1 token per program and 1 warp with "rounds" was the best measured
+(benchmarks/results/2026-12-03_dg_router_topk_h200.md): the wrapper's defaults.
 The weights are computed per logit and scattered to the slots with it: softmax over the chosen (float32; the row's
 maximum is the rank-0 logit) times expert_scale, which lies along the same axis as the logits (no gather).
 
@@ -27,13 +30,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from orl_jax_kernels.pallas_args import triton_params
+from orl_jax_kernels.pallas_args import pow2, triton_params
 
 METHODS = ("rank", "rounds")
-
-
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def _ranks(x):
@@ -61,7 +60,7 @@ def _rounds_ranks(x, k: int):
 
 def _router_topk_kernel(l_ref, s_ref, w_ref, e_ref, *, k: int, method: str):
     x = l_ref[...].astype(jnp.float32)  # [R, E]
-    r, e = x.shape
+    e = x.shape[1]
     kp = w_ref.shape[1]
     rank = _ranks(x) if method == "rank" else _rounds_ranks(x, k)
     chosen = rank < k
@@ -74,8 +73,8 @@ def _router_topk_kernel(l_ref, s_ref, w_ref, e_ref, *, k: int, method: str):
 
 
 @functools.partial(jax.jit, static_argnames=("k", "rows", "method", "num_warps", "interpret"))
-def router_topk(logits: jax.Array, expert_scale: jax.Array, k: int, rows: int = 2, method: str = "rank",
-                num_warps: int = 4, interpret: bool = False):
+def router_topk(logits: jax.Array, expert_scale: jax.Array, k: int, rows: int = 1, method: str = "rounds",
+                num_warps: int = 1, interpret: bool = False):
     """logits [T, E] (any float dtype), expert_scale [E] -> (weights [T, k] float32, experts [T, k] int32), as
     model/moe.route computes them from its logits. rows: tokens per program (a power of two)."""
     if logits.ndim != 2 or expert_scale.shape != logits.shape[1:]:
@@ -87,7 +86,7 @@ def router_topk(logits: jax.Array, expert_scale: jax.Array, k: int, rows: int = 
         raise ValueError(f"router_topk: rows={rows!r} must be a power of two")
     if method not in METHODS:
         raise ValueError(f"router_topk: method={method!r} not in {METHODS}")
-    n, kp, tp = _pow2(e), _pow2(k), -(-t // rows) * rows
+    n, kp, tp = pow2(e), pow2(k), -(-t // rows) * rows
     if (tp, n) != (t, e):
         logits = jnp.pad(logits, ((0, tp - t), (0, n - e)), constant_values=-jnp.inf)
         expert_scale = jnp.pad(expert_scale, (0, n - e))
