@@ -61,8 +61,12 @@ def set_switch(name: str, value):
 
 
 def set_switches(items) -> dict:
-    """set_switch for each 'package.module.NAME=JSON' of a benchmark's --set; {name: value}."""
-    switches = {name: json.loads(value) for name, _, value in (item.partition("=") for item in items)}
+    """set_switch for each 'package.module.NAME=JSON' (or '...=@FILE', the JSON in a file: a table a benchmark wrote)
+    of a benchmark's --set; {name: value}."""
+    def parse(value: str):
+        return json.loads(open(value[1:]).read() if value.startswith("@") else value)
+
+    switches = {name: parse(value) for name, _, value in (item.partition("=") for item in items)}
     for name, value in switches.items():
         set_switch(name, value)
     return switches

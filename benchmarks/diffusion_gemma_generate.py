@@ -68,7 +68,8 @@ ap.add_argument("--sorted-copy", action="store_true",
                 help="moe.GATHER_IN_KERNEL = False: XLA writes the sorted copy of the MoE input for the gate/up kernel")
 ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=JSON",
                 help="set a trace-time switch before anything is traced, e.g. "
-                     "orl_jax.model.attention.WIDE_LATE_NORMALIZE=false (repeatable; the value is JSON)")
+                     "orl_jax.model.attention.WIDE_LATE_NORMALIZE=false (repeatable; the value is JSON, or @FILE "
+                     "holding it)")
 ap.add_argument("--looped", type=int, default=8, metavar="N",
                 help="also time N decoder forwards in one program (a fori_loop on the device, as generate() runs "
                      "them): ms per forward without host dispatch or per-call command-buffer updates between them "

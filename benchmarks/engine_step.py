@@ -55,7 +55,8 @@ ap.add_argument("--compiler-option", action="append", default=[], metavar="NAME=
                 help="one more XLA option for the step loops (with the engine's), e.g. xla_gpu_enable_triton_gemm=true")
 ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=JSON",
                 help="set a trace-time switch before anything is traced, e.g. "
-                     "orl_jax_kernels.decode_attention.kernel.SPLITS_IN_INPUT_DTYPE=true (repeatable; JSON value)")
+                     "orl_jax_kernels.decode_attention.kernel.SPLITS_IN_INPUT_DTYPE=true (repeatable; JSON value, or "
+                     "@FILE holding it)")
 args = ap.parse_args()
 runtime.configure(args.cache_dir, xla_flags=() if args.xla_default else runtime.DEFAULT_XLA_FLAGS)
 
