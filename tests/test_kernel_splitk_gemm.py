@@ -73,6 +73,27 @@ def test_canvas_pass_through_the_table_equals_xla(monkeypatch):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
 
 
+def test_diffusion_gemma_decoder_through_the_table_equals_xla(monkeypatch):
+    """DiffusionGemma's sliding layers' o and dense down through the table (cached canvas of 128 rows): the same
+    logits, the kernel in the program."""
+    from orl_jax import params as P
+    from orl_jax.config import DG_PRESETS
+    from orl_jax.model import diffusion_gemma as dg
+
+    cfg = DG_PRESETS["tiny-dg"]
+    params = P.init(dg.param_specs(cfg), jax.random.key(0))
+    _, cache = dg.prefill(params, cfg, jnp.ones((1, 8), jnp.int32), jnp.asarray([8]), 8 + 128)
+    canvas = jax.random.randint(jax.random.key(1), (1, 128), 0, cfg.vocab_size, jnp.int32)
+    want = dg.decode(params, cfg, canvas, cache)
+    d, blocks = cfg.hidden_size, {"bm": 128, "bn": 16, "bk": 16, "splits": 2}
+    monkeypatch.setattr(kernel, "TABLE", [{"k": cfg.num_heads * cfg.head_dim, "n": d, "blocks": blocks},
+                                          {"k": cfg.intermediate_size, "n": d, "blocks": blocks}])
+    jax.clear_caches()
+    assert str(jax.make_jaxpr(lambda p: dg.decode(p, cfg, canvas, cache))(params)).count("pallas_call") >= 2
+    got = dg.decode(params, cfg, canvas, cache)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
 def test_triton_ir_at_canvas_shapes():
     for k, n, blocks in ((4096, 2560, SplitBlocks(splits=6)), (9728, 2560, SplitBlocks(bm=128, bn=128, splits=3))):
         verified_triton_modules(lambda x, w, b=blocks: splitk_matmul(x, w, jnp.int32(1), b),

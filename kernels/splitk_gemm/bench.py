@@ -34,16 +34,16 @@ TIMED_BYTES = 1.5e9
 
 
 def configs(m: int, k: int, n: int) -> list[SplitBlocks]:
-    """Tiles whose grid is ~1 or 2 waves of programs, 8 warps where the accumulator would pass 128 float32 per
-    thread at 4, 3 pipeline stages where one stage's tiles pass 40 KB."""
+    """Tiles whose grid is ~0.5 or 1 wave of programs, or 2 splits; 8 warps where the accumulator would pass 128
+    float32 per thread at 4; 3 pipeline stages where one stage's tiles pass 40 KB."""
     out = []
-    for bm, bn in ((256, 128), (256, 64), (128, 128), (128, 256)):
+    for bm, bn in ((256, 128), (256, 64), (128, 128), (256, 32)):
         if m % bm or n % bn:
             continue
         warps = 8 if bm * bn > 128 * 128 else 4
         stages = 3 if (bm + bn) * 64 * 2 > 40 * 1024 else 4
         tiles = (m // bm) * (n // bn)
-        for splits in sorted({max(1, round(w * SMS / tiles)) for w in (1.0, 2.0)}):
+        for splits in sorted({max(1, round(w * SMS / tiles)) for w in (0.5, 1.0)} | {2}):
             b = SplitBlocks(bm=bm, bn=bn, bk=64, splits=splits, num_warps=warps, num_stages=stages)
             if supported(m, k, n, b):
                 out.append(b)
