@@ -80,15 +80,6 @@ ACT = "gelu_tanh"  # HF: gelu_pytorch_tanh
 
 
 EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")  # [layers, E, ...] per layer type
-# The sliding layers' projections handed to kernels/splitk_gemm as layer stacks in cached passes when its TABLE lists
-# any shape (StackedWeight.einsum takes the kernel only for a listed shape; others multiply the loop's slice as before).
-SPLITK_WEIGHTS = ("o", "down")
-
-
-def splitk_table() -> bool:
-    from orl_jax_kernels.splitk_gemm.kernel import TABLE
-
-    return bool(TABLE)
 
 
 def _layer_specs(cfg: DiffusionGemmaConfig, n: int, kv: int, hd: int, own_v: bool) -> dict:
@@ -332,8 +323,6 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
         def step(carry):
             i, x, kv = carry
             w = {n: take(a, i) for n, a in sliding_w.items()}
-            if cache is not None and splitk_table():  # the split-K kernel may take these (its table decides)
-                w |= {n: StackedWeight(sliding_w[n], i, w[n]) for n in SPLITK_WEIGHTS}
             if sliding_v is not None:
                 w |= unpack_vectors(take(sliding_v, i), sliding_layout)
             # the cache as layer i of its stacks: the attention kernel may read it in place (Blocks.cache_in_place)

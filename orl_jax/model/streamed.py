@@ -77,18 +77,10 @@ class StackedWeight:
         return xla_ragged_dot(x, self.sliced(), group_sizes, rows=rows)
 
     def einsum(self, spec: str, x: jax.Array) -> jax.Array:
-        """x @ stack[index] by the einsum spec: through the small-M kernel (M <= 64), the split-K kernel for the
-        shapes its table lists (M >= 128, kernels/splitk_gemm), else XLA's GEMM on the layer's slice."""
+        """x @ stack[index] by the einsum spec."""
         from orl_jax_kernels.small_m_gemm.kernel import batched_small_m_matmul, supported
-        from orl_jax_kernels.splitk_gemm.kernel import splitk_matmul, table_blocks
 
         dims = gemm_dims(spec, x.shape, self.stack.shape[1:])
-        split = dims is not None and dims[0] == 1 and self.stack.dtype == x.dtype and table_blocks(*dims[1:4])
-        if split:
-            _, m, k, n, out_shape = dims
-            y = splitk_matmul(x.reshape(m, k), self.stack.reshape(self.stack.shape[0], k, n), self.index, split,
-                              interpret=jax.default_backend() == "cpu")
-            return y.reshape(out_shape)
         if dims is not None and self.stack.dtype == x.dtype and supported(*dims[1:4]):
             e, m, k, n, out_shape = dims
             w = self.stack.reshape(self.stack.shape[0], e, k, n)  # contiguous: no copy
