@@ -1,0 +1,94 @@
+"""Probe: jax's own Hopper matmul (jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu: Mosaic GPU, TMA, wgmma,
+warp-specialized, persistent over the SMs) against XLA's GEMM (cuBLAS) at the canvas-256 projections that cuBLAS
+runs at ~54% of its rate (Qwen3-4B o and down, DiffusionGemma o and dense down), M = 256.
+
+  python benchmarks/mgpu_matmul_probe.py [--out mgpu_probe.jsonl]
+
+Decides whether a library kernel could take those GEMMs (our own Triton split-K kernel could not:
+benchmarks/results/2026-12-03_splitk_canvas_h200.md). Each variant is checked against the float32 product, then timed
+as one program multiplying R distinct weights (> 1.5 GB: no L2 reuse), outputs returned as a tuple.
+"""
+
+import argparse
+import dataclasses
+import itertools
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from orl_jax import runtime  # noqa: E402
+
+runtime.configure(None)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from bench_io import recorder  # noqa: E402
+from timing import chip_rates, median_seconds  # noqa: E402
+
+SHAPES = {"qwen_o": (4096, 2560), "qwen_down": (9728, 2560), "dg_o": (4096, 2816), "dg_dense_down": (2112, 2816)}
+TIMED_BYTES = 1.5e9
+
+
+def library():
+    """(matmul(a, b, config), TuningConfig, MatmulDimension) from the installed jax, whichever form it has."""
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+
+    if hasattr(hm, "matmul"):
+        return (lambda a, b, cfg: hm.matmul(a, b, None, cfg)), hm.TuningConfig, getattr(hm, "MatmulDimension", None)
+    return hm.matmul_kernel, hm.TuningConfig, getattr(hm, "MatmulDimension", None)
+
+
+def configs(tuning, dims):
+    fields = {f.name for f in dataclasses.fields(tuning)}
+    out = []
+    for tm, tn, steps in itertools.product((64, 128), (32, 64, 128), (4, 6)):
+        kw = dict(tile_m=tm, tile_n=tn, tile_k=64, max_concurrent_steps=steps, epi_tile_m=min(64, tm),
+                  epi_tile_n=min(64, tn))
+        for wg in ((dims.M, dims.N) if dims is not None and "wg_dimension" in fields else (None,)):
+            out.append(tuning(**kw, **({} if wg is None else {"wg_dimension": wg})))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--m", type=int, default=256)
+    ap.add_argument("--out", default="mgpu_probe.jsonl")
+    args = ap.parse_args()
+    record = recorder(args.out)
+    record(what="chip", device=jax.devices()[0].device_kind, jax=jax.__version__, **chip_rates())
+    matmul, tuning, dims = library()
+    m = args.m
+    for name, (k, n) in SHAPES.items():
+        reps = max(2, int(TIMED_BYTES // (k * n * 2)))
+        keys = jax.random.split(jax.random.key(len(name)), reps + 1)
+        ws = [jax.random.normal(kk, (k, n), jnp.bfloat16) * 0.02 for kk in keys[1:]]
+        x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+        ref = jnp.dot(x.astype(jnp.float32), ws[0].astype(jnp.float32))
+        tflop = 2 * m * k * n / 1e12
+
+        def timed(f):
+            return median_seconds(jax.jit(lambda x, ws: tuple(f(x, w) for w in ws)), x, ws, calls=3) / reps
+
+        def err(out):
+            return float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+
+        t = timed(jnp.dot)
+        record(shape=name, m=m, k=k, n=n, variant="xla", us=t * 1e6, tflop_s=tflop / t, rel_err=err(jnp.dot(x, ws[0])))
+        best = (float("inf"), None)
+        for cfg in configs(tuning, dims):
+            f = lambda x, w, cfg=cfg: matmul(x, w, cfg)  # noqa: E731
+            try:
+                rel = err(jax.jit(f)(x, ws[0]))
+                tc = timed(f)
+            except Exception as ex:  # a config the kernel or the chip refuses
+                record(shape=name, variant=repr(cfg), error=repr(ex)[:200])
+                continue
+            record(shape=name, m=m, k=k, n=n, variant=repr(cfg), us=tc * 1e6, tflop_s=tflop / tc, rel_err=rel)
+            if rel < 5e-3 and tc < best[0]:
+                best = (tc, cfg)
+        print(f"{name:14s} xla {t * 1e6:6.1f} us  library best {best[0] * 1e6:6.1f} us  {best[1]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
