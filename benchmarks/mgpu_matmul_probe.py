@@ -40,9 +40,11 @@ def library():
 
 
 def configs(tuning, dims):
+    """Tiles 64/128 x 64/128 (jax 0.11.2's kernel asserts on tile_n 32), 4 or 6 pipeline steps, the two compute
+    warpgroups along M or N where the kernel has that option. Each compiles in ~15 s on the H200's host."""
     fields = {f.name for f in dataclasses.fields(tuning)}
     out = []
-    for tm, tn, steps in itertools.product((64, 128), (32, 64, 128), (4, 6)):
+    for tm, tn, steps in itertools.product((64, 128), (64, 128), (4, 6)):
         kw = dict(tile_m=tm, tile_n=tn, tile_k=64, max_concurrent_steps=steps, epi_tile_m=min(64, tm),
                   epi_tile_n=min(64, tn))
         for wg in ((dims.M, dims.N) if dims is not None and "wg_dimension" in fields else (None,)):
