@@ -531,3 +531,114 @@ def test_normed_kernel_compiled_on_gpu_equals_norm_then_attention():
                                   offsets=offsets, eps=1e-6, gemma=False, scale=128 ** -0.5, blocks=SHORT_PASS,
                                   layer=jnp.int32(1))
     _assert_close_but_the_blind_row(got, want, 3e-2)
+
+
+def _outside_kernels(jaxpr) -> set:
+    """The primitives of a jaxpr and its nested calls, not looking inside pallas_call kernels."""
+    prims = set()
+    for eqn in jaxpr.eqns:
+        prims.add(eqn.primitive.name)
+        if eqn.primitive.name != "pallas_call":
+            for v in eqn.params.values():
+                inner = getattr(v, "jaxpr", None)
+                if inner is not None:
+                    prims |= _outside_kernels(getattr(inner, "jaxpr", inner))
+    return prims
+
+
+MERGE_BLOCKS = [Blocks(bl=16, bs=16, chunks_per_split=1), GROUPED,
+                Blocks(bl=16, bs=32, chunks_per_split=2, balanced=True),
+                dataclasses.replace(GROUPED, balanced=True)]
+
+
+@pytest.mark.parametrize("in_input_dtype", [False, True])
+@pytest.mark.parametrize("blocks", MERGE_BLOCKS)
+def test_merge_in_kernel_equals_the_merge_after_it(monkeypatch, blocks, in_input_dtype):
+    """MERGE_IN_KERNEL: the last split of each query tile merges; the same output as combine() after the kernel (the
+    splits' partials in float32 or bf16), and within rounding of the reference; no merge left outside the kernel."""
+    from orl_jax_kernels.decode_attention import kernel
+
+    monkeypatch.setattr(kernel, "SPLITS_IN_INPUT_DTYPE", in_input_dtype)
+    dtype = jnp.bfloat16 if in_input_dtype else jnp.float32
+    q, kc, vc, cm, kself, vself, sm = _inputs(jax.random.key(3), s=128, dtype=dtype)
+    run = lambda: cached_attention(q, kc, vc, cm, kself, vself, sm, scale=q.shape[-1] ** -0.5,  # noqa: E731
+                                   blocks=blocks, interpret=True)
+    jax.clear_caches()
+    after = run()
+    assert "exp" in _outside_kernels(jax.make_jaxpr(run)().jaxpr)  # combine() after the kernel
+    monkeypatch.setattr(kernel, "MERGE_IN_KERNEL", True)
+    jax.clear_caches()
+    inside = run()
+    assert "exp" not in _outside_kernels(jax.make_jaxpr(run)().jaxpr)  # nothing of a merge left outside
+    jax.clear_caches()
+    assert inside.dtype == dtype
+    tol = 1e-2 if in_input_dtype else 1e-6
+    _assert_close_but_the_blind_row(inside, after, tol)
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    want = attention(f32(q), [(f32(kc), f32(vc), cm), (f32(kself), f32(vself), sm)])
+    _assert_close_but_the_blind_row(inside, want, 3e-2 if in_input_dtype else 2e-5)
+
+
+def test_merge_in_kernel_with_the_norms_inside(monkeypatch):
+    """The block-32 path (cached_attention_normed, SHORT_PASS-like splits, cache stacks at a traced layer) with the
+    merge inside equals it with the merge after."""
+    from orl_jax_kernels.decode_attention import kernel
+    from orl_jax_kernels.decode_attention.kernel import cached_attention_normed
+
+    proj, kc, vc, cm, sm, cos, sin, vectors = _normed_inputs(jax.random.key(8), jnp.float32)
+    h = proj.shape[-1]
+    stack = lambda a: jnp.stack([a * 0.5, a, a * 2])  # noqa: E731
+    run = lambda: cached_attention_normed(  # noqa: E731
+        proj, stack(kc), stack(vc), cm, sm, cos, sin, vectors, jnp.int32(1), offsets=(5, 5 + h), eps=1e-6,
+        gemma=False, scale=h ** -0.5, blocks=Blocks(bl=16, bs=32, chunks_per_split=4), interpret=True,
+        layer=jnp.int32(1))
+    jax.clear_caches()
+    after = run()
+    monkeypatch.setattr(kernel, "MERGE_IN_KERNEL", True)
+    jax.clear_caches()
+    inside = run()
+    jax.clear_caches()
+    _assert_close_but_the_blind_row(inside, after, 1e-6)
+
+
+@pytest.mark.parametrize("l,s,n,kv,h,blocks", [
+    (256, 768, 16, 8, 256, Blocks(bl=128, bs=64, chunks_per_split=4, num_warps=8, cache_in_place=True, balanced=True)),
+    (256, 768, 32, 8, 128, Blocks(bl=16, bs=64, chunks_per_split=4, group_heads=True, cache_in_place=True,
+                                  balanced=True)),
+    (32, 544, 32, 8, 128, Blocks(bl=16, bs=32, chunks_per_split=4, cache_in_place=True))],
+    ids=["dg_sliding", "qwen3_canvas256", "qwen3_block32"])
+def test_merge_in_kernel_lowers_to_verified_triton(monkeypatch, l, s, n, kv, h, blocks):
+    from orl_jax_kernels.decode_attention import kernel
+
+    monkeypatch.setattr(kernel, "MERGE_IN_KERNEL", True)
+    jax.clear_caches()
+    sd = jax.ShapeDtypeStruct
+    verified_triton_modules(
+        lambda *a: cached_attention(*a[:-1], scale=1.0, blocks=blocks, layer=a[-1]),
+        sd((1, l, n, h), jnp.bfloat16), sd((4, 1, s, kv, h), jnp.bfloat16), sd((4, 1, s, kv, h), jnp.bfloat16),
+        sd((1, l, s), jnp.int8), sd((1, l, kv, h), jnp.bfloat16), sd((1, l, kv, h), jnp.bfloat16),
+        sd((1, l, l), jnp.int8), sd((), jnp.int32))
+    jax.clear_caches()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("l,s,n,kv,h", [(32, 544, 32, 8, 128), (256, 768, 32, 8, 128), (256, 768, 16, 8, 256)],
+                         ids=["qwen3_4b_block32", "qwen3_4b_canvas256", "dg_sliding"])
+def test_merge_in_kernel_compiled_on_gpu(monkeypatch, l, s, n, kv, h):
+    """The library's blocks at the three shapes with the merge inside: the reference within bf16 rounding, the same
+    bits on a second call, and close to the merge after the kernel."""
+    from orl_jax_kernels.decode_attention import kernel
+
+    q, kc, vc, cm, kself, vself, sm = _inputs(jax.random.key(0), l=l, s=s, n=n, kv=kv, h=h, dtype=jnp.bfloat16)
+    want = attention(q, [(kc, vc, cm), (kself, vself, sm)])
+    blocks = blocks_for(l, s, h, n // kv)
+    run = lambda: cached_attention(q, kc, vc, cm, kself, vself, sm, scale=h ** -0.5, blocks=blocks)  # noqa: E731
+    jax.clear_caches()
+    after = run()
+    monkeypatch.setattr(kernel, "MERGE_IN_KERNEL", True)
+    jax.clear_caches()
+    inside, again = run(), run()
+    jax.clear_caches()
+    _assert_close_but_the_blind_row(inside, want, 2e-2)
+    _assert_close_but_the_blind_row(inside, after, 1e-2)
+    assert bool(jnp.all(inside == again))
