@@ -75,11 +75,6 @@ TUNED: dict[tuple[int, int, int, int], Blocks] = {}  # (queries, cache slots, he
 # against 14.948 / 14.926, alternating in one process; the Qwen3-4B step equal to -0.08 ms. float32 queries (the
 # parity tests) keep float32 partials. Read at trace time.
 SPLITS_IN_INPUT_DTYPE = True
-# Where the keys are split: True, the last split program of each query tile to finish (an atomic counter per tile)
-# merges the splits' partial outputs inside the kernel, as combine() does, instead of XLA's merge fusions after it
-# (two launches on the layer's dependency chain: ~3.6 us per DiffusionGemma sliding layer, ~1.9 us per Qwen3-4B
-# block-32 layer). Read at trace time.
-MERGE_IN_KERNEL = False
 
 # The library's blocks where the table has no entry, from the H200 sweep at the engine's two shapes (Qwen3-4B, 36
 # layers in a scan; benchmarks/results/2026-11-30_attention_sweep_h200x2.md): 16-query tiles, 4 warps and the cache
@@ -170,15 +165,10 @@ def supported(l: int, s: int, h: int, blocks: Blocks = Blocks(), g: int = 1) -> 
 
 
 def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref, ms_ref, *refs, scale: float,
-            cs: int, ss: int, cps: int, grouped: bool, stacked: bool, balanced: bool, norm: tuple | None = None,
-            merge: int = 0, interpret: bool = False):
+            cs: int, ss: int, cps: int, grouped: bool, stacked: bool, balanced: bool, norm: tuple | None = None):
     if norm is not None:  # q, own k and v raw from the projection [1, rows, 1, 1, H] (ungrouped programs only)
         cos_ref, sin_ref, vec_ref, vec_layer_ref, *refs = refs
-    if merge:  # whole arrays: the merged output, the splits' partials and stats, the tiles' counters (aliased)
-        _, final_ref, o_ref, m_whole, l_whole, count_ref = refs
-        stats = (m_whole, l_whole)
-    else:
-        o_ref, *stats = refs
+    o_ref, *stats = refs
     if grouped:  # [BL, G, H] -> rows (query, head) of one dot
         bl, g, h = q_ref.shape[1:]
     else:
@@ -277,10 +267,6 @@ def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref
     if o_ref.dtype != jnp.float32:  # normalized by this split's sum (SPLITS_IN_INPUT_DTYPE); a split with no keys: 0
         acc = acc / jnp.where(l > 0, l, 1.0)[:, None]
     part = acc.astype(o_ref.dtype)
-    if merge:
-        _store_and_merge_last(part, m, l, final_ref, o_ref, m_out, l_out, count_ref, bl=bl, g=g, h=h,
-                              grouped=grouped, splits=merge, interpret=interpret)
-        return
     if grouped:  # m, l laid out [P, B, L, N] either way: combine() reads them without a transpose
         o_ref[0, 0] = part.reshape(bl, g, h)
         m_out[0, 0] = m.reshape(bl, g)
@@ -289,36 +275,6 @@ def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref
         o_ref[0, 0, :, 0, :] = part  # the splits are combined outside
         m_out[0, 0, :, 0] = m
         l_out[0, 0, :, 0] = l
-
-
-def _store_and_merge_last(part, m, l, final_ref, o_ref, m_ref, l_ref, count_ref, *, bl: int, g: int, h: int,
-                          grouped: bool, splits: int, interpret: bool):
-    """MERGE_IN_KERNEL: store this split's partial and stats at their place in the whole arrays, count the tile's
-    arrival (acquire-release atomic after a block barrier), and if this program is the tile's last, merge the splits
-    as combine() does, in the order 0..P-1 (the bits do not depend on which split came last), into the output."""
-    from jax.experimental.pallas import triton as plt
-
-    barrier = (lambda: None) if interpret else plt.debug_barrier  # noqa: E731 (interpret mode: programs in turn)
-    i, j, t, p = (pl.program_id(a) for a in range(4))
-    rows = pl.ds(pl.multiple_of(t * bl, bl), bl)
-    heads, shape = (pl.ds(j * g, g), (bl, g)) if grouped else (j, (bl,))
-    o_ref[p, i, rows, heads, :] = part.reshape(*shape, h)
-    m_ref[p, i, rows, heads] = m.reshape(shape)
-    l_ref[p, i, rows, heads] = l.reshape(shape)
-    barrier()  # every thread's stores before the release
-    arrived = plt.atomic_add(count_ref, ((i * pl.num_programs(1) + j) * pl.num_programs(2) + t,), jnp.int32(1))
-
-    @pl.when(arrived == splits - 1)
-    def _():
-        barrier()  # every thread after the acquire (which also drops the SM's stale L1 lines)
-        ms = [m_ref[q, i, rows, heads] for q in range(splits)]
-        mx = functools.reduce(jnp.maximum, ms)
-        w = [jnp.exp(m_q - mx)[..., None] for m_q in ms]
-        wl = [w_q * l_ref[q, i, rows, heads][..., None] for q, w_q in enumerate(w)]
-        if o_ref.dtype != jnp.float32:  # each split normalized by its own sum: weigh it by that sum
-            w = wl
-        num = sum(w_q * o_ref[q, i, rows, heads, :].astype(jnp.float32) for q, w_q in enumerate(w))
-        final_ref[i, rows, heads, :] = (num / sum(wl)).astype(final_ref.dtype)
 
 
 def _kv(ref, layer, s0, n, stacked):
@@ -443,35 +399,21 @@ def _attend(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask, norm_arg
         part_dtype = q.dtype if SPLITS_IN_INPUT_DTYPE and q.dtype != f32 else f32
         out_shape = (jax.ShapeDtypeStruct((splits, b, l, n, h), part_dtype), stat, stat)
         out_specs = (pl.BlockSpec((1, 1, bl, nh, h), lambda i, j, t, p: (p, i, t, j, 0)), stat_spec, stat_spec)
-    grid = (b, kv if grouped else n, l // bl, splits)
-    merge = splits if splits > 1 and MERGE_IN_KERNEL else 0
-    extra, extra_specs, aliases = [], [], {}
-    if merge:  # the last split of each tile merges: the outputs as whole arrays, one counter per tile
-        whole = lambda shape: pl.BlockSpec(shape, lambda i, j, t, p: (0,) * len(shape))  # noqa: E731
-        count = jnp.zeros((grid[0] * grid[1] * grid[2],), jnp.int32)
-        out_shape = (jax.ShapeDtypeStruct((b, l, n, h), q.dtype), *out_shape,
-                     jax.ShapeDtypeStruct(count.shape, jnp.int32))
-        out_specs = tuple(whole(o.shape) for o in out_shape)
-        extra, extra_specs = [count], [whole(count.shape)]
-        aliases = {9 + len(norm_args): len(out_shape) - 1}  # the counters start at 0 in a buffer of this call's own
     outs = pl.pallas_call(
         functools.partial(_kernel, scale=scale, cs=cs, ss=ss, cps=blocks.chunks_per_split, grouped=grouped,
-                          stacked=stacked, balanced=balanced, norm=norm, merge=merge, interpret=interpret),
+                          stacked=stacked, balanced=balanced, norm=norm),
         out_shape=out_shape,
-        grid=grid,
+        grid=(b, kv if grouped else n, l // bl, splits),
         in_specs=[pl.BlockSpec((1,), lambda i, j, t, p: (0,)),
                   pl.BlockSpec((1, bl), lambda i, j, t, p: (i, t)),
                   q_spec, cache_spec, cache_spec,
                   pl.BlockSpec((1, bl, s), lambda i, j, t, p: (i, t, 0)),
                   *self_specs,
                   pl.BlockSpec((1, bl, l), lambda i, j, t, p: (i, t, 0)),
-                  *norm_specs, *extra_specs],
+                  *norm_specs],
         out_specs=out_specs,
-        input_output_aliases=aliases,
         interpret=interpret,
         **triton_params(blocks.num_warps, blocks.num_stages, interpret),
     )(layer_arr, extent.astype(jnp.int32), q, k_cache, v_cache, cache_mask.astype(jnp.int8), k_self, v_self,
-      self_mask.astype(jnp.int8), *norm_args, *extra)
-    if splits == 1 or merge:
-        return outs[0]
-    return combine(*outs, q.dtype, normalized=outs[0].dtype != f32)
+      self_mask.astype(jnp.int8), *norm_args)
+    return outs[0] if splits == 1 else combine(*outs, q.dtype, normalized=outs[0].dtype != f32)
