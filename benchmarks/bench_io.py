@@ -9,6 +9,7 @@ import hashlib
 import importlib
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 
@@ -64,7 +65,7 @@ def set_switches(items) -> dict:
     """set_switch for each 'package.module.NAME=JSON' (or '...=@FILE', the JSON in a file: a table a benchmark wrote)
     of a benchmark's --set; {name: value}."""
     def parse(value: str):
-        return json.loads(open(value[1:]).read() if value.startswith("@") else value)
+        return json.loads(Path(value[1:]).read_text() if value.startswith("@") else value)
 
     switches = {name: parse(value) for name, _, value in (item.partition("=") for item in items)}
     for name, value in switches.items():

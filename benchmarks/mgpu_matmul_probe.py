@@ -2,11 +2,13 @@
 warp-specialized, persistent over the SMs) against XLA's GEMM (cuBLAS) at the canvas-256 projections that cuBLAS
 runs at ~54% of its rate (Qwen3-4B o and down, DiffusionGemma o and dense down), M = 256.
 
-  python benchmarks/mgpu_matmul_probe.py [--out mgpu_probe.jsonl]
+  python benchmarks/mgpu_matmul_probe.py [--shapes qwen_o,dg_o] [--out mgpu_probe.jsonl]
 
 Decides whether a library kernel could take those GEMMs (our own Triton split-K kernel could not:
 benchmarks/results/2026-12-03_splitk_canvas_h200.md). Each variant is checked against the float32 product, then timed
-as one program multiplying R distinct weights (> 1.5 GB: no L2 reuse), outputs returned as a tuple.
+as one program multiplying R distinct weights (> 1.5 GB: no L2 reuse), outputs returned as a tuple. Each
+configuration compiles in ~15 s on the H200's host: one shape's 16 fit a device call, all four do not. Session 36's
+result (Qwen3 o: 20.6 us at best against cuBLAS's 16.0) is in benchmarks/results/2026-12-03_splitk_canvas_h200.md.
 """
 
 import argparse
@@ -55,13 +57,15 @@ def configs(tuning, dims):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, default=256)
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {', '.join(SHAPES)}")
     ap.add_argument("--out", default="mgpu_probe.jsonl")
     args = ap.parse_args()
     record = recorder(args.out)
     record(what="chip", device=jax.devices()[0].device_kind, jax=jax.__version__, **chip_rates())
     matmul, tuning, dims = library()
     m = args.m
-    for name, (k, n) in SHAPES.items():
+    for name in args.shapes.split(","):
+        k, n = SHAPES[name]
         reps = max(2, int(TIMED_BYTES // (k * n * 2)))
         keys = jax.random.split(jax.random.key(len(name)), reps + 1)
         ws = [jax.random.normal(kk, (k, n), jnp.bfloat16) * 0.02 for kk in keys[1:]]
