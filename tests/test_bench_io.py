@@ -33,12 +33,15 @@ def test_digest_tells_arrays_apart_by_value_and_dtype():
     assert digest(a) != digest(a.astype(np.int64))
 
 
-def test_set_switches_parses_json_values_and_refuses_unknown_names(monkeypatch):
+def test_set_switches_parses_json_values_and_refuses_unknown_names(monkeypatch, tmp_path):
     from orl_jax_kernels.decode_attention import kernel
 
     monkeypatch.setattr(kernel, "SPLITS_IN_INPUT_DTYPE", True)
     name = "orl_jax_kernels.decode_attention.kernel.SPLITS_IN_INPUT_DTYPE"
     assert set_switches([f"{name}=false"]) == {name: False}
     assert kernel.SPLITS_IN_INPUT_DTYPE is False
+    (tmp_path / "value.json").write_text("true")  # '@FILE': the JSON value read from a file
+    assert set_switches([f"{name}=@{tmp_path / 'value.json'}"]) == {name: True}
+    assert kernel.SPLITS_IN_INPUT_DTYPE is True
     with pytest.raises(ValueError, match="NO_SUCH_SWITCH"):
         set_switches(["orl_jax_kernels.decode_attention.kernel.NO_SUCH_SWITCH=1"])
