@@ -1,4 +1,5 @@
-"""pyproject.toml lists packages by hand (kernels/ ships as orl_jax_kernels); the list must match the tree."""
+"""pyproject.toml lists packages by hand; the list must match the tree, and no top-level folder may shadow the PyPI
+package `kernels` (transformers >= 5.25 imports it)."""
 
 from __future__ import annotations
 
@@ -36,11 +37,8 @@ def test_package_list_matches_tree():
     st = _pyproject()["tool"]["setuptools"]
     listed = st["packages"]
     assert len(listed) == len(set(listed)), "duplicate entries in [tool.setuptools] packages"
-    package_dir = st.get("package-dir", {})
-    assert package_dir.get("orl_jax_kernels") == "kernels"
-    on_disk = _packages_under(ROOT / "orl_jax", "orl_jax")
-    for name, folder in package_dir.items():
-        on_disk |= _packages_under(ROOT / folder, name)
+    assert "package-dir" not in st  # every package lives under its import name
+    on_disk = {pkg for name in ("orl_jax", "orl_jax_kernels") for pkg in _packages_under(ROOT / name, name)}
     assert "orl_jax" in on_disk and "orl_jax.model" in on_disk and "orl_jax_kernels" in on_disk
     assert set(listed) == on_disk, (f"missing from pyproject: {sorted(on_disk - set(listed))}; "
                                     f"listed but not packages: {sorted(set(listed) - on_disk)}")
@@ -48,7 +46,7 @@ def test_package_list_matches_tree():
 
 def test_every_source_folder_is_a_package():
     """A folder of .py files without __init__.py would silently not ship."""
-    for folder in (ROOT / "orl_jax", ROOT / "kernels"):
+    for folder in (ROOT / "orl_jax", ROOT / "orl_jax_kernels"):
         assert _source_dirs_without_init(folder) == []
 
 
@@ -61,3 +59,10 @@ def test_console_script_and_markers():
     markers = " ".join(_pyproject()["tool"]["pytest"]["ini_options"]["markers"])
     for m in ("gpu:", "slow:", "hf:"):
         assert m in markers
+
+
+def test_no_top_level_folder_shadows_the_pypi_kernels_package():
+    """With the repository root on sys.path (a notebook started there, `python -m ...`, the benchmarks), a folder
+    named `kernels` there is what `import kernels` finds, and transformers >= 5.25 imports the PyPI package of that
+    name when it loads a model (an ImportError in session 36's CI)."""
+    assert not (ROOT / "kernels").exists()
