@@ -12,7 +12,6 @@ result (Qwen3 o: 20.6 us at best against cuBLAS's 16.0) is in benchmarks/results
 """
 
 import argparse
-import dataclasses
 import itertools
 import os
 import sys
@@ -26,32 +25,19 @@ runtime.configure(None)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from bench_io import recorder  # noqa: E402
+from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm  # noqa: E402
 from timing import chip_rates, median_seconds  # noqa: E402
 
 SHAPES = {"qwen_o": (4096, 2560), "qwen_down": (9728, 2560), "dg_o": (4096, 2816), "dg_dense_down": (2112, 2816)}
 TIMED_BYTES = 1.5e9
 
 
-def library():
-    """(matmul(a, b, config), TuningConfig, MatmulDimension) from the installed jax, whichever form it has."""
-    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
-
-    if hasattr(hm, "matmul"):
-        return (lambda a, b, cfg: hm.matmul(a, b, None, cfg)), hm.TuningConfig, getattr(hm, "MatmulDimension", None)
-    return hm.matmul_kernel, hm.TuningConfig, getattr(hm, "MatmulDimension", None)
-
-
-def configs(tuning, dims):
+def configs():
     """Tiles 64/128 x 64/128 (jax 0.11.2's kernel asserts on tile_n 32), 4 or 6 pipeline steps, the two compute
-    warpgroups along M or N where the kernel has that option. Each compiles in ~15 s on the H200's host."""
-    fields = {f.name for f in dataclasses.fields(tuning)}
-    out = []
-    for tm, tn, steps in itertools.product((64, 128), (64, 128), (4, 6)):
-        kw = dict(tile_m=tm, tile_n=tn, tile_k=64, max_concurrent_steps=steps, epi_tile_m=min(64, tm),
-                  epi_tile_n=min(64, tn))
-        for wg in ((dims.M, dims.N) if dims is not None and "wg_dimension" in fields else (None,)):
-            out.append(tuning(**kw, **({} if wg is None else {"wg_dimension": wg})))
-    return out
+    warpgroups along M or N. Each compiles in ~15 s on the H200's host."""
+    return [hm.TuningConfig(tile_m=tm, tile_n=tn, tile_k=64, max_concurrent_steps=steps, epi_tile_m=64, epi_tile_n=64,
+                            wg_dimension=wg)
+            for tm, tn, steps, wg in itertools.product((64, 128), (64, 128), (4, 6), hm.MatmulDimension)]
 
 
 def main():
@@ -62,7 +48,6 @@ def main():
     args = ap.parse_args()
     record = recorder(args.out)
     record(what="chip", device=jax.devices()[0].device_kind, jax=jax.__version__, **chip_rates())
-    matmul, tuning, dims = library()
     m = args.m
     for name in args.shapes.split(","):
         k, n = SHAPES[name]
@@ -82,8 +67,8 @@ def main():
         t = timed(jnp.dot)
         record(shape=name, m=m, k=k, n=n, variant="xla", us=t * 1e6, tflop_s=tflop / t, rel_err=err(jnp.dot(x, ws[0])))
         best = (float("inf"), None)
-        for cfg in configs(tuning, dims):
-            f = lambda x, w, cfg=cfg: matmul(x, w, cfg)  # noqa: E731
+        for cfg in configs():
+            f = lambda x, w, cfg=cfg: hm.matmul(x, w, None, cfg)  # noqa: E731
             try:
                 rel = err(jax.jit(f)(x, ws[0]))
                 tc = timed(f)

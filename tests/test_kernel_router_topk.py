@@ -9,7 +9,7 @@ import pytest
 from triton_ir import verified_triton_modules
 
 from orl_jax.model import moe
-from orl_jax_kernels.expert_sort.router_topk import METHODS, router_topk, router_topk_reference
+from orl_jax_kernels.expert_sort.router_topk import METHODS, router_topk
 
 
 def _inputs(seed, tokens, experts, dtype=jnp.bfloat16):
@@ -35,7 +35,7 @@ def _assert_equal(got, want):
 ])
 def test_equals_route_on_the_logits(method, tokens, experts, k, rows):
     logits, scale = _inputs(tokens, tokens, experts)
-    _assert_equal(router_topk(logits, scale, k, rows, method, interpret=True), router_topk_reference(logits, scale, k))
+    _assert_equal(router_topk(logits, scale, k, rows, method, interpret=True), moe.topk_weights(logits, scale, k))
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -43,7 +43,7 @@ def test_ties_take_the_lowest_expert_as_top_k_does(method):
     """Integer logits: many equal values per row; the choices and their order follow jax.lax.top_k."""
     logits = jax.random.randint(jax.random.key(3), (40, 16), 0, 4).astype(jnp.float32)
     scale = jnp.linspace(0.5, 2.0, 16).astype(jnp.bfloat16)
-    _assert_equal(router_topk(logits, scale, 4, 2, method, interpret=True), router_topk_reference(logits, scale, 4))
+    _assert_equal(router_topk(logits, scale, 4, 2, method, interpret=True), moe.topk_weights(logits, scale, 4))
     e = np.asarray(router_topk(logits, scale, 4, 2, method, interpret=True)[1])
     assert np.all(np.diff(np.asarray(logits)[np.arange(40)[:, None], e], axis=1) <= 0)  # descending
 
@@ -91,8 +91,8 @@ def test_lowers_to_verified_triton_at_the_canvas(method):
 def test_compiled_on_gpu_equals_route(method):
     for rows, warps in ((1, 4), (2, 4), (4, 4), (2, 1), (4, 8)):
         logits, scale = _inputs(5, 256, 128)
-        _assert_equal(router_topk(logits, scale, 8, rows, method, warps), router_topk_reference(logits, scale, 8))
+        _assert_equal(router_topk(logits, scale, 8, rows, method, warps), moe.topk_weights(logits, scale, 8))
     logits, scale = _inputs(6, 512, 128)  # a 512-token prefill's routing
-    _assert_equal(router_topk(logits, scale, 8, 2, method), router_topk_reference(logits, scale, 8))
+    _assert_equal(router_topk(logits, scale, 8, 2, method), moe.topk_weights(logits, scale, 8))
     ties = jnp.round(logits[:256] * 2) / 2  # many equal logits
-    _assert_equal(router_topk(ties, scale, 8, 2, method), router_topk_reference(ties, scale, 8))
+    _assert_equal(router_topk(ties, scale, 8, 2, method), moe.topk_weights(ties, scale, 8))

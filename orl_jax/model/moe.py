@@ -69,6 +69,12 @@ def route(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: 
 
         return router_topk(logits, expert_scale, top_k, ROUTER_TOPK_ROWS, ROUTER_TOPK_METHOD, ROUTER_TOPK_WARPS,
                            interpret=jax.default_backend() == "cpu")
+    return topk_weights(logits, expert_scale, top_k)
+
+
+def topk_weights(logits: jax.Array, expert_scale: jax.Array, top_k: int):
+    """route's XLA path from its logits [T, E]: (softmax over the top-k logits (float32) times the chosen experts'
+    expert_scale [T, k], experts [T, k] int32); also the router_topk kernel's oracle."""
     top, e = jax.lax.top_k(logits.astype(jnp.float32) if ROUTER_TOPK_F32 else logits, top_k)  # [T, k]
     e = e.astype(jnp.int32)
     w = jax.nn.softmax(top.astype(jnp.float32), axis=-1)

@@ -17,9 +17,9 @@ The weights are computed per logit and scattered to the slots with it: softmax o
 maximum is the rank-0 logit) times expert_scale, which lies along the same axis as the logits (no gather).
 
 Semantics: model/moe.route after its logits: (softmax(top-k values) * expert_scale[experts], experts) (reference:
-`router_topk_reference`). Triton's tensor sizes are powers of two: E is padded with -inf logits (never chosen while
-k <= E), k with slots that stay empty and are sliced off, T with rows that are sliced off. Pallas, Triton lowering;
-interpret mode on CPU for tests.
+model/moe.topk_weights, route's XLA path). Triton's tensor sizes are powers of two: E is padded with -inf logits
+(never chosen while k <= E), k with slots that stay empty and are sliced off, T with rows that are sliced off.
+Pallas, Triton lowering; interpret mode on CPU for tests.
 """
 
 from __future__ import annotations
@@ -105,9 +105,3 @@ def router_topk(logits: jax.Array, expert_scale: jax.Array, k: int, rows: int = 
         weights, experts = weights[:t, :k], experts[:t, :k]
     return weights, experts
 
-
-def router_topk_reference(logits, expert_scale, k: int):
-    """model/moe.route's top-k and weights from its logits."""
-    top, experts = jax.lax.top_k(logits.astype(jnp.float32), k)
-    experts = experts.astype(jnp.int32)
-    return jax.nn.softmax(top, axis=-1) * expert_scale[experts].astype(jnp.float32), experts
