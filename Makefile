@@ -25,7 +25,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -x tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check orl_jax orl_jax_kernels recipes benchmarks tests
+	$(BIN)/ruff check orl_jax kernels recipes benchmarks tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache demo_out

@@ -42,7 +42,7 @@ ap.add_argument("--profile", action="store_true",
                      " the compiled decoder's HLO goes beside --out (OUT.IMPL.hlo.txt.gz)")
 ap.add_argument("--profile-top", type=int, default=40, help="--profile: how many kernels to describe")
 ap.add_argument("--gemm-table", help="tuned expert GEMM tiles for moe_impl pallas "
-                                    "(orl_jax_kernels/small_m_gemm/bench.py or orl_jax_kernels/grouped_gemm/bench.py "
+                                    "(kernels/small_m_gemm/bench.py or kernels/grouped_gemm/bench.py "
                                     "--table)")
 ap.add_argument("--gemm-sweep", help="a JSON list [{'name':, 'table': [rows as in --gemm-table], "
                                     "'attention_table': [rows as in --attention-table], 'gather_in_kernel': bool, "
@@ -54,16 +54,16 @@ ap.add_argument("--gemm-sweep", help="a JSON list [{'name':, 'table': [rows as i
                                     "traced afresh (an empty table: the kernels' defaults). Example: "
                                     "benchmarks/dg_gather_rows_sweep.json")
 ap.add_argument("--cached-attention", choices=["auto", "orl_jax", "pallas", "xla", "cudnn"], default="auto",
-                help="DiffusionGemmaConfig.cached_attention_impl: the einsums, orl_jax_kernels/decode_attention, "
+                help="DiffusionGemmaConfig.cached_attention_impl: the einsums, kernels/decode_attention, "
                      "jax.nn.dot_product_attention (xla / cudnn; heads > 256 take the einsums), or auto")
 ap.add_argument("--attention-table", help="tuned attention blocks for --cached-attention pallas "
-                                         "(orl_jax_kernels/decode_attention/bench.py --table)")
+                                         "(kernels/decode_attention/bench.py --table)")
 ap.add_argument("--xla-sort", action="store_true",
                 help="moe.SORT_KERNEL = False: the pallas path sorts with XLA (moe.sort_by_expert) instead of "
-                     "orl_jax_kernels/expert_sort")
-ap.add_argument("--grouped-bm", type=int, help="orl_jax_kernels/grouped_gemm BM: rows per tile (a power of two >= 16)")
+                     "kernels/expert_sort")
+ap.add_argument("--grouped-bm", type=int, help="kernels/grouped_gemm BM: rows per tile (a power of two >= 16)")
 ap.add_argument("--experts-inner", action="store_true",
-                help="orl_jax_kernels/grouped_gemm COLUMNS_INNER = False: the expert varies fastest in the program "
+                help="kernels/grouped_gemm COLUMNS_INNER = False: the expert varies fastest in the program "
                      "order (before session 17)")
 ap.add_argument("--sorted-copy", action="store_true",
                 help="moe.GATHER_IN_KERNEL = False: XLA writes the sorted copy of the MoE input for the gate/up kernel")

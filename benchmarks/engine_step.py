@@ -35,20 +35,20 @@ ap.add_argument("--preset", default="qwen3-4b", help="model shape (tiny-qwen3 fo
 ap.add_argument("--tensor", type=int, default=1, help="tensor-parallel over the first N devices (mesh tensor=N)")
 ap.add_argument("--cached-attention", choices=["auto", "orl_jax", "pallas", "xla", "cudnn"], default="auto",
                 help="attention of the cached passes: the library default (auto: the kernel on a GPU), the einsum "
-                     "reference, the fused kernel (orl_jax_kernels/decode_attention), or jax.nn.dot_product_attention "
+                     "reference, the fused kernel (kernels/decode_attention), or jax.nn.dot_product_attention "
                      "(xla / cudnn) over [cache | own keys]")
 ap.add_argument("--cached-matmul", choices=["xla", "pallas"], default="xla",
-                help="projections of cached passes <= 64 rows: XLA (cuBLAS) or orl_jax_kernels/small_m_gemm")
+                help="projections of cached passes <= 64 rows: XLA (cuBLAS) or kernels/small_m_gemm")
 ap.add_argument("--layer-unroll", type=int, default=0,
                 help="ModelConfig.layer_unroll (1: scan; the layer count: unrolled); 0: as generate() compiles it "
                      "(unrolled on a GPU unless --plain-compile)")
-ap.add_argument("--attention-table", help="tuned attention blocks (orl_jax_kernels/decode_attention/bench.py --table)")
+ap.add_argument("--attention-table", help="tuned attention blocks (kernels/decode_attention/bench.py --table)")
 ap.add_argument("--attention-blocks", choices=["library", "dataclass"], default="library",
                 help="the attention kernel's blocks without a table: the library's measured rule (blocks_for) or "
                      "the Blocks() defaults it replaced (A/B of the rule in one call)")
 ap.add_argument("--plain-compile", action="store_true",
                 help="compile the step loops without runtime.ENGINE_COMPILER_OPTIONS (generate() uses them for Qwen3)")
-ap.add_argument("--gemm-table", help="tuned small-M GEMM blocks (orl_jax_kernels/small_m_gemm/bench.py --table)")
+ap.add_argument("--gemm-table", help="tuned small-M GEMM blocks (kernels/small_m_gemm/bench.py --table)")
 ap.add_argument("--rng", choices=["threefry", "rbg", "inverse_cdf"], default="inverse_cdf",
                 help="the canvas-256 uniform sampler's draw (samplers.categorical)")
 ap.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",

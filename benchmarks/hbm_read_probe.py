@@ -4,11 +4,11 @@ The expert kernels are 73% of the 26B forward (gate/up at ~4.27 TB/s, down at ~4
 probe says whether that is the chip's read ceiling or the kernel's. Per layer of an 8-layer weight stack (1 GB of
 gate/up or 0.5 GB of down per layer, far past the 50 MB L2), each variant once per layer in one jitted program:
 
-  grouped bk=..      orl_jax_kernels/grouped_gemm at its default tiles and others, 256 tokens x top-8 routed uniformly
+  grouped bk=..      kernels/grouped_gemm at its default tiles and others, 256 tokens x top-8 routed uniformly
   stream bk=..       the same grid and loads (expert, column tile; K in chunks), the dot replaced by a column sum:
                      the read of that access pattern with no tensor-core work
   xla_reduce         XLA's sum over K of each expert: [E, K, N] -> [E, N] float32
-  xla_copy           XLA's w * 2 (read and write: the 4.2-4.3 TB/s "device copy" of orl_jax_kernels/NOTES.md)
+  xla_copy           XLA's w * 2 (read and write: the 4.2-4.3 TB/s "device copy" of kernels/NOTES.md)
 
   python benchmarks/hbm_read_probe.py --out $BENCH/hbm_read.jsonl
 """

@@ -1,11 +1,11 @@
-"""Registers, spills and shared memory of orl_jax_kernels/decode_attention at a shape, per Blocks, without a GPU.
+"""Registers, spills and shared memory of kernels/decode_attention at a shape, per Blocks, without a GPU.
 
 Why: a program whose live values pass 255 registers per thread spills them to local memory, which no timing names.
 DiffusionGemma's sliding layers ([128, 256] float32 accumulator plus the [128, 256] bf16 query tile) were found
 spilling this way (benchmarks/results/2026-12-02_dg_attention_spills_h200.md).
 
 How: the pallas_call is lowered for CUDA on any host, its Triton IR captured from jax's Pallas lowering
-(orl_jax_kernels/pallas_args.triton_modules, as the tests' IR verification does), compiled by the `triton` package (not
+(kernels/pallas_args.triton_modules, as the tests' IR verification does), compiled by the `triton` package (not
 an orl_jax dependency: `pip install triton`; torch ships it) for sm_90a, and `ptxas -v` (the one Triton bundles)
 reports the allocation. Triton here is the pip package, not the copy inside XLA that compiles the kernel in a real
 run, so counts may differ between versions.

@@ -25,7 +25,7 @@ ap.add_argument("--preset", default="qwen3-4b")
 ap.add_argument("--blocks", default="32,256")
 ap.add_argument("--prompt", type=int, default=512)
 ap.add_argument("--layers", type=int, default=36, help="repetitions per timed call (the model's layer count)")
-ap.add_argument("--gemm-table", help="tuned small-M GEMM blocks (orl_jax_kernels/small_m_gemm/bench.py --table)")
+ap.add_argument("--gemm-table", help="tuned small-M GEMM blocks (kernels/small_m_gemm/bench.py --table)")
 args = ap.parse_args()
 runtime.configure(os.path.expanduser("~/.cache/orl_jax/xla"))
 

@@ -2,7 +2,7 @@
 # Side-by-side engine benchmark on the GPU machine: PyTorch peers, then orl_jax, one after the other (never
 # concurrently). Usage: bash benchmarks/run_engine_bench.sh PART OUTDIR
 #   (PART: peers-step | generate | attention | ab | variants)
-# attention: sweep the attention kernel's blocks (orl_jax_kernels/decode_attention/bench.py -> attn_tuned.json), then the
+# attention: sweep the attention kernel's blocks (kernels/decode_attention/bench.py -> attn_tuned.json), then the
 # step and its profile with that table.
 # ab: the CUDA-graph peer, then the step with the library's attention blocks and with the Blocks() defaults, then
 # the profile (kernels named from the compiled module).
@@ -21,7 +21,7 @@ if [ "$part" = peers-step ]; then
     echo "== hf_qwen3_eager_step BLOCK=32"; BLOCK=32 timeout 150 python3 $peers/hf_qwen3_eager_step.py; } > "$out/peers.txt" 2>&1
   timeout 420 python3 benchmarks/engine_step.py --phase step --out "$out/engine.jsonl" > "$out/step.log" 2>&1
 elif [ "$part" = attention ]; then
-  timeout 400 python3 orl_jax_kernels/decode_attention/bench.py --out "$out/attn.jsonl" --table "$out/attn_tuned.json" \
+  timeout 400 python3 kernels/decode_attention/bench.py --out "$out/attn.jsonl" --table "$out/attn_tuned.json" \
     > "$out/attn.log" 2>&1
   for phase in step profile; do
     timeout 200 python3 benchmarks/engine_step.py --phase $phase --attention-table "$out/attn_tuned.json" \

@@ -47,14 +47,14 @@ class ModelConfig:
     # attention on NVIDIA GPUs; bf16/fp16 only). Cached passes (prefill, decode, commit) use cached_attention_impl.
     attention_impl: Literal["orl_jax", "xla", "cudnn"] = "orl_jax"
     # Attention of passes with a KV cache: "orl_jax" (the reference einsums), "pallas" (the fused kernel in
-    # orl_jax_kernels/decode_attention; interpret mode on CPU; shapes it does not support fall back to orl_jax's) or
+    # kernels/decode_attention; interpret mode on CPU; shapes it does not support fall back to orl_jax's) or
     # "auto": pallas on a GPU, orl_jax elsewhere and in generate() over a multi-device mesh (see kernel_choice). On one
     # H200 the kernel makes a Qwen3-4B denoising step 4.24 ms instead of 4.47 (block 32) and 6.98 instead of 7.78
     # (canvas 256): benchmarks/results/2026-11-30_engine_step_h200x2.md. "xla" / "cudnn": jax.nn.dot_product_attention
     # over the cache and the pass's own keys concatenated (model/attention.py); cudnn not yet timed in the engine.
     cached_attention_impl: Literal["auto", "orl_jax", "pallas", "xla", "cudnn"] = "auto"
     # Projections (q/k/v, o, gate/up, down) of cached passes with at most 64 rows (denoising steps and commits at
-    # batch 1): "xla" (jnp.einsum: cuBLAS on GPU) or "pallas" (orl_jax_kernels/small_m_gemm's split-K weight-streaming
+    # batch 1): "xla" (jnp.einsum: cuBLAS on GPU) or "pallas" (kernels/small_m_gemm's split-K weight-streaming
     # GEMM, reading each layer's weight in place from the stack; single device, unsharded weights).
     cached_matmul_impl: Literal["xla", "pallas"] = "xla"
     # Layers per iteration of the layer scan in cached passes (lax.scan's unroll): 1 compiles one layer body;
@@ -347,7 +347,7 @@ class DiffusionGemmaConfig:
     top_k_experts: int = 8
     moe_intermediate_size: int = 704  # F of each expert
     # Expert dispatch (model/moe.py): "bucketed" (capacity buckets at decode sizes, further rounds on overflow),
-    # "pallas" (rows sorted by expert through orl_jax_kernels/grouped_gemm, expert weights read in place from the layer
+    # "pallas" (rows sorted by expert through kernels/grouped_gemm, expert weights read in place from the layer
     # stack), "dense" (every token through every expert) or "auto": pallas on a GPU, bucketed elsewhere and in
     # generate() over a multi-device mesh (see kernel_choice). All exact; a runtime choice, not saved to
     # config.json. At full size on one H200 a 256-token decoder forward took 22.7 ms with "pallas", 29.9 with the
@@ -355,7 +355,7 @@ class DiffusionGemmaConfig:
     # (benchmarks/results/2026-11-30_dg_in_place_h200x2.md, 2026-11-30_diffusion_gemma_h200x2.md).
     moe_impl: str = "auto"
     # Attention of the cached passes (decoder over the prompt's cache, commit): "orl_jax" (the einsums), "pallas"
-    # (orl_jax_kernels/decode_attention, scale 1.0, head dims 256 and 512) or "auto": the kernel on a GPU. At full size
+    # (kernels/decode_attention, scale 1.0, head dims 256 and 512) or "auto": the kernel on a GPU. At full size
     # on an H200 the forward took 19.22 ms with the kernel's wide-head blocks against 19.60 with the einsums
     # (benchmarks/results/2026-11-30_dg_in_place_h200x2.md). "xla" / "cudnn" as for ModelConfig (cudnn: the sliding
     # layers; the 512-wide full heads take the einsums).

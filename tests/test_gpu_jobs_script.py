@@ -36,8 +36,8 @@ def test_ab_runs_both_trees_alternately(tmp_path):
     for tree, name in ((base, "old"), (new, "new")):
         tree.mkdir()
         (tree / "version.txt").write_text(name + "\n")
-    (base / "kernels").mkdir()  # a baseline from before session 36: its kernels under their old folder name
-    (new / "orl_jax_kernels").mkdir()
+    (base / "orl_jax_kernels").mkdir()  # a baseline of session 36: its kernels under their import name
+    (new / "kernels").mkdir()
     cmd = 'cat version.txt > $AB_OUT/v.txt; date +%s%N >> $AB_OUT/v.txt; echo $PYTHONPATH > $AB_OUT/path.txt'
     res = subprocess.run(["bash", str(ROOT / "benchmarks/run_ab.sh"), str(base), str(out), cmd], cwd=new,
                          capture_output=True, text=True, timeout=60)
@@ -49,7 +49,7 @@ def test_ab_runs_both_trees_alternately(tmp_path):
     for d, tree in (("base1", base), ("new2", new)):  # each side imports its own tree's code first
         first, *rest = (out / d / "path.txt").read_text().strip().split(":")
         assert first == str(tree.resolve())
-        if tree is base:  # the old layout: a shim gives kernels/ its import name
+        if tree is new:  # kernels/: a shim gives it its import name
             assert (Path(rest[0]) / "orl_jax_kernels").resolve() == (tree / "kernels").resolve()
         else:
             assert not rest or "orl_jax_kernels" not in os.listdir(rest[0])

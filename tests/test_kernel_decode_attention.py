@@ -335,7 +335,7 @@ def test_diffusion_gemma_layer_shapes_lower_to_verified_triton(l, s, kv, h):
 def test_diffusion_gemma_decoder_with_the_kernel_equals_the_einsums(monkeypatch):
     """DiffusionGemmaConfig.cached_attention_impl="pallas": the decoder's cache passes (sliding and full layers,
     scale 1.0) through the kernel in interpret mode give the einsum path's logits. The sliding layers' q/k/v norms
-    and RoPE go through orl_jax_kernels/qk_norm_rope (gemma order), their weights read from the packed vector stack."""
+    and RoPE go through kernels/qk_norm_rope (gemma order), their weights read from the packed vector stack."""
     from orl_jax import params as P
     from orl_jax.config import DG_PRESETS
     from orl_jax.model import diffusion_gemma as dg
@@ -428,7 +428,7 @@ def _normed_inputs(key, dtype, b=2, l=32, s=96, kv=2, g=2, h=32, layers=3):
                                     Blocks(bl=32, bs=32, chunks_per_split=8)])  # one split: no merge
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)])
 def test_normed_kernel_equals_norm_then_attention_in_interpret_mode(gemma, blocks, dtype, tol):
-    """cached_attention_normed (norms and RoPE inside) against orl_jax_kernels/qk_norm_rope's oracle followed by the
+    """cached_attention_normed (norms and RoPE inside) against kernels/qk_norm_rope's oracle followed by the
     plain kernel, in both orders; the cache stacks read at a traced layer."""
     from orl_jax_kernels.decode_attention.kernel import cached_attention_normed
     from orl_jax_kernels.qk_norm_rope.reference import gemma_qkv_reference, qk_norm_rope_reference

@@ -1,4 +1,4 @@
-"""The MoE's counting sort as one kernel (orl_jax_kernels/expert_sort) against a stable argsort: interpret mode on CPU,
+"""The MoE's counting sort as one kernel (kernels/expert_sort) against a stable argsort: interpret mode on CPU,
 Triton IR verified at DiffusionGemma's canvas, and on a GPU."""
 
 import jax

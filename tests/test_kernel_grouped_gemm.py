@@ -153,7 +153,7 @@ def test_moe_pallas_path_equals_the_dense_path(monkeypatch):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
     jaxpr = str(jax.make_jaxpr(lambda: moe.experts_mlp(x, weights, experts, gate_up, down, "gelu_tanh",
                                                        "pallas"))())
-    assert jaxpr.count("pallas_call") == 3 and "ragged_dot" not in jaxpr  # orl_jax_kernels/expert_sort, gate/up, down
+    assert jaxpr.count("pallas_call") == 3 and "ragged_dot" not in jaxpr  # kernels/expert_sort, gate/up, down
     monkeypatch.setattr(moe, "SORT_KERNEL", False)  # sort_by_expert's XLA path: the same result
     default = jax.jit(moe.experts_mlp, static_argnums=(5, 6))(x, weights, experts, gate_up, down, "gelu_tanh", "pallas")
     np.testing.assert_array_equal(np.asarray(default), np.asarray(got))

@@ -1,4 +1,4 @@
-"""The masked softmax kernel (orl_jax_kernels/masked_softmax) against its oracle in interpret mode, through attention()
+"""The masked softmax kernel (kernels/masked_softmax) against its oracle in interpret mode, through attention()
 at wide heads, its Triton IR at DiffusionGemma's full layers, and compiled on a GPU."""
 
 import jax

@@ -1,4 +1,4 @@
-"""The router's top-k and weights in one kernel (orl_jax_kernels/expert_sort/router_topk) against model/moe.route's XLA
+"""The router's top-k and weights in one kernel (kernels/expert_sort/router_topk) against model/moe.route's XLA
 path: interpret mode on CPU, Triton IR at DiffusionGemma's canvas, on a GPU (tests/test_diffusion_gemma_vs_hf.py has the
 model-level check)."""
 

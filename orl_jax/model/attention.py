@@ -35,7 +35,7 @@ JOIN_WIDE_PARTS = True
 # trace time.
 WIDE_LATE_NORMALIZE = True
 # ... and with impl "pallas", where the shape fits it: the mask, scale and softmax between the two einsums in one
-# pass of orl_jax_kernels/masked_softmax instead of XLA's four (~26 us per 26B full layer in the session-20 profile);
+# pass of kernels/masked_softmax instead of XLA's four (~26 us per 26B full layer in the session-20 profile);
 # the probabilities are normalized before PV then (HF's eager order), not late. On an H200 the 26B forward took
 # 15.58 / 15.58 ms against 15.63 / 15.62 / 15.61 without, alternating in one process
 # (benchmarks/results/2026-12-01_dg_attention_order_h200.md, call 6). Read at trace time.
@@ -49,7 +49,7 @@ WIDE_SOFTMAX_KERNEL = True
 
 
 class KernelMask(NamedTuple):
-    """A cache part's visibility as orl_jax_kernels/decode_attention takes it, made once per pass outside the layer loop
+    """A cache part's visibility as kernels/decode_attention takes it, made once per pass outside the layer loop
     (`kernel_masks`): the int8 mask [B, L, S] and each query's extent [B, L] (one past its last visible slot). The
     other attention paths read `mask`."""
     mask: jax.Array
@@ -86,11 +86,11 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
 
     The parts (cache, self) share one softmax: their scores are concatenated, not their K/V, so a long cache is
     read once and not copied; heads wider than cuDNN's join the parts instead (JOIN_WIDE_PARTS, measured faster
-    there), and with impl "pallas" their mask and softmax run in orl_jax_kernels/masked_softmax (WIDE_SOFTMAX_KERNEL).
+    there), and with impl "pallas" their mask and softmax run in kernels/masked_softmax (WIDE_SOFTMAX_KERNEL).
     Scores and softmax run in float32 (as HF's eager attention does). scale: of the scores, head_dim ** -0.5 by
     default (Gemma 4 uses 1.0: its q/k RMSNorms set the scale).
     impl "pallas" (cache + self parts, shapes the kernel supports and is measured faster at: `preferred`):
-    orl_jax_kernels/decode_attention's fused kernel. The cache part's k and v may be StackedWeight (layer i of the cache
+    kernels/decode_attention's fused kernel. The cache part's k and v may be StackedWeight (layer i of the cache
     stacks): the kernel then reads them in place when its blocks say cache_in_place, every other path takes the
     layer loop's slice.
     impl "xla" / "cudnn": jax.nn.dot_product_attention with that implementation, the mask passed whole. With two
@@ -129,7 +129,7 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
 def attention_normed(proj: jax.Array, cache_part: tuple, self_vis: jax.Array, cos: jax.Array, sin: jax.Array,
                      packed_vectors: tuple, eps: float, gemma: bool, scale: float | None = None) -> jax.Array | None:
     """The cached pass's attention straight from the fused projection proj [B, L, K, G + 2, H] (raw q, k, v), the
-    q/k norms and RoPE inside orl_jax_kernels/decode_attention (`cached_attention_normed`): one launch instead of the
+    q/k norms and RoPE inside kernels/decode_attention (`cached_attention_normed`): one launch instead of the
     norm kernel's and the attention's. packed_vectors: (stack [layers, n], layer, (q offset, k offset)) where the norm
     weights lie. None where the kernel's blocks for the shape are grouped, unsupported or not preferred (the
     caller takes the two-kernel path)."""
@@ -180,7 +180,7 @@ def scaled_attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.A
     """`attention` with an explicit score scale (Gemma 4 uses 1.0: its q/k RMSNorms set the scale).
     late_normalize: the PV product takes the unnormalized exp(s - max) and its output [.., L, H] is divided by the
     row sums, instead of the probabilities [.., L, S] (fewer passes over the scores when S is long).
-    softmax_kernel (one part, shapes orl_jax_kernels/masked_softmax supports): the scale, mask and softmax of the
+    softmax_kernel (one part, shapes kernels/masked_softmax supports): the scale, mask and softmax of the
     float32 scores in that kernel's one pass, its probabilities in the value dtype (WIDE_SOFTMAX_KERNEL), the products
     query-major."""
     b, l, n, h = q.shape

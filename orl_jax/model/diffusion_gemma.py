@@ -214,7 +214,7 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
         q, k, v = qk_kernel.qk_norm_rope_stacked(proj, *rope, *w["packed_vectors"], eps, gemma=True,
                                                  interpret=jax.default_backend() == "cpu")
         q = q.reshape(b, l, cfg.num_heads, -1)
-    else:  # orl_jax_kernels/qk_norm_rope/reference.gemma_qkv_reference is this, for sliding layers
+    else:  # kernels/qk_norm_rope/reference.gemma_qkv_reference is this, for sliding layers
         q = rms_norm_fp32(proj[:, :, :, :g].reshape(b, l, cfg.num_heads, -1), w["q_norm"], eps)  # [B, L, N, H]
         k = rms_norm_fp32(proj[:, :, :, g], w["k_norm"], eps)  # [B, L, K, H]
         v = rms_norm_fp32(proj[:, :, :, g + 1 if own_v else g], None, eps)
@@ -241,7 +241,7 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
 
 def _qk_kernel_offsets(cfg: DiffusionGemmaConfig, layout) -> tuple[int, ...] | None:
     """Where the sliding layers' q and k norm weights lie in their packed vector row, when the sliding layers of a
-    cached pass take orl_jax_kernels/qk_norm_rope (q/k/v norms + RoPE in one launch instead of XLA's slices and
+    cached pass take kernels/qk_norm_rope (q/k/v norms + RoPE in one launch instead of XLA's slices and
     fusions): with the Pallas attention (on a GPU by default), full RoPE on sliding layers, shapes the kernel takes, and
     both weights packed. None otherwise."""
     from orl_jax_kernels.qk_norm_rope.kernel import supported

@@ -38,7 +38,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def qk_norm_rope(qkv: jax.Array, cos: jax.Array, sin: jax.Array, q_norm, k_norm, eps: float):
     """q/k RMSNorm + RoPE on a fused projection's [B, L, K, G + 2, H] output (per kv head: G query heads, k, v)
-    -> q [B, L, K, G, H] and k [B, L, K, H] normed and rotated, v [B, L, K, H] as is. orl_jax_kernels/qk_norm_rope does
+    -> q [B, L, K, G, H] and k [B, L, K, H] normed and rotated, v [B, L, K, H] as is. kernels/qk_norm_rope does
     the same in one GPU kernel (this is its oracle)."""
     b, l, kv, slots, h = qkv.shape
     g = slots - 2

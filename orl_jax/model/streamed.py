@@ -3,7 +3,7 @@
 `StackedWeight(stack, i)` stands for `stack[i]` wherever `layers.einsum` multiplies a weight. Under `lax.scan`
 a body's slice of a stacked weight can reach its consumer as a copy (DiffusionGemma's nested layer scan made
 12.5 GB of such temporaries per forward: benchmarks/results/2026-11-29_diffusion_gemma_h200.md); passing the
-whole stack and the layer index lets orl_jax_kernels/small_m_gemm read layer i where it lies. Specs whose rows or
+whole stack and the layer index lets kernels/small_m_gemm read layer i where it lies. Specs whose rows or
 shapes the kernel does not take fall back to jnp.einsum, as do weights stored in another dtype than the
 activations (mixed precision: casting the whole stack in every layer would cost more than the kernel saves).
 The fallback multiplies `layer`, the slice as the layer loop itself delivers it (scan xs), when given: XLA feeds
@@ -66,7 +66,7 @@ class StackedWeight:
     def ragged_dot(self, x: jax.Array, group_sizes: jax.Array, offsets: jax.Array | None = None,
                    rows: jax.Array | None = None) -> jax.Array:
         """moe.grouped_matmul's product (rows: as there): rows sorted by group times layer `index` of an expert
-        stack [L, E, K, N], through orl_jax_kernels/grouped_gemm reading the stack in place (offsets: the groups' row
+        stack [L, E, K, N], through kernels/grouped_gemm reading the stack in place (offsets: the groups' row
         offsets [E + 1] if the caller has them); shapes or dtypes it does not take fall back to XLA's ragged_dot on
         the slice (a copy, as XLA makes for its own ops)."""
         from orl_jax_kernels.grouped_gemm.kernel import grouped_matmul, supported
@@ -124,6 +124,6 @@ def unpack_vectors(row: jax.Array, layout: tuple[tuple[str, int, int], ...]) -> 
 
 def vector_offsets(layout: tuple[tuple[str, int, int], ...], *names: str) -> tuple[int, ...] | None:
     """Where pack_vectors put each named vector in a packed row (its start), or None unless all of them are there:
-    for kernels that read them in place from the packed stack (orl_jax_kernels/qk_norm_rope)."""
+    for kernels that read them in place from the packed stack (kernels/qk_norm_rope)."""
     starts = {name: start for name, start, _ in layout}
     return tuple(starts[n] for n in names) if all(n in starts for n in names) else None

@@ -3,7 +3,7 @@ the capacity buckets through the small-M kernel (formerly moe_impl "pallas_bucke
 layer's slice. Sweeps the grouped kernel's tiles and writes the best per shape as a table for small_m_gemm's
 `load_tuned` (the grouped kernel takes its tiles from there).
 
-  python orl_jax_kernels/grouped_gemm/bench.py [--out grouped.jsonl] [--table grouped_tuned.json]
+  python kernels/grouped_gemm/bench.py [--out grouped.jsonl] [--table grouped_tuned.json]
 
 Rows: 256 canvas tokens x top-8 of 128 experts = 2048 routed rows, sorted by expert; the routing is random and
 uniform (each token's 8 distinct experts), so groups hold ~16 rows (a trained router is less even). Weights: a

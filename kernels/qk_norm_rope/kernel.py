@@ -38,7 +38,7 @@ def norm_rope_halves(x1, x2, w1, w2, c1, c2, s1, s2, eps: float, gemma: bool):
     """RMSNorm with weight (w1 | w2) then RoPE on HF's rotate-half layout, on the two halves of H (Triton has no
     register slicing): every operand broadcastable to x1, cos / sin already in x's dtype; returns x's dtype. The
     cast order of layers.rms_norm (the cast, then the weight), or with `gemma` layers.rms_norm_fp32's (the weight
-    multiplies in float32, then the cast). Shared by this kernel and orl_jax_kernels/decode_attention's normed entry."""
+    multiplies in float32, then the cast). Shared by this kernel and kernels/decode_attention's normed entry."""
     dt = x1.dtype
     f1, f2, inv = inv_rms(x1, x2, eps)
     if gemma:

@@ -107,7 +107,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: ja
                    rows: jax.Array | None = None) -> jax.Array:
     """x [M, K] (rows sorted by group) times w [E, K, N], or the layer `layer` of a stack w [L, E, K, N], group by
     group: group_sizes [E] (int, summing to <= M) -> [M, N] in x's dtype. offsets [E + 1]: the groups' first rows
-    and their end, when the caller has them (orl_jax_kernels/expert_sort returns them); else computed from group_sizes.
+    and their end, when the caller has them (kernels/expert_sort returns them); else computed from group_sizes.
     bm: rows per tile (a power of two >= 16), BM unless given.
     rows [M] (int32): sorted row r is x[rows[r]] for an x of any number of rows, gathered by the kernel's loads
     (the MoE's tokens: no sorted copy of x is written and read back)."""

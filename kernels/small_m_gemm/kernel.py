@@ -36,7 +36,7 @@ class Blocks:
     num_stages: int = 4
 
 
-# Block sizes per (K, N) measured best on a GPU (orl_jax_kernels/small_m_gemm/bench.py writes such a table; `load_tuned`
+# Block sizes per (K, N) measured best on a GPU (kernels/small_m_gemm/bench.py writes such a table; `load_tuned`
 # reads it). None: XLA's GEMM was faster for that shape (`supported` says no, callers fall back). Shapes not
 # listed get `blocks_for`'s default tiles.
 TUNED: dict[tuple[int, int], Blocks | None] = {}

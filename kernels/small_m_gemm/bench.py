@@ -1,7 +1,7 @@
 """GPU benchmark of the small-M GEMM kernel vs XLA (cuBLAS) on the Qwen3-4B projection shapes; writes the tuned
 block table that `kernel.load_tuned` reads.
 
-  python orl_jax_kernels/small_m_gemm/bench.py [--m 32] [--out gemm.jsonl] [--table gemm_tuned.json]
+  python kernels/small_m_gemm/bench.py [--m 32] [--out gemm.jsonl] [--table gemm_tuned.json]
 
 Every variant is checked against the float32 reference on fresh random inputs, then timed as one program that
 multiplies R distinct weights (> 1.5 GB together, so the 60 MB L2 serves no repeat), passed as R separate

@@ -2,7 +2,7 @@
 value dtype out.
 
 Why: DiffusionGemma's 512-wide full-attention layers run on XLA's einsums (no fused kernel takes heads that wide:
-cuDNN stops at 256, and the Pallas attention kernel lost there, orl_jax_kernels/NOTES.md). Between the score and value
+cuDNN stops at 256, and the Pallas attention kernel lost there, kernels/NOTES.md). Between the score and value
 GEMMs XLA spent four passes over the [K, G, L, S] float32 scores per layer (the mask's select 6.6 us, the max
 4.1, exp with a transpose 10.5, the sum 5.0: ~26 us of a 64 us attention in the session-20 profile,
 benchmarks/results/2026-12-01_dg_attention_order_h200.md). Here one program per few score rows reads them once

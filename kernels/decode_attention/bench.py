@@ -4,7 +4,7 @@ and canvas 256 over 768; and at DiffusionGemma 26B-A4B's decoder pass (canvas 25
 1.0): sliding layers (16 heads, 8 kv heads, head dim 256, 25 layers) and full layers (16 heads, 2 kv heads, head
 dim 512, 5 layers). Writes the tuned table that `kernel.load_tuned` reads.
 
-  python orl_jax_kernels/decode_attention/bench.py [--shapes block32,canvas256,dg_sliding,dg_full] [--out attn.jsonl]
+  python kernels/decode_attention/bench.py [--shapes block32,canvas256,dg_sliding,dg_full] [--out attn.jsonl]
       [--table attn_tuned.json]
 
 Why: a profile of the engine step (benchmarks/results/2026-11-30_engine_profile_h200x2.md) puts the kernel at

@@ -21,7 +21,7 @@ value. When the whole cache fits one program's chunks, that program also takes t
 normalized output: no partial results and no merge.
 
 `cached_attention_normed` is the same kernel fed the raw fused projection: it applies the q/k RMSNorms and RoPE
-(orl_jax_kernels/qk_norm_rope's orders) as it loads q and the own keys, one launch per layer fewer for block decoding.
+(kernels/qk_norm_rope's orders) as it loads q and the own keys, one launch per layer fewer for block decoding.
 
 Pallas, Triton lowering (pallas.triton); interpret mode on CPU for tests.
 """
@@ -94,7 +94,7 @@ WIDE_HEADS = Blocks(bl=128, bs=64, chunks_per_split=4, num_warps=8, cache_in_pla
 
 
 def load_tuned(path) -> dict[tuple[int, int, int, int], Blocks]:
-    """Fill TUNED from a JSON table [{"l":, "s":, "h":, "g":, "blocks": {...}}, ...] (orl_jax_kernels/decode_attention/
+    """Fill TUNED from a JSON table [{"l":, "s":, "h":, "g":, "blocks": {...}}, ...] (kernels/decode_attention/
     bench.py --table); call before the first trace."""
     import json
     from pathlib import Path
@@ -207,7 +207,7 @@ def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref
         vec_layer = vec_layer_ref[0]
         dt = q_ref.dtype
 
-        def norm_rope(x1, x2, rows, off):  # orl_jax_kernels/qk_norm_rope's norm + RoPE on rows [n, half] per half
+        def norm_rope(x1, x2, rows, off):  # kernels/qk_norm_rope's norm + RoPE on rows [n, half] per half
             w1, w2 = vec_ref[vec_layer, pl.ds(off, half)][None], vec_ref[vec_layer, pl.ds(off + half, half)][None]
             c1, c2 = cos_ref[0, rows, lo].astype(dt), cos_ref[0, rows, hi].astype(dt)
             s1, s2 = sin_ref[0, rows, lo].astype(dt), sin_ref[0, rows, hi].astype(dt)
@@ -315,7 +315,7 @@ def cached_attention(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask,
 def cached_attention_normed(proj, k_cache, v_cache, cache_mask, self_mask, cos, sin, vectors, vec_layer, *,
                             offsets: tuple[int, int], eps: float, gemma: bool, scale: float,
                             blocks: Blocks = Blocks(), interpret: bool = False, layer=None, extent=None):
-    """cached_attention straight from the fused projection, orl_jax_kernels/qk_norm_rope's q/k norms and RoPE (and with
+    """cached_attention straight from the fused projection, kernels/qk_norm_rope's q/k norms and RoPE (and with
     `gemma`, its order and v's weightless norm) done in the kernel: proj [B, L, K, G + 2, H] (per kv head its G query
     heads, k, v; raw), cos / sin [B, L, H], the norm weights at vectors[vec_layer, q:q + H] and [k:k + H] for
     offsets (q, k) (int32 scalar vec_layer) -> [B, L, K * G, H]. The cache holds normed, rotated keys already.
