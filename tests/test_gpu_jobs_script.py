@@ -37,7 +37,9 @@ def test_ab_runs_both_trees_alternately(tmp_path):
         tree.mkdir()
         (tree / "version.txt").write_text(name + "\n")
     (base / "orl_jax_kernels").mkdir()  # a baseline of session 36: its kernels under their import name
+    (base / "orl_jax_kernels" / "__init__.py").write_text("")
     (new / "kernels").mkdir()
+    (new / "orl_jax_kernels" / "__pycache__").mkdir(parents=True)  # left behind by a checkout of session 36
     cmd = 'cat version.txt > $AB_OUT/v.txt; date +%s%N >> $AB_OUT/v.txt; echo $PYTHONPATH > $AB_OUT/path.txt'
     res = subprocess.run(["bash", str(ROOT / "benchmarks/run_ab.sh"), str(base), str(out), cmd], cwd=new,
                          capture_output=True, text=True, timeout=60)
@@ -47,12 +49,13 @@ def test_ab_runs_both_trees_alternately(tmp_path):
     times = [int(got[d][1]) for d in ("base1", "new1", "base2", "new2")]
     assert times == sorted(times)  # alternating, in this order
     for d, tree in (("base1", base), ("new2", new)):  # each side imports its own tree's code first
-        first, *rest = (out / d / "path.txt").read_text().strip().split(":")
-        assert first == str(tree.resolve())
-        if tree is new:  # kernels/: a shim gives it its import name
-            assert (Path(rest[0]) / "orl_jax_kernels").resolve() == (tree / "kernels").resolve()
+        path = (out / d / "path.txt").read_text().strip().split(":")
+        if tree is new:  # kernels/: a shim, ahead of the tree and its stale orl_jax_kernels/, gives it its import name
+            assert (Path(path[0]) / "orl_jax_kernels").resolve() == (tree / "kernels").resolve()
+            assert path[1] == str(tree.resolve())
         else:
-            assert not rest or "orl_jax_kernels" not in os.listdir(rest[0])
+            assert path[0] == str(tree.resolve())
+            assert all("orl_jax_kernels" not in os.listdir(p) for p in path[1:] if p and os.path.isdir(p))
     one = tmp_path / "one"
     res = subprocess.run(["bash", str(ROOT / "benchmarks/run_ab.sh"), str(base), str(one), cmd], cwd=new,
                          capture_output=True, text=True, timeout=60, env=os.environ | {"ROUNDS": "1"})
