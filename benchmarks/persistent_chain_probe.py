@@ -42,12 +42,21 @@ ap.add_argument("--configs", default="32:128:4:8:pbx,32:256:4:4:pbx,32:128:4:8:b
                      "loaded before the barrier), b (W blocked [P, K, bn]: each program's columns contiguous), x "
                      "(plain loads of the activations instead of volatile ones), c (constant activations, no loads: "
                      "the weights' streaming alone; wrong products), l (one launch per layer, no barrier)")
+ap.add_argument("--k-mult", type=int, default=1,
+                help="K = this x 4096 rows per weight, constant-activation (c) configs only: the per-layer time at "
+                     "two K separates the streaming rate inside a layer from the fixed cost at each layer's start")
 ap.add_argument("--interpret", action="store_true", help="export for CUDA and verify the Triton IR only (any machine)")
 args = ap.parse_args()
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_io import chain_lengths  # noqa: E402
 
 lengths = chain_lengths(ap, args.lengths)
+if args.k_mult < 1:
+    ap.error(f"--k-mult must be >= 1, got {args.k_mult}")
+config_flags = [(c.split(":") + [""])[4] for c in args.configs.split(",")]
+if args.k_mult > 1 and any("c" not in f or "l" in f for f in config_flags):
+    ap.error("--k-mult > 1 takes persistent constant-activation configs only (flag c, no l): the chain's y is "
+             "[32, 4096], not [32, K]")
 
 from orl_jax import runtime  # noqa: E402
 
@@ -63,6 +72,7 @@ from orl_jax_kernels.pallas_args import triton_params  # noqa: E402
 
 MAX_SPIN = 1 << 20  # ~a second of spinning: a grid that cannot be resident finishes (wrongly) instead of hanging
 M, D, N_W = 32, 4096, 16
+K = D * args.k_mult  # rows of each weight (= D for the real chain)
 
 
 def grid_barrier(count_ref, target):
@@ -114,7 +124,7 @@ def column_gemm(load_x, load_w, bk: int, w0=None):
     def body(k, acc):
         return acc + jnp.dot(load_x(k_rows(k, bk)), load_w(k), preferred_element_type=jnp.float32)
 
-    return jax.lax.fori_loop(1, D // bk, body, acc)
+    return jax.lax.fori_loop(1, K // bk, body, acc)
 
 
 def _chain_kernel(x_ref, w_ref, count_in, ys_ref, count_ref, spins_ref, *, bn: int, bk: int, prefetch: bool,
@@ -168,7 +178,7 @@ def barrier_fn(nprog: int, rounds: int):
 def chain_fn(n_layers: int, c: Chain):
     bn = c.bn
 
-    def run(x, ws):  # ws [N_W, D, D], or blocked [N_W, D // bn, D, bn]
+    def run(x, ws):  # ws [N_W, K, D], or blocked [N_W, D // bn, K, bn]
         count = jnp.zeros((1,), jnp.int32)
         ys, _, spins = pl.pallas_call(
             functools.partial(_chain_kernel, bn=bn, bk=c.bk, prefetch="p" in c.flags, blocked="b" in c.flags,
@@ -226,7 +236,7 @@ def graphed(fn):
 def per_layer(t) -> dict:
     """Timings of the two chain lengths -> the cost of one layer and the weight read rate it implies."""
     per = (t[1] - t[0]) / (lengths[1] - lengths[0])
-    return {"ms": [s * 1e3 for s in t], "us_per_layer": per * 1e6, "weight_tb_s": D * D * 2 / per / 1e12}
+    return {"ms": [s * 1e3 for s in t], "us_per_layer": per * 1e6, "weight_tb_s": K * D * 2 / per / 1e12}
 
 
 def rel_err(a, b):
@@ -235,14 +245,14 @@ def rel_err(a, b):
 
 
 key = jax.random.key(0)
-x = jax.random.normal(key, (M, D), jnp.bfloat16)
-ws = (jax.random.normal(jax.random.key(1), (N_W, D, D), jnp.float32) * D**-0.5).astype(jnp.bfloat16)
+x = jax.random.normal(key, (M, K), jnp.bfloat16)
+ws = (jax.random.normal(jax.random.key(1), (N_W, K, D), jnp.float32) * K**-0.5).astype(jnp.bfloat16)
 configs = [Chain.parse(c) for c in args.configs.split(",")]
 
 
 def weights_for(c: Chain):
     """The weights as config c reads them: blocked, each program's bn columns of every W one contiguous [D, bn]."""
-    return ws.reshape(N_W, D, D // c.bn, c.bn).transpose(0, 2, 1, 3) if "b" in c.flags else ws
+    return ws.reshape(N_W, K, D // c.bn, c.bn).transpose(0, 2, 1, 3) if "b" in c.flags else ws
 
 
 if args.interpret:  # export for CUDA on any machine and verify the Triton IR (no GPU: nothing is compiled or timed)
@@ -255,7 +265,7 @@ if args.interpret:  # export for CUDA on any machine and verify the Triton IR (n
     print(f"verified {n} Triton modules", flush=True)
     sys.exit(0)
 
-meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
+meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "k": K}
 with open(args.out, "a") as f:
     def emit(row):
         row.update(meta)
@@ -273,10 +283,11 @@ with open(args.out, "a") as f:
         emit({"what": "grid_barrier", "programs": nprog, "rounds": [100, 1100], "ms": [s * 1e3 for s in t],
               "us_per_barrier": (t[1] - t[0]) / 1000 * 1e6, "max_spins": spins, "valid": True})
 
-    ref = [graphed(cublas_fn(n)) for n in lengths]
-    ref_out = [fn(x, ws) for fn in ref]
-    emit({"what": "chain", "impl": "cublas", "lengths": lengths,
-          **per_layer([median_seconds(fn, x, ws, reps=20, calls=10) for fn in ref])})
+    if K == D:
+        ref = [graphed(cublas_fn(n)) for n in lengths]
+        ref_out = [fn(x, ws) for fn in ref]
+        emit({"what": "chain", "impl": "cublas", "lengths": lengths,
+              **per_layer([median_seconds(fn, x, ws, reps=20, calls=10) for fn in ref])})
 
     for c in configs:
         row = {"what": "chain", "impl": "launches" if "l" in c.flags else "persistent", **dataclasses.asdict(c),
@@ -292,9 +303,10 @@ with open(args.out, "a") as f:
                 row.update(max_spins=spins, valid=False)
                 emit(row)
                 continue
-            row.update(max_spins=spins, valid=True,
-                       rel_err_first=rel_err(outs[0][1], ref_out[0][1]),
-                       rel_err_last=[rel_err(o[0], r[0]) for o, r in zip(outs, ref_out)])
+            row.update(max_spins=spins, valid=True)
+            if K == D:
+                row.update(rel_err_first=rel_err(outs[0][1], ref_out[0][1]),
+                           rel_err_last=[rel_err(o[0], r[0]) for o, r in zip(outs, ref_out)])
             row.update(per_layer([median_seconds(fn, x, wc, reps=20, calls=10) for fn in fns]))
             del wc
         except Exception as e:  # noqa: BLE001 - one config failing to compile must not end the sweep
