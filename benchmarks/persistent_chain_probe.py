@@ -18,7 +18,13 @@ programs x phases; a spin cap keeps a grid that is not all resident from hanging
 are not valid). Activations written by other programs are read with volatile loads (not from a possibly stale L1;
 jax 0.10-0.11 map Triton's ".cg" modifier to a missing key).
 
+Session 37 added `--k-mult` (weights of K = m x 4096 rows, constant activations: the time per layer at several K fits
+a fixed cost per layer plus a streaming rate) and flag f, one flat loop over every layer's K steps with the barrier
+inside it, so the weight pipeline does not drain at a layer's end
+(benchmarks/results/2026-12-03_persistent_chain_h200.md).
+
   python benchmarks/persistent_chain_probe.py --out probe.jsonl
+  python benchmarks/persistent_chain_probe.py --k-mult 4 --configs 32:128:4:16:pbxc,32:256:8:8:bcf
 """
 
 from __future__ import annotations
