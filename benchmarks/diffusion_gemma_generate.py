@@ -102,9 +102,9 @@ from bench_io import digest, load_tables, set_switch, set_switches  # noqa: E402
 from timing import chip_rates, median_seconds  # noqa: E402
 
 from orl_jax import params as P  # noqa: E402
-from orl_jax.config import DG_PRESETS  # noqa: E402
 from orl_jax.decode.engine import generate  # noqa: E402
 from orl_jax.decode.samplers import UniformSampler  # noqa: E402
+from orl_jax.diffusion_gemma_config import DG_PRESETS  # noqa: E402
 from orl_jax.model import diffusion_gemma, moe  # noqa: E402
 from orl_jax.sharding import make_mesh  # noqa: E402
 

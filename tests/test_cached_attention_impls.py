@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from orl_jax import params as P
-from orl_jax.config import DG_PRESETS, preset
+from orl_jax.config import preset
+from orl_jax.diffusion_gemma_config import DG_PRESETS
 from orl_jax.model import attention as attn
 from orl_jax.model import diffusion_gemma as dg
 from orl_jax.model import qwen3, qwendlm

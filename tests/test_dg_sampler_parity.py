@@ -29,9 +29,9 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
     StableAndConfidentStoppingCriteria,
 )
 
-from orl_jax.config import DG_PRESETS
 from orl_jax.decode.engine import make_sampler
 from orl_jax.decode.samplers import UniformSampler, categorical
+from orl_jax.diffusion_gemma_config import DG_PRESETS
 
 pytestmark = pytest.mark.hf
 

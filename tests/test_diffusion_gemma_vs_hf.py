@@ -21,10 +21,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from orl_jax import params as P
-from orl_jax.config import DG_PRESETS, FULL, SLIDING, DiffusionGemmaConfig
 from orl_jax.convert.hf import DG_SKIPPED_PREFIXES, load_hf, save_hf
 from orl_jax.decode.engine import generate, make_sampler
 from orl_jax.decode.samplers import UniformSampler, categorical
+from orl_jax.diffusion_gemma_config import DG_PRESETS, FULL, SLIDING, DiffusionGemmaConfig
 from orl_jax.model import diffusion_gemma as dg
 from orl_jax.model.moe import experts_mlp
 

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 
 from orl_jax import params as P
-from orl_jax.config import DG_PRESETS, preset
+from orl_jax.config import preset
 from orl_jax.decode import engine
 from orl_jax.decode.residual import ORLResidual
 from orl_jax.decode.samplers import MaskSampler, UniformSampler
+from orl_jax.diffusion_gemma_config import DG_PRESETS
 from orl_jax.model import diffusion_gemma, qwen3
 from orl_jax.runtime import DG_COMPILER_OPTIONS, ENGINE_COMPILER_OPTIONS
 

@@ -337,7 +337,7 @@ def test_diffusion_gemma_decoder_with_the_kernel_equals_the_einsums(monkeypatch)
     scale 1.0) through the kernel in interpret mode give the einsum path's logits. The sliding layers' q/k/v norms
     and RoPE go through kernels/qk_norm_rope (gemma order), their weights read from the packed vector stack."""
     from orl_jax import params as P
-    from orl_jax.config import DG_PRESETS
+    from orl_jax.diffusion_gemma_config import DG_PRESETS
     from orl_jax.model import diffusion_gemma as dg
     from orl_jax_kernels.qk_norm_rope import kernel as qk_kernel
 

@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as PS
 
 from orl_jax import params as P
 from orl_jax import sharding
-from orl_jax.config import DG_PRESETS, ModelConfig, kernel_choice, preset, xla_for_auto
+from orl_jax.config import ModelConfig, kernel_choice, preset, xla_for_auto
+from orl_jax.diffusion_gemma_config import DG_PRESETS
 from orl_jax.model import attention, qwen3, qwendlm
 
 # A dependency counts as present above VISIBLE and absent at or below INVISIBLE (absent ones are exactly 0 in

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from orl_jax import params as P
-from orl_jax.config import DG_PRESETS, preset
+from orl_jax.config import preset
 from orl_jax.decode.engine import generate
 from orl_jax.decode.residual import ORLResidual
 from orl_jax.decode.samplers import UniformSampler
+from orl_jax.diffusion_gemma_config import DG_PRESETS
 from orl_jax.model import diffusion_gemma, qwen3
 from orl_jax.sharding import make_mesh
 

@@ -32,8 +32,9 @@ from jax.sharding import Mesh
 
 from orl_jax import params as P
 from orl_jax.atomic import atomic_directory
-from orl_jax.config import FULL, SLIDING, DiffusionGemmaConfig, ModelConfig, from_hf_config, to_hf_config
+from orl_jax.config import ModelConfig, from_hf_config, to_hf_config
 from orl_jax.convert.safetensors_io import read_checkpoint, write_checkpoint
+from orl_jax.diffusion_gemma_config import FULL, SLIDING, DiffusionGemmaConfig
 from orl_jax.model.registry import model_module
 
 QWEN3_MAP: list[tuple[str, str, int]] = [

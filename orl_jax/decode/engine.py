@@ -26,10 +26,11 @@ from jax.sharding import Mesh
 
 from orl_jax import params as P
 from orl_jax.checks import int_at_least
-from orl_jax.config import DiffusionGemmaConfig, ModelConfig, xla_for_auto
+from orl_jax.config import ModelConfig, xla_for_auto
 from orl_jax.decode.residual import NoResidual, ORLResidual, RCDResidual, Residual, soft_embed
 from orl_jax.decode.samplers import MaskSampler, Sampler, UniformSampler
 from orl_jax.decode.state import DecodeState, GenerateOutput
+from orl_jax.diffusion_gemma_config import DiffusionGemmaConfig
 from orl_jax.model.registry import model_module
 from orl_jax.runtime import DG_COMPILER_OPTIONS, ENGINE_COMPILER_OPTIONS, xla_flags_set
 from orl_jax.sharding import named_sharding

@@ -51,7 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orl_jax.config import FULL, SLIDING, DiffusionGemmaConfig, kernel_choice
+from orl_jax.config import kernel_choice
+from orl_jax.diffusion_gemma_config import FULL, SLIDING, DiffusionGemmaConfig
 from orl_jax.model import qwen3
 from orl_jax.model.attention import (
     attention,

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from orl_jax.config import DiffusionGemmaConfig, ModelConfig
+from orl_jax.config import ModelConfig
+from orl_jax.diffusion_gemma_config import DiffusionGemmaConfig
 
 
 def model_module(cfg) -> ModuleType:
