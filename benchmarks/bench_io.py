@@ -1,5 +1,5 @@
-"""What the kernel sweeps (kernels/*/bench.py) write: a JSON-lines record per variant, printed as it lands, and
-a tuned table rewritten atomically after each shape, so a sweep stopped by its time limit keeps the shapes done and
+"""What the kernel sweeps (kernels/*/bench.py) write: a JSON-lines record per variant, printed as it lands, and a
+tuned table rewritten atomically after each shape, so a sweep stopped by its time limit keeps the shapes done and
 never leaves a half-written table. And how the model benchmarks read such tables back (load_tables) and label their
 outputs (digest)."""
 

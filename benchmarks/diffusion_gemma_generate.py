@@ -41,9 +41,8 @@ ap.add_argument("--profile", action="store_true",
                 help="also trace 5 decoder forwards per impl: GPU kernel time vs idle, top kernels (xplane_summary.py);"
                      " the compiled decoder's HLO goes beside --out (OUT.IMPL.hlo.txt.gz)")
 ap.add_argument("--profile-top", type=int, default=40, help="--profile: how many kernels to describe")
-ap.add_argument("--gemm-table", help="tuned expert GEMM tiles for moe_impl pallas "
-                                    "(kernels/small_m_gemm/bench.py or kernels/grouped_gemm/bench.py "
-                                    "--table)")
+ap.add_argument("--gemm-table", help="tuned expert GEMM tiles for moe_impl pallas (kernels/small_m_gemm/bench.py "
+                                    "or kernels/grouped_gemm/bench.py --table)")
 ap.add_argument("--gemm-sweep", help="a JSON list [{'name':, 'table': [rows as in --gemm-table], "
                                     "'attention_table': [rows as in --attention-table], 'gather_in_kernel': bool, "
                                     "'compiler_options': {XLA option: value, added to runtime.DG_COMPILER_OPTIONS}, "
@@ -63,8 +62,8 @@ ap.add_argument("--xla-sort", action="store_true",
                      "kernels/expert_sort")
 ap.add_argument("--grouped-bm", type=int, help="kernels/grouped_gemm BM: rows per tile (a power of two >= 16)")
 ap.add_argument("--experts-inner", action="store_true",
-                help="kernels/grouped_gemm COLUMNS_INNER = False: the expert varies fastest in the program "
-                     "order (before session 17)")
+                help="kernels/grouped_gemm COLUMNS_INNER = False: the expert varies fastest in the program order "
+                     "(before session 17)")
 ap.add_argument("--sorted-copy", action="store_true",
                 help="moe.GATHER_IN_KERNEL = False: XLA writes the sorted copy of the MoE input for the gate/up kernel")
 ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=JSON",

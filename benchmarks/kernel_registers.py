@@ -5,8 +5,8 @@ DiffusionGemma's sliding layers ([128, 256] float32 accumulator plus the [128, 2
 spilling this way (benchmarks/results/2026-12-02_dg_attention_spills_h200.md).
 
 How: the pallas_call is lowered for CUDA on any host, its Triton IR captured from jax's Pallas lowering
-(kernels/pallas_args.triton_modules, as the tests' IR verification does), compiled by the `triton` package (not
-an orl_jax dependency: `pip install triton`; torch ships it) for sm_90a, and `ptxas -v` (the one Triton bundles)
+(kernels/pallas_args.triton_modules, as the tests' IR verification does), compiled by the `triton` package (not an
+orl_jax dependency: `pip install triton`; torch ships it) for sm_90a, and `ptxas -v` (the one Triton bundles)
 reports the allocation. Triton here is the pip package, not the copy inside XLA that compiles the kernel in a real
 run, so counts may differ between versions.
 

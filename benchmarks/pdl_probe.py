@@ -40,7 +40,7 @@ ap.add_argument("--modes", default="graph,stream",
                 help="graph: compiled into CUDA graphs as the engine's programs are; stream: XLA's default launches")
 ap.add_argument("--export", action="store_true", help="lower every variant for CUDA and print its size (any machine)")
 args = ap.parse_args()
-from bench_io import chain_lengths  # noqa: E402
+from bench_io import chain_lengths, recorder  # noqa: E402
 
 lengths = chain_lengths(ap, args.lengths)
 
@@ -128,19 +128,17 @@ if args.export:
 
 from timing import median_seconds  # noqa: E402
 
+record = recorder(args.out)
 meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
-with open(args.out, "a") as f:
-    for mode, (p, w, pdl) in ((m, v) for m in modes for v in variants):
-        row = {"what": "pdl_chain", "mode": mode, "programs": p, "work": w, "pdl": pdl, "lengths": lengths, **meta}
-        try:
-            x = jnp.arange(p * ROWS * COLS, dtype=jnp.float32).reshape(p * ROWS, COLS)
-            fns = [compiled(chain_fn(n, p, w, pdl), mode) for n in lengths]
-            exact = all(bool(jnp.array_equal(fn(x), x + n)) for fn, n in zip(fns, lengths))
-            t = [median_seconds(fn, x, reps=20, calls=10) for fn in fns]
-            row.update(exact=exact, ms=[s * 1e3 for s in t],
-                       us_per_kernel=(t[1] - t[0]) / (lengths[1] - lengths[0]) * 1e6)
-        except Exception as e:  # noqa: BLE001 - one variant failing must not end the sweep
-            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-        print(json.dumps(row), flush=True)
+for mode, (p, w, pdl) in ((m, v) for m in modes for v in variants):
+    row = {"what": "pdl_chain", "mode": mode, "programs": p, "work": w, "pdl": pdl, "lengths": lengths, **meta}
+    try:
+        x = jnp.arange(p * ROWS * COLS, dtype=jnp.float32).reshape(p * ROWS, COLS)
+        fns = [compiled(chain_fn(n, p, w, pdl), mode) for n in lengths]
+        exact = all(bool(jnp.array_equal(fn(x), x + n)) for fn, n in zip(fns, lengths))
+        t = [median_seconds(fn, x, reps=20, calls=10) for fn in fns]
+        row.update(exact=exact, ms=[s * 1e3 for s in t],
+                   us_per_kernel=(t[1] - t[0]) / (lengths[1] - lengths[0]) * 1e6)
+    except Exception as e:  # noqa: BLE001 - one variant failing must not end the sweep
+        row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+    record(**row)

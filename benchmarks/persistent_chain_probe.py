@@ -61,10 +61,29 @@ from bench_io import chain_lengths  # noqa: E402
 lengths = chain_lengths(ap, args.lengths)
 if args.k_mult < 1:
     ap.error(f"--k-mult must be >= 1, got {args.k_mult}")
-config_flags = [(c.split(":") + [""])[4] for c in args.configs.split(",")]
-if any("f" in f and "l" in f for f in config_flags):
+@dataclass(frozen=True)
+class Chain:
+    bn: int  # output columns per program (programs: D // bn, all resident)
+    bk: int  # K rows per step
+    warps: int
+    stages: int
+    flags: str  # p: prefetch, b: blocked weights, x: plain activation loads, c: constant activations, l: launches,
+    # f: flat loop
+
+    @staticmethod
+    def parse(text: str) -> Chain:
+        bn, bk, warps, stages, *flags = text.split(":")
+        return Chain(int(bn), int(bk), int(warps), int(stages), flags[0] if flags else "")
+
+    def build(self, n_layers: int):
+        """The chain of n_layers as this config runs it: one launch per layer (l) or one persistent kernel."""
+        return (launches_fn if "l" in self.flags else chain_fn)(n_layers, self)
+
+
+configs = [Chain.parse(c) for c in args.configs.split(",")]
+if any("f" in c.flags and "l" in c.flags for c in configs):
     ap.error("flag f (flat loop) is a persistent chain: it does not combine with l")
-if args.k_mult > 1 and any("c" not in f or "l" in f for f in config_flags):
+if args.k_mult > 1 and any("c" not in c.flags or "l" in c.flags for c in configs):
     ap.error("--k-mult > 1 takes persistent constant-activation configs only (flag c, no l): the chain's y is "
              "[32, 4096], not [32, K]")
 
@@ -103,28 +122,17 @@ def _barrier_kernel(count_in, count_ref, spins_ref, *, rounds: int):
     spins_ref[pl.program_id(0)] = spins
 
 
-@dataclass(frozen=True)
-class Chain:
-    bn: int  # output columns per program (programs: D // bn, all resident)
-    bk: int  # K rows per step
-    warps: int
-    stages: int
-    flags: str  # p: prefetch, b: blocked weights, x: plain activation loads, c: constant activations, l: launches,
-    # f: flat loop
-
-    @staticmethod
-    def parse(text: str) -> Chain:
-        bn, bk, warps, stages, *flags = text.split(":")
-        return Chain(int(bn), int(bk), int(warps), int(stages), flags[0] if flags else "")
-
-    def build(self, n_layers: int):
-        """The chain of n_layers as this config runs it: one launch per layer (l) or one persistent kernel."""
-        return (launches_fn if "l" in self.flags else chain_fn)(n_layers, self)
-
-
 def k_rows(k, bk: int):
     """Rows k * bk .. k * bk + bk of K (k a Python int or a traced step)."""
     return pl.ds(k * bk if isinstance(k, int) else pl.multiple_of(k * bk, bk), bk)
+
+
+def weight_tile(w_ref, w_i, k, bn: int, bk: int, blocked: bool):
+    """K tile k of this program's bn columns of weight w_i: from the blocked layout [N_W, P, K, bn] or the plain one."""
+    pid = pl.program_id(0)
+    if blocked:
+        return w_ref[w_i, pid, k_rows(k, bk), :]
+    return w_ref[w_i, k_rows(k, bk), pl.ds(pl.multiple_of(pid * bn, bn), bn)]
 
 
 def column_gemm(load_x, load_w, bk: int, w0=None):
@@ -152,8 +160,7 @@ def _flat_chain_kernel(x_ref, w_ref, count_in, ys_ref, count_ref, spins_ref, *, 
 
     def body(t, acc):
         i, k = t // steps, jax.lax.rem(t, steps)
-        w_i = jax.lax.rem(i, jnp.int32(N_W))
-        w = w_ref[w_i, pid, k_rows(k, bk), :] if blocked else w_ref[w_i, k_rows(k, bk), cols]
+        w = weight_tile(w_ref, jax.lax.rem(i, jnp.int32(N_W)), k, bn, bk, blocked)
         if const_x:
             x = const
         else:  # both loads issued, one kept: layer 0 reads x, layer i the output of layer i - 1
@@ -181,8 +188,7 @@ def _chain_kernel(x_ref, w_ref, count_in, ys_ref, count_ref, spins_ref, *, bn: i
     n_layers = ys_ref.shape[0]
 
     def w_tile(i, k):  # K tile k of this program's columns of W_(i mod N_W)
-        w_i, ks = jax.lax.rem(i, jnp.int32(N_W)), k_rows(k, bk)
-        return w_ref[w_i, pid, ks, :] if blocked else w_ref[w_i, ks, cols]
+        return weight_tile(w_ref, jax.lax.rem(i, jnp.int32(N_W)), k, bn, bk, blocked)
 
     def gemm(load_x, i, w0):  # w0: the first K tile of W_i, loaded before this layer's barrier (prefetch)
         if const_x:  # no activation loads (wrong products): what streaming the weights alone costs
@@ -246,11 +252,8 @@ def _layer_kernel(i_ref, x_ref, w_ref, y_ref, *, bn: int, bk: int, blocked: bool
     pid = pl.program_id(0)
     cols = pl.ds(pl.multiple_of(pid * bn, bn), bn)
     i = i_ref[0]
-
-    def load_w(k):
-        return w_ref[i, pid, k_rows(k, bk), :] if blocked else w_ref[i, k_rows(k, bk), cols]
-
-    y_ref[:, cols] = column_gemm(lambda ks: x_ref[:, ks], load_w, bk).astype(y_ref.dtype)
+    y_ref[:, cols] = column_gemm(lambda ks: x_ref[:, ks], lambda k: weight_tile(w_ref, i, k, bn, bk, blocked),
+                                 bk).astype(y_ref.dtype)
 
 
 def launches_fn(n_layers: int, c: Chain):
@@ -301,7 +304,6 @@ def rel_err(a, b):
 key = jax.random.key(0)
 x = jax.random.normal(key, (M, K), jnp.bfloat16)
 ws = (jax.random.normal(jax.random.key(1), (N_W, K, D), jnp.float32) * K**-0.5).astype(jnp.bfloat16)
-configs = [Chain.parse(c) for c in args.configs.split(",")]
 
 
 def weights_for(c: Chain):

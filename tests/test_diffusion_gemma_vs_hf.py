@@ -161,10 +161,9 @@ def test_expert_kernel_gather_changes_no_logit(dg_ours, monkeypatch):
 
 
 def test_router_kernel_changes_no_logit(dg_ours, monkeypatch):
-    """moe.ROUTER_TOPK_KERNEL (on by default): the pallas MoE picks its top-k with
-    kernels/expert_sort/router_topk (the tiny model's k = 3 of E = 8 padded inside). The decoder's jaxpr has the
-    kernel and no XLA top-k; in fp32 its logits equal those of XLA's top-k. moe.EXPERT_SORT_BY_TOKEN (on): the same
-    logits with the per-assignment sort."""
+    """moe.ROUTER_TOPK_KERNEL (on by default): the pallas MoE picks its top-k with kernels/expert_sort/router_topk (the
+    tiny model's k = 3 of E = 8 padded inside). The decoder's jaxpr has the kernel and no XLA top-k; in fp32 its logits
+    equal those of XLA's top-k. moe.EXPERT_SORT_BY_TOKEN (on): the same logits with the per-assignment sort."""
     from orl_jax.model import moe
 
     cfg, params = dg_ours

@@ -1,5 +1,5 @@
-"""The masked softmax kernel (kernels/masked_softmax) against its oracle in interpret mode, through attention()
-at wide heads, its Triton IR at DiffusionGemma's full layers, and compiled on a GPU."""
+"""The masked softmax kernel (kernels/masked_softmax) against its oracle in interpret mode, through attention() at
+wide heads, its Triton IR at DiffusionGemma's full layers, and compiled on a GPU."""
 
 import jax
 import jax.numpy as jnp

@@ -1,5 +1,5 @@
-"""The router's top-k and weights in one kernel (kernels/expert_sort/router_topk) against model/moe.route's XLA
-path: interpret mode on CPU, Triton IR at DiffusionGemma's canvas, on a GPU (tests/test_diffusion_gemma_vs_hf.py has the
+"""The router's top-k and weights in one kernel (kernels/expert_sort/router_topk) against model/moe.route's XLA path:
+interpret mode on CPU, Triton IR at DiffusionGemma's canvas, on a GPU (tests/test_diffusion_gemma_vs_hf.py has the
 model-level check)."""
 
 import jax

@@ -35,8 +35,8 @@ JOIN_WIDE_PARTS = True
 # trace time.
 WIDE_LATE_NORMALIZE = True
 # ... and with impl "pallas", where the shape fits it: the mask, scale and softmax between the two einsums in one
-# pass of kernels/masked_softmax instead of XLA's four (~26 us per 26B full layer in the session-20 profile);
-# the probabilities are normalized before PV then (HF's eager order), not late. On an H200 the 26B forward took
+# pass of kernels/masked_softmax instead of XLA's four (~26 us per 26B full layer in the session-20 profile); the
+# probabilities are normalized before PV then (HF's eager order), not late. On an H200 the 26B forward took
 # 15.58 / 15.58 ms against 15.63 / 15.62 / 15.61 without, alternating in one process
 # (benchmarks/results/2026-12-01_dg_attention_order_h200.md, call 6). Read at trace time.
 WIDE_SOFTMAX_KERNEL = True
@@ -129,8 +129,8 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
 def attention_normed(proj: jax.Array, cache_part: tuple, self_vis: jax.Array, cos: jax.Array, sin: jax.Array,
                      packed_vectors: tuple, eps: float, gemma: bool, scale: float | None = None) -> jax.Array | None:
     """The cached pass's attention straight from the fused projection proj [B, L, K, G + 2, H] (raw q, k, v), the
-    q/k norms and RoPE inside kernels/decode_attention (`cached_attention_normed`): one launch instead of the
-    norm kernel's and the attention's. packed_vectors: (stack [layers, n], layer, (q offset, k offset)) where the norm
+    q/k norms and RoPE inside kernels/decode_attention (`cached_attention_normed`): one launch instead of the norm
+    kernel's and the attention's. packed_vectors: (stack [layers, n], layer, (q offset, k offset)) where the norm
     weights lie. None where the kernel's blocks for the shape are grouped, unsupported or not preferred (the
     caller takes the two-kernel path)."""
     from orl_jax_kernels.decode_attention.kernel import cached_attention_normed
@@ -180,8 +180,8 @@ def scaled_attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.A
     """`attention` with an explicit score scale (Gemma 4 uses 1.0: its q/k RMSNorms set the scale).
     late_normalize: the PV product takes the unnormalized exp(s - max) and its output [.., L, H] is divided by the
     row sums, instead of the probabilities [.., L, S] (fewer passes over the scores when S is long).
-    softmax_kernel (one part, shapes kernels/masked_softmax supports): the scale, mask and softmax of the
-    float32 scores in that kernel's one pass, its probabilities in the value dtype (WIDE_SOFTMAX_KERNEL), the products
+    softmax_kernel (one part, shapes kernels/masked_softmax supports): the scale, mask and softmax of the float32
+    scores in that kernel's one pass, its probabilities in the value dtype (WIDE_SOFTMAX_KERNEL), the products
     query-major."""
     b, l, n, h = q.shape
     kv = parts[0][0].shape[2]

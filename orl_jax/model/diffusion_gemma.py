@@ -242,8 +242,8 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
 
 def _qk_kernel_offsets(cfg: DiffusionGemmaConfig, layout) -> tuple[int, ...] | None:
     """Where the sliding layers' q and k norm weights lie in their packed vector row, when the sliding layers of a
-    cached pass take kernels/qk_norm_rope (q/k/v norms + RoPE in one launch instead of XLA's slices and
-    fusions): with the Pallas attention (on a GPU by default), full RoPE on sliding layers, shapes the kernel takes, and
+    cached pass take kernels/qk_norm_rope (q/k/v norms + RoPE in one launch instead of XLA's slices and fusions):
+    with the Pallas attention (on a GPU by default), full RoPE on sliding layers, shapes the kernel takes, and
     both weights packed. None otherwise."""
     from orl_jax_kernels.qk_norm_rope.kernel import supported
 

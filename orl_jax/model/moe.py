@@ -6,11 +6,10 @@ Dispatch, by size (experts_mlp); every path is exact (nothing is dropped) and eq
   is E x C rows instead of E x T. An expert routed more tokens than it has slots takes the rest in further rounds
   of C slots (a `while_loop` that runs no trip unless some expert overflows; on GPU its predicate is one small
   device-to-host copy per MoE layer);
-- moe_impl "pallas" (the GPU default): at any size the T * k rows sorted by expert go through
-  kernels/grouped_gemm, one program per (expert, column tile) reading its expert's weights in place once,
-  only the routed rows loaded: no buckets, no rounds, no data-dependent loop. It replaced "pallas_bucketed" (the
-  buckets through kernels/small_m_gemm): 22.7 against 29.9 ms per 26B forward
-  (benchmarks/results/2026-11-30_dg_in_place_h200x2.md);
+- moe_impl "pallas" (the GPU default): at any size the T * k rows sorted by expert go through kernels/grouped_gemm,
+  one program per (expert, column tile) reading its expert's weights in place once, only the routed rows
+  loaded: no buckets, no rounds, no data-dependent loop. It replaced "pallas_bucketed" (the buckets through
+  kernels/small_m_gemm): 22.7 against 29.9 ms per 26B forward (benchmarks/results/2026-11-30_dg_in_place_h200x2.md);
 - larger T: the T * k assignments are sorted by expert into contiguous rows and `grouped_matmul` multiplies each
   group by its own expert's matrix (`jax.lax.ragged_dot`); rows are weighted, put back in token order and summed.
 
@@ -32,13 +31,13 @@ from orl_jax.model.streamed import as_stacked, xla_ragged_dot
 ROUTER_TOPK_F32 = True  # read at trace time; see route
 
 
-# The pallas path (route(kernel=True)) picks the top-k and computes the weights with
-# kernels/expert_sort/router_topk: one launch after the router GEMM instead of XLA's cast, top-k (a sort),
-# conversion, slice and the weights' fusion. Read at trace time; ROUTER_TOPK_ROWS / _METHOD / _WARPS are the kernel's
-# settings (benchmarks' sweeps set them). On an H200, with EXPERT_SORT_BY_TOKEN, the 26B forward took 14.729 ms against
-# 14.841-14.885 with XLA's top-k and the per-assignment sort, alternating in one process; 14.636 / 14.651 against 14.785
-# / 14.761 on a second machine; rank / 2 rows / 2 warps 14.649 against 14.728-14.756 on a third; rank at 4 rows / 4
-# warps spills: 35 ms (benchmarks/results/2026-12-03_dg_router_topk_h200.md).
+# The pallas path (route(kernel=True)) picks the top-k and computes the weights with kernels/expert_sort/router_topk:
+# one launch after the router GEMM instead of XLA's cast, top-k (a sort), conversion, slice and the weights' fusion.
+# Read at trace time; ROUTER_TOPK_ROWS / _METHOD / _WARPS are the kernel's settings (benchmarks' sweeps set them).
+# On an H200, with EXPERT_SORT_BY_TOKEN, the 26B forward took 14.729 ms against 14.841-14.885 with XLA's top-k and the
+# per-assignment sort, alternating in one process; 14.636 / 14.651 against 14.785 / 14.761 on a second machine;
+# rank / 2 rows / 2 warps 14.649 against 14.728-14.756 on a third; rank at 4 rows / 4 warps spills: 35 ms
+# (benchmarks/results/2026-12-03_dg_router_topk_h200.md).
 ROUTER_TOPK_KERNEL = True
 ROUTER_TOPK_ROWS = 1
 ROUTER_TOPK_METHOD = "rounds"
@@ -119,8 +118,8 @@ def capacity(tokens: int, top_k: int, num_experts: int) -> int:
 def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up, down, act: str,
                 impl: str = "bucketed", distinct: bool = False) -> jax.Array:
     """sum_j weights[t, j] * MLP_{experts[t, j]}(x_t). x [T, D]; gate_up [E, D, 2F] (gate | up); down [E, F, D].
-    impl (decode sizes): "bucketed", "dense" or "pallas" (the sorted rows through kernels/grouped_gemm, any T,
-    no buckets). See the module docstring. distinct: each token's k experts differ (a top-k router's): the pallas path
+    impl (decode sizes): "bucketed", "dense" or "pallas" (the sorted rows through kernels/grouped_gemm, any T, no
+    buckets). See the module docstring. distinct: each token's k experts differ (a top-k router's): the pallas path
     may then sort by token (EXPERT_SORT_BY_TOKEN)."""
     t, k = experts.shape
     if impl == "pallas":  # expert stacks as StackedWeight: their ragged_dot is the grouped kernel
@@ -177,13 +176,13 @@ def dense_experts_mlp(x, weights, experts, gate_up, down, act: str) -> jax.Array
     return einsum("tef,efd->td", h.astype(x.dtype), down)  # [T, D]
 
 
-# The pallas path sorts with kernels/expert_sort (one launch instead of ~6 XLA fusions and the offsets' cumsum,
-# ~13 us per 26B layer) when True: on an H200 the 26B forward took 17.17 / 17.16 ms against 17.33 / 17.33 with XLA's
+# The pallas path sorts with kernels/expert_sort (one launch instead of ~6 XLA fusions and the offsets' cumsum, ~13
+# us per 26B layer) when True: on an H200 the 26B forward took 17.17 / 17.16 ms against 17.33 / 17.33 with XLA's
 # sort, alternating, same tokens (benchmarks/results/2026-12-01_dg_sort_kernel_stages_h200.md). False: XLA's
 # sort_by_expert (`benchmarks/diffusion_gemma_generate.py --xla-sort`). Read at trace time.
 SORT_KERNEL = True
-# With distinct choices per token (experts_mlp(distinct=True)) kernels/expert_sort counts ranks over the T
-# tokens instead of the T * k assignments (by_token): the same rows, 2.0 us against 7.5 per 26B layer in an H200 profile
+# With distinct choices per token (experts_mlp(distinct=True)) kernels/expert_sort counts ranks over the T tokens
+# instead of the T * k assignments (by_token): the same rows, 2.0 us against 7.5 per 26B layer in an H200 profile
 # (-0.01 to -0.05 ms per forward alone, 2026-12-03_dg_router_topk_h200.md). Read at trace time.
 EXPERT_SORT_BY_TOKEN = True
 
@@ -224,8 +223,8 @@ def sort_by_expert(experts: jax.Array, num_experts: int):
 
 def _sorted_rows(experts: jax.Array, num_experts: int, kernel: bool, by_token: bool = False):
     """experts [T, k] -> (tokens [M]: the token of each sorted row, pos, sizes as in sort_by_expert, the group
-    offsets [E + 1]): from kernels/expert_sort when `kernel` and the assignments fit it (MAX_ASSIGNMENTS), else
-    from XLA (offsets None: the grouped kernel derives them). by_token: each token's experts are distinct (see
+    offsets [E + 1]): from kernels/expert_sort when `kernel` and the assignments fit it (MAX_ASSIGNMENTS), else from
+    XLA (offsets None: the grouped kernel derives them). by_token: each token's experts are distinct (see
     expert_sort)."""
     t, k = experts.shape
     if kernel:
@@ -252,8 +251,8 @@ def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kerne
                         by_token: bool = False) -> jax.Array:
     """Rows sorted by expert and multiplied group by group (`grouped_matmul`): work proportional to T * k. The
     outputs come back by a gather (each assignment reads its sorted row), weighted and summed over the k choices.
-    sort_kernel: sort with kernels/expert_sort (one launch, and the group offsets the grouped kernel needs) up
-    to its MAX_ASSIGNMENTS, instead of sort_by_expert's XLA fusions (by_token: each token's experts distinct, see
+    sort_kernel: sort with kernels/expert_sort (one launch, and the group offsets the grouped kernel needs) up to its
+    MAX_ASSIGNMENTS, instead of sort_by_expert's XLA fusions (by_token: each token's experts distinct, see
     _sorted_rows)."""
     t, k = experts.shape
     tokens, pos, sizes, offsets = _sorted_rows(experts, gate_up.shape[0], sort_kernel, by_token)
