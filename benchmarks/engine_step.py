@@ -97,12 +97,13 @@ def log(**kw):
         f.write(json.dumps(kw) + "\n")
 
 
-def ceilings(calls: int) -> float:
-    """The chip's rates (timing.chip_rates), logged; the read bandwidth, the roofline's. Rows before session 23
-    give copy_tb_s timed one program per sync, and their roofline_ms from it (too slow a rate: 3.0-3.5 TB/s)."""
+def ceilings(calls: int) -> tuple[float, float]:
+    """The chip's rates (timing.chip_rates), logged: (read bytes/s, GEMM FLOP/s), the roofline's. Rows before
+    session 23 give copy_tb_s timed one program per sync, and their roofline_ms from it (too slow a rate: 3.0-3.5
+    TB/s); rows before session 38 put the compute side at a nominal 790 TFLOP/s (now roofline_nominal_ms)."""
     rates = chip_rates(calls)
     log(what="ceilings", **rates)
-    return rates["read_tb_s"] * 1e12
+    return rates["read_tb_s"] * 1e12, rates["gemm_tflop_s"] * 1e12
 
 
 cfg = preset(args.preset).replace(noise="mask", mask_token_id=preset(args.preset).vocab_size - 1,
@@ -158,7 +159,8 @@ def step_loop(sampler, c, sstate):
     return jax.jit(run, static_argnames="fixed", compiler_options=LOOP_OPTIONS)
 
 
-def step_phase(params, bw):
+def step_phase(params, rates):
+    bw, gemm_rate = rates
     for L in map(int, args.blocks.split(",")):
         sampler, c, cache, canvas, sstate = step_inputs(L)
         f = step_loop(sampler, c, sstate)
@@ -168,9 +170,10 @@ def step_phase(params, bw):
             compile_s = time.perf_counter() - t
             per = median_seconds(lambda: f(params, cache, canvas, 16, jax.random.key(3), mode == "fori"), reps=5) / 16
             flops = 2 * (nbytes / 2) * L
-            roof = max(nbytes / bw, flops / 790e12)
+            roof = max(nbytes / bw, flops / gemm_rate)  # the issue's roofline: bytes and FLOPs at the measured rates
             log(what="denoise_step", block=L, loop=mode, ms_per_forward=per * 1e3, roofline_ms=roof * 1e3,
-                pct_of_roofline=100 * roof / per, compile_s=compile_s, canvas_sha=digest(res[1]))
+                roofline_nominal_ms=max(nbytes / bw, flops / 790e12) * 1e3, pct_of_roofline=100 * roof / per,
+                compile_s=compile_s, canvas_sha=digest(res[1]))
 
     if MESH is not None:
         return
@@ -242,13 +245,13 @@ def breakdown_phase(params):
             log(what="breakdown", block=L, part=name, ms=median_seconds(fn, reps=20) * 1e3)
 
 
-bw = ceilings(20 if jax.default_backend() == "gpu" else 1)  # a CPU smoke run: one 8192^3 GEMM per timing
+rates = ceilings(20 if jax.default_backend() == "gpu" else 1)  # a CPU smoke run: one 8192^3 GEMM per timing
 t = time.perf_counter()
 params = P.init(specs, jax.random.key(0), MESH)
 jax.block_until_ready(params)
 log(what="init", params_gb=nbytes / 1e9, seconds=time.perf_counter() - t)
 if args.phase == "step":
-    step_phase(params, bw)
+    step_phase(params, rates)
 elif args.phase == "breakdown":
     breakdown_phase(params)
 elif args.phase == "profile":
