@@ -18,6 +18,10 @@ a scalar loop per thread (seeded by the program id, so it cannot be folded). Wit
 wait. Per kernel = the difference between two chain lengths over the extra kernels; the chain's result must equal
 x + L (a wrong value means the wait did not order the read).
 
+Session 38, jax 0.11.2, one H200 (benchmarks/results/2026-12-03_pdl_chain_h200.md): every chain exact and every PDL
+kernel marked, but no overlap in graphs or streams (an 18 us loop per kernel costs 18.0-18.3 us with PDL as without).
+Re-run it on a newer jax before building GEMMs that prefetch their weights ahead of the wait.
+
   python benchmarks/pdl_probe.py --out pdl.jsonl
   python benchmarks/pdl_probe.py --export     # lower for CUDA on any machine (no GPU): the kernels' MLIR only
 """
