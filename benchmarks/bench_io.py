@@ -73,10 +73,21 @@ def set_switches(items) -> dict:
     return switches
 
 
+def int_list(ap, flag: str, text: str, lo: int) -> list[int]:
+    """A flag's comma-separated integers, each >= lo; otherwise the parser's usage error naming the flag."""
+    try:
+        vals = [int(v) for v in text.split(",")]
+    except ValueError:
+        ap.error(f"{flag} takes comma-separated integers, got {text!r}")
+    if any(v < lo for v in vals):
+        ap.error(f"{flag} values must be >= {lo}, got {text!r}")
+    return vals
+
+
 def chain_lengths(ap, text: str) -> list[int]:
-    """The two chain lengths of a per-kernel probe (launch_tax_probe, persistent_chain_probe): 'N1,N2', 0 < N1 < N2;
-    the difference between their timings over N2 - N1 is the cost per link."""
-    lengths = [int(n) for n in text.split(",")]
-    if len(lengths) != 2 or not 0 < lengths[0] < lengths[1]:
+    """The two chain lengths of a per-kernel probe (launch_tax_probe, persistent_chain_probe, pdl_probe): 'N1,N2',
+    0 < N1 < N2; the difference between their timings over N2 - N1 is the cost per link."""
+    lengths = int_list(ap, "--lengths", text, 1)
+    if len(lengths) != 2 or not lengths[0] < lengths[1]:
         ap.error(f"--lengths must be two increasing positive counts, got {text!r}")
     return lengths

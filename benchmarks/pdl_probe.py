@@ -52,29 +52,18 @@ ap.add_argument("--modes", default="graph,stream",
                 help="graph: compiled into CUDA graphs as the engine's programs are; stream: XLA's default launches")
 ap.add_argument("--export", action="store_true", help="lower every variant for CUDA and print its size (any machine)")
 args = ap.parse_args()
-from bench_io import chain_lengths, recorder  # noqa: E402
+from bench_io import chain_lengths, int_list, recorder  # noqa: E402
 
 lengths = chain_lengths(ap, args.lengths)
-
-
-def int_list(flag: str, text: str, lo: int) -> list[int]:
-    try:
-        vals = [int(v) for v in text.split(",")]
-    except ValueError:
-        ap.error(f"{flag} takes comma-separated integers, got {text!r}")
-    if any(v < lo for v in vals):
-        ap.error(f"{flag} values must be >= {lo}, got {text!r}")
-    return vals
-
-
-programs_list = int_list("--programs", args.programs, 1)
+TILE_KB = 32  # one TMA load of the independent weights: a [64, 256] bf16 tile (W_TILE below)
+programs_list = int_list(ap, "--programs", args.programs, 1)
 modes = args.modes.split(",")
 if not modes or set(modes) - {"graph", "stream"}:
     ap.error(f"--modes takes graph and/or stream, got {args.modes!r}")
-work_list = int_list("--work", args.work, 0)
-read_list = int_list("--read-kb", args.read_kb, 0)
-if any(r % 32 for r in read_list):
-    ap.error(f"--read-kb values must be multiples of 32 (one [64, 256] bf16 tile), got {args.read_kb!r}")
+work_list = int_list(ap, "--work", args.work, 0)
+read_list = int_list(ap, "--read-kb", args.read_kb, 0)
+if any(r % TILE_KB for r in read_list):
+    ap.error(f"--read-kb values must be multiples of {TILE_KB} (one [64, 256] bf16 tile), got {args.read_kb!r}")
 
 from orl_jax import runtime  # noqa: E402
 
@@ -86,7 +75,7 @@ from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
 ROWS, COLS = 8, 128  # one program's tile of the chained value
-W_TILE = (64, 256)  # one TMA load of the independent weights: 32 KB of bf16
+W_TILE = (64, 256)  # one TMA load of the independent weights: TILE_KB of bf16
 IN_FLIGHT = args.in_flight
 
 
@@ -123,7 +112,7 @@ def _kernel(x_gmem, w_gmem, link_gmem, o_gmem, tile, bar, w_bufs, w_bars, *, wor
 def step_fn(programs: int, work: int, read_kb: int, pdl: bool):
     """One kernel of the chain through `plgpu.kernel` (jax 0.11 lowers Mosaic GPU kernels only this way; its
     `pl.pallas_call` finds no Mosaic GPU lowering rule): (x, w, link) -> x + 1, reading w[link] first."""
-    tiles = read_kb // 32
+    tiles = read_kb // TILE_KB
     return plgpu.kernel(
         functools.partial(_kernel, work=work, tiles=tiles, pdl=pdl),
         out_type=jax.ShapeDtypeStruct((programs * ROWS, COLS), jnp.float32),
@@ -135,7 +124,7 @@ def step_fn(programs: int, work: int, read_kb: int, pdl: bool):
 
 def weights(links: int, programs: int, read_kb: int):
     """Each link's own weights: [links, programs x tiles x 64, 256] bf16 (one row of 64 when nothing is read)."""
-    rows = max(programs * (read_kb // 32), 1) * W_TILE[0]
+    rows = max(programs * (read_kb // TILE_KB), 1) * W_TILE[0]
     return jax.ShapeDtypeStruct((links, rows, W_TILE[1]), jnp.bfloat16)
 
 
@@ -182,9 +171,9 @@ for mode, (p, w, r, pdl) in ((m, v) for m in modes for v in variants):
         row["uses_pdl_attr"] = "uses_pdl" in fns[0].lower(x, wts).as_text()  # the launch attribute's marker
         exact = all(bool(jnp.array_equal(fn(x, wts), x + n)) for fn, n in zip(fns, lengths))
         t = [median_seconds(fn, x, wts, reps=20, calls=10) for fn in fns]
-        row.update(exact=exact, ms=[s * 1e3 for s in t],
-                   us_per_kernel=(t[1] - t[0]) / (lengths[1] - lengths[0]) * 1e6,
-                   read_tb_s=(p * r * 1024 / ((t[1] - t[0]) / (lengths[1] - lengths[0])) / 1e12) if r else None)
+        per_kernel = (t[1] - t[0]) / (lengths[1] - lengths[0])
+        row.update(exact=exact, ms=[s * 1e3 for s in t], us_per_kernel=per_kernel * 1e6,
+                   read_tb_s=p * r * 1024 / per_kernel / 1e12 if r else None)
         del wts
     except Exception as e:  # noqa: BLE001 - one variant failing must not end the sweep
         row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
