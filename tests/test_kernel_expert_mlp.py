@@ -40,11 +40,12 @@ def test_tilings_hold_the_plain_layouts_columns():
         tile_down(dn, 3)
 
 
-@pytest.mark.parametrize("sizes", [[0, BM + 5, 3, 0, BM, 1, 9], [1, 0, 2]])
-def test_matches_the_reference_in_interpret_mode(sizes):
+@pytest.mark.parametrize("sizes,tiled", [([0, BM + 5, 3, 0, BM, 1, 9], True), ([1, 0, 2], True),
+                                         ([0, BM + 5, 3, 0, BM, 1, 9], False)])
+def test_matches_the_reference_in_interpret_mode(sizes, tiled):
     x, rows, sizes, offsets, gate_up, down = _case(jax.random.key(0), sizes)
-    got = expert_mlp(x, rows, offsets, tile_gate_up(gate_up, TILES.bf), tile_down(down, TILES.bn), jnp.int32(1),
-                     GELU, TILES, interpret=True)
+    gu, dn = (tile_gate_up(gate_up, TILES.bf), tile_down(down, TILES.bn)) if tiled else (gate_up, down)
+    got = expert_mlp(x, rows, offsets, gu, dn, jnp.int32(1), GELU, TILES, interpret=True)
     want = expert_mlp_reference(x, rows, sizes, gate_up[1], down[1], GELU)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     # the check can fail: the other layer's weights give other rows
@@ -67,18 +68,21 @@ def test_mismatched_tiles_are_refused():
     with pytest.raises(ValueError, match="do not match"):
         expert_mlp(x, rows, offsets, tile_gate_up(gate_up, 16), tile_down(down, TILES.bn), jnp.int32(0), GELU,
                    TILES, interpret=True)
+    with pytest.raises(ValueError, match="do not match"):
+        expert_mlp(x, rows, offsets, gate_up, down[..., :64], jnp.int32(0), GELU, TILES, interpret=True)
     with pytest.raises(ValueError, match="1-D int32"):
         expert_mlp(x, rows.astype(jnp.float32), offsets, tile_gate_up(gate_up, TILES.bf),
                    tile_down(down, TILES.bn), jnp.int32(0), GELU, TILES, interpret=True)
 
 
-def test_triton_ir_at_diffusion_gemma_shapes():
+@pytest.mark.parametrize("tiled", [True, False])
+def test_triton_ir_at_diffusion_gemma_shapes(tiled):
     """The 26B's experts (D 2816, F 704, 128 experts) at the default tiles lower to valid Triton IR."""
     e, d, f, m, t = 128, 2816, 704, 2048, 256
     tiles = Tiles()
+    gu, dn = ((2, e, f // tiles.bf, d, 2 * tiles.bf), (2, e, d // tiles.bn, f, tiles.bn)) if tiled else (
+        (2, e, d, 2 * f), (2, e, f, d))
     args = (jax.ShapeDtypeStruct((t, d), jnp.bfloat16), jax.ShapeDtypeStruct((m,), jnp.int32),
-            jax.ShapeDtypeStruct((e + 1,), jnp.int32),
-            jax.ShapeDtypeStruct((2, e, f // tiles.bf, d, 2 * tiles.bf), jnp.bfloat16),
-            jax.ShapeDtypeStruct((2, e, d // tiles.bn, f, tiles.bn), jnp.bfloat16),
-            jax.ShapeDtypeStruct((), jnp.int32))
+            jax.ShapeDtypeStruct((e + 1,), jnp.int32), jax.ShapeDtypeStruct(gu, jnp.bfloat16),
+            jax.ShapeDtypeStruct(dn, jnp.bfloat16), jax.ShapeDtypeStruct((), jnp.int32))
     assert verified_triton_modules(lambda *a: expert_mlp(*a, GELU, tiles), *args) == 1

@@ -1,7 +1,10 @@
 """GPU benchmark of the fused expert MLP (kernel.expert_mlp) against the MoE's two grouped GEMMs with XLA's
 activation between them (what moe.grouped_experts_mlp runs today), at DiffusionGemma 26B-A4B's expert shapes.
 
-  python kernels/expert_mlp/bench.py [--out expert_mlp.jsonl] [--tiles "bf,bn,bk1,bk2,warps,stages;..."]
+  python kernels/expert_mlp/bench.py [--out expert_mlp.jsonl] [--tiles "bf,bn,bk1,bk2,warps,stages[,p];..."]
+
+An entry ending in ",p" reads the weights in the model's layout ([L, E, D, 2F] and [L, E, F, D]); the others in the
+tiled layout of tile_gate_up / tile_down.
 
 256 canvas tokens routed uniformly to top-8 of 128 experts (2048 rows, ~16 per expert). Weights: a stack of LAYERS
 layers (12 GB, far past L2), each variant once per layer in one jitted program, CALLS programs per sync (the
@@ -34,15 +37,17 @@ E, T, TOPK, D, F, LAYERS, CALLS = 128, 256, 8, 2816, 704, 8, 20
 if INTERPRET:
     E, T, TOPK, D, F, LAYERS, CALLS = 4, 8, 2, 128, 64, 2, 1
 ACT = ACTIVATIONS["gelu_tanh"]
-DEFAULT_TILES = ("64,128,64,64,4,4;64,128,64,64,8,4;64,128,128,64,4,3;64,128,64,64,4,6;64,256,64,64,8,4;"
-                 "32,128,64,64,4,4;64,64,64,64,4,4")
+DEFAULT_TILES = "64,128,64,64,4,6;64,128,64,64,4,6,p;64,128,64,64,4,4,p;64,128,64,64,4,8,p;64,256,64,64,4,4,p"
 
 
-def parse_tiles(text: str) -> list[Tiles]:
+def parse_tiles(text: str) -> list[tuple[Tiles, bool]]:
+    """(tiles, plain layout) per entry."""
     out = []
     for item in filter(None, text.split(";")):
-        bf, bn, bk1, bk2, warps, stages = (int(v) for v in item.split(","))
-        out.append(Tiles(bf, bn, bk1, bk2, warps, stages))
+        fields = item.split(",")
+        plain = fields[-1] == "p"
+        bf, bn, bk1, bk2, warps, stages = (int(v) for v in fields[:6 if plain else None])
+        out.append((Tiles(bf, bn, bk1, bk2, warps, stages), plain))
     return out
 
 
@@ -88,11 +93,13 @@ def main():
                                          jnp.sum(dn[i].astype(jnp.float32), axis=1)), (gu, dn))
     timed("two_kernels", two_kernels, (gu, dn))
     layout = None
-    for tiles in parse_tiles(args.tiles):
-        if layout is None or layout[0] != (tiles.bf, tiles.bn):
+    for tiles, plain in parse_tiles(args.tiles):
+        if plain:
+            layout = ("plain", gu, dn)
+        elif layout is None or layout[0] != (tiles.bf, tiles.bn):
             layout = None  # free the previous tiled copy first
             layout = ((tiles.bf, tiles.bn), tile_gate_up(gu, tiles.bf), tile_down(dn, tiles.bn))
-        label = f"fused {tiles}"
+        label = f"fused {'plain' if plain else 'tiled'} {tiles}"
 
         def fused(gut, dnt, i, tiles=tiles):
             return expert_mlp(x, tokens, offsets, gut, dnt, i, ACT, tiles, interpret=INTERPRET)

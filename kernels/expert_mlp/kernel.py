@@ -6,9 +6,11 @@ each kernel's fill and last wave. Here each program takes one expert: it streams
 act(g) * u for its rows in a small scratch (global memory: [M, F] bf16, mostly L2), passes a block barrier and
 streams the expert's down tiles. Nothing between the two products waits for the whole grid.
 
-Weights come in a tiled layout (tile_gate_up / tile_down) so that every program reads one contiguous stream:
-- gate/up [L, E, J, D, 2 * BF]: tile j holds the gate columns j * BF .. + BF and then the same up columns;
-- down [L, E, N, F, BN]: tile n holds the output columns n * BN .. + BN.
+Weights come as the model holds them (gate/up [L, E, D, 2F] as gate | up, down [L, E, F, D]: a program reads bf
+gate and bf up columns of each K row, then bn down columns), or in a tiled layout (tile_gate_up / tile_down) in
+which every program reads one contiguous stream:
+- gate/up [L, E, J, D, 2 * bf]: tile j holds the gate columns j * bf .. + bf and then the same up columns;
+- down [L, E, N, F, bn]: tile n holds the output columns n * bn .. + bn.
 Each product runs as one flat loop over (tile, K chunk), so Triton's pipeliner streams across tile boundaries.
 
 Semantics (reference.py): for each expert e with sorted rows r in [offsets[e], offsets[e + 1]) and x_r = x[rows[r]],
@@ -41,7 +43,25 @@ class Tiles:
     num_stages: int = 4
 
 
-DEFAULT = Tiles()
+# The best of session 39's sweep at the 26B's shapes, tiled layout (kernels/expert_mlp/bench.py on an H200): 377 us
+# per layer at 6 stages against 402 at 4; 8 warps, 2 warps, 32-row K chunks and 32- or 64-wide tiles were slower.
+# Read at trace time (benchmarks' --set switches them).
+NUM_WARPS = 4
+NUM_STAGES = 6
+DEFAULT = Tiles(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+
+
+def tiles_for(d: int, f: int, base: Tiles | None = None) -> Tiles | None:
+    """`base` (the default tiles at NUM_WARPS / NUM_STAGES unless given) with each tile cut to the largest power of two (>= 16, Triton's least dot size) dividing its dimension
+    (D = 2816 and F = 704 keep the defaults); None if some dimension has no such divisor."""
+    def cut(size: int, dim: int) -> int:
+        while size >= 16 and dim % size:
+            size //= 2
+        return size
+
+    base = base or dataclasses.replace(DEFAULT, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    t = dataclasses.replace(base, bf=cut(base.bf, f), bn=cut(base.bn, d), bk1=cut(base.bk1, d), bk2=cut(base.bk2, f))
+    return t if min(t.bf, t.bn, t.bk1, t.bk2) >= 16 else None
 
 
 def tile_gate_up(gate_up: jax.Array, bf: int) -> jax.Array:
@@ -67,8 +87,24 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, d_ref, y_ref, h_ref, *,
 
     e = pl.program_id(0)
     layer = layer_ref[0]
-    n_j, d_model = gu_ref.shape[2], gu_ref.shape[3]
-    n_n, f = d_ref.shape[2], d_ref.shape[3]
+    tiled = len(gu_ref.shape) == 5
+    if tiled:
+        n_j, d_model = gu_ref.shape[2], gu_ref.shape[3]
+        n_n, f = d_ref.shape[2], d_ref.shape[3]
+    else:
+        d_model, f = gu_ref.shape[2], gu_ref.shape[3] // 2
+        n_j, n_n = f // t.bf, d_ref.shape[3] // t.bn
+
+    def gu_tile(j, ks, up: bool):  # [bk1, bf]: K rows ks of gate (or up) columns j * bf ..
+        if tiled:
+            return gu_ref[layer, 0, j, ks, pl.ds(t.bf if up else 0, t.bf)]
+        return gu_ref[layer, 0, ks, pl.ds(pl.multiple_of(j * t.bf + (f if up else 0), t.bf), t.bf)]
+
+    def d_tile(n, ks):  # [bk2, bn]: K rows ks of down's output columns n * bn ..
+        if tiled:
+            return d_ref[layer, 0, n, ks, :]
+        return d_ref[layer, 0, ks, pl.ds(pl.multiple_of(n * t.bn, t.bn), t.bn)]
+
     kc1, kc2 = d_model // t.bk1, f // t.bk2
     start, rows = off_ref[e], off_ref[e + 1] - off_ref[e]
     zero = jnp.zeros((BM, t.bf), jnp.float32)
@@ -82,10 +118,8 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, d_ref, y_ref, h_ref, *,
             j, k = i // kc1, jax.lax.rem(i, kc1)
             k0 = pl.multiple_of(k * t.bk1, t.bk1)
             xb = plt.load(x_ref.at[ids[:, None], (k0 + jnp.arange(t.bk1))[None, :]], mask=live[:, None], other=0.0)
-            g = acc[0] + jnp.dot(xb, gu_ref[layer, 0, j, pl.ds(k0, t.bk1), pl.ds(0, t.bf)],
-                                 preferred_element_type=jnp.float32)
-            u = acc[1] + jnp.dot(xb, gu_ref[layer, 0, j, pl.ds(k0, t.bk1), pl.ds(t.bf, t.bf)],
-                                 preferred_element_type=jnp.float32)
+            g = acc[0] + jnp.dot(xb, gu_tile(j, pl.ds(k0, t.bk1), False), preferred_element_type=jnp.float32)
+            u = acc[1] + jnp.dot(xb, gu_tile(j, pl.ds(k0, t.bk1), True), preferred_element_type=jnp.float32)
             last = k == kc1 - 1
 
             @pl.when(last)
@@ -104,7 +138,7 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, d_ref, y_ref, h_ref, *,
             n, k = i // kc2, jax.lax.rem(i, kc2)
             k0 = pl.multiple_of(k * t.bk2, t.bk2)
             hb = plt.load(h_ref.at[pl.ds(r0, BM), pl.ds(k0, t.bk2)], mask=live[:, None], other=0.0)
-            acc = acc + jnp.dot(hb, d_ref[layer, 0, n, pl.ds(k0, t.bk2), :], preferred_element_type=jnp.float32)
+            acc = acc + jnp.dot(hb, d_tile(n, pl.ds(k0, t.bk2)), preferred_element_type=jnp.float32)
             last = k == kc2 - 1
 
             @pl.when(last)
@@ -122,15 +156,22 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, d_ref, y_ref, h_ref, *,
 
 @functools.partial(jax.jit, static_argnames=("act", "tiles", "interpret"))
 def expert_mlp(x: jax.Array, rows: jax.Array, offsets: jax.Array, gate_up: jax.Array, down: jax.Array,
-               layer: jax.Array, act, tiles: Tiles = DEFAULT, interpret: bool = False) -> jax.Array:
+               layer: jax.Array, act, tiles: Tiles | None = None, interpret: bool = False) -> jax.Array:
     """x [T, D] (the tokens), rows [M] int32 (the token of each row sorted by expert), offsets [E + 1] (each
-    expert's first sorted row, then the end); gate_up [L, E, F / bf, D, 2 * bf] (tile_gate_up) and down
-    [L, E, D / bn, F, bn] (tile_down), layer `layer` read in place; act: float32 -> float32 (hashable).
+    expert's first sorted row, then the end); gate_up [L, E, D, 2F] and down [L, E, F, D], or tiled: gate_up
+    [L, E, F / bf, D, 2 * bf] (tile_gate_up) and down [L, E, D / bn, F, bn] (tile_down); layer `layer` read in place;
+    act: float32 -> float32 (hashable). tiles: tiles_for(D, F) unless given.
     -> [M, D] in x's dtype, row r = expert MLP of x[rows[r]] (rows past offsets[-1] unspecified)."""
-    t = tiles
-    n_l, e, n_j, d, bf2 = gate_up.shape
-    f = n_j * bf2 // 2
-    if bf2 != 2 * t.bf or down.shape != (n_l, e, d // t.bn, f, t.bn) or x.shape[1] != d:
+    t = tiles or tiles_for(x.shape[-1], down.shape[-2]) or DEFAULT  # F: down's rows in either layout
+    if gate_up.ndim == 5:
+        n_l, e, n_j, d, bf2 = gate_up.shape
+        f = n_j * bf2 // 2
+        ok = bf2 == 2 * t.bf and down.shape == (n_l, e, d // t.bn, f, t.bn)
+    else:
+        n_l, e, d, f2 = gate_up.shape
+        f = f2 // 2
+        ok = gate_up.ndim == 4 and f % t.bf == 0 and d % t.bn == 0 and down.shape == (n_l, e, f, d)
+    if not ok or x.shape[1] != d:
         raise ValueError(f"expert_mlp: gate_up {gate_up.shape}, down {down.shape} and x {x.shape} do not match "
                          f"{t} (see tile_gate_up / tile_down)")
     if d % t.bk1 or f % t.bk2:
@@ -147,8 +188,8 @@ def expert_mlp(x: jax.Array, rows: jax.Array, offsets: jax.Array, gate_up: jax.A
         out_shape=(jax.ShapeDtypeStruct((m + spare, d), x.dtype), jax.ShapeDtypeStruct((m + spare, f), x.dtype)),
         grid=(e,),
         in_specs=[full((1,)), full((e + 1,)), full((m + spare,)), full(x.shape),
-                  pl.BlockSpec((n_l, 1) + gate_up.shape[2:], lambda g: (0, g, 0, 0, 0)),
-                  pl.BlockSpec((n_l, 1) + down.shape[2:], lambda g: (0, g, 0, 0, 0))],
+                  pl.BlockSpec((n_l, 1) + gate_up.shape[2:], lambda g: (0, g) + (0,) * (gate_up.ndim - 2)),
+                  pl.BlockSpec((n_l, 1) + down.shape[2:], lambda g: (0, g) + (0,) * (down.ndim - 2))],
         out_specs=(full((m + spare, d)), full((m + spare, f))),
         interpret=interpret,
         **triton_params(t.num_warps, t.num_stages, interpret),
