@@ -52,8 +52,9 @@ DEFAULT = Tiles(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
 
 
 def tiles_for(d: int, f: int, base: Tiles | None = None) -> Tiles | None:
-    """`base` (the default tiles at NUM_WARPS / NUM_STAGES unless given) with each tile cut to the largest power of two (>= 16, Triton's least dot size) dividing its dimension
-    (D = 2816 and F = 704 keep the defaults); None if some dimension has no such divisor."""
+    """`base` (the default tiles at NUM_WARPS / NUM_STAGES unless given) with each tile cut to the largest power of
+    two (>= 16, Triton's least dot size) dividing its dimension (D = 2816 and F = 704 keep the defaults); None if
+    some dimension has no such divisor."""
     def cut(size: int, dim: int) -> int:
         while size >= 16 and dim % size:
             size //= 2
