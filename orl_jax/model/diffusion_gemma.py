@@ -340,8 +340,7 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
         return x, kv
 
     def full_layer(x, g):
-        gi = jnp.int32(g)  # one index for the layer's stacks (moe's fused experts take both expert stacks at one index)
-        w = {n: a[g] for n, a in full_w.items()} | {n: StackedWeight(params["full"][n], gi) for n in stacks}
+        w = {n: a[g] for n, a in full_w.items()} | {n: StackedWeight(params["full"][n], jnp.int32(g)) for n in stacks}
         part = None
         if full_v is not None:
             w |= unpack_vectors(full_v[g], full_layout)

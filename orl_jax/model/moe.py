@@ -245,20 +245,6 @@ def _sorted_rows(experts: jax.Array, num_experts: int, kernel: bool, by_token: b
 # (benchmarks/results/2026-12-01_dg_gather_rows_h200.md). Read at trace time (benchmarks/diffusion_gemma_generate.py
 # --sorted-copy sets False).
 GATHER_IN_KERNEL = True
-# The pallas path's experts in one launch (kernels/expert_mlp: each program a whole expert, gate/up, activation and
-# down, the weights read in the model's layout) instead of two grouped GEMMs with XLA's activation between them.
-# Needs the sort kernel's offsets and GATHER_IN_KERNEL. Read at trace time (benchmarks' --set switches it).
-FUSED_EXPERTS = False
-
-
-def _fusable(x, gate_up, down) -> bool:
-    """Both expert stacks [L, E, ...] read in place at one layer, in x's dtype, at shapes the fused kernel tiles."""
-    from orl_jax_kernels.expert_mlp.kernel import tiles_for
-
-    stacks = [getattr(w, "stack", None) for w in (gate_up, down)]
-    if any(s is None or s.ndim != 4 or s.dtype != x.dtype for s in stacks) or gate_up.index is not down.index:
-        return False
-    return tiles_for(stacks[0].shape[2], stacks[0].shape[3] // 2) is not None
 
 
 def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False,
@@ -274,13 +260,6 @@ def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kerne
     # is used once fused the whole counting sort into itself (170 us per 26B layer, session 16).
     take = in_bounds_take if offsets is not None else (lambda a, i: jnp.take(a, i, axis=0))  # noqa: E731
     xs, rows = (x, tokens) if GATHER_IN_KERNEL else (take(x, tokens), None)
-    if FUSED_EXPERTS and rows is not None and offsets is not None and _fusable(x, gate_up, down):
-        from orl_jax_kernels.expert_mlp.kernel import expert_mlp
-
-        y = expert_mlp(x, rows, offsets, gate_up.stack, down.stack, gate_up.index, ACTIVATIONS[act],
-                       interpret=jax.default_backend() == "cpu")
-        y = take(y, pos).astype(jnp.float32) * weights.reshape(-1, 1)
-        return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)
     g, u = jnp.split(grouped_matmul(xs, gate_up, sizes, offsets, rows=rows), 2, axis=-1)  # [M, F] each
     y = grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes, offsets)  # [M, D] in sorted order
     y = take(y, pos).astype(jnp.float32) * weights.reshape(-1, 1)  # [M, D] in (token, choice) order
