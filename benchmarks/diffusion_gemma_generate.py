@@ -82,6 +82,9 @@ ap.add_argument("--parts", action="store_true",
 ap.add_argument("--generate-hlo", action="store_true",
                 help="also write the compiled generate() program's HLO beside --out (OUT.generate.hlo.txt.gz): which "
                      "of the loop's instructions XLA left outside its command buffers")
+ap.add_argument("--expert-loads", action="store_true",
+                help="first log the rows routed to each expert in every MoE layer of the prefill and of one decoder "
+                     "forward (moe_impl pallas): the grouped kernels read an expert's weights once per 64-row tile")
 ap.add_argument("--capacity-factor", type=int,
                 help="moe.CAPACITY_FACTOR (slots per expert / mean load; overflow takes further rounds)")
 args = ap.parse_args()
@@ -326,6 +329,44 @@ def generate_parts(c, kw):
         log(what="generate_profile_gap", **row)
     write_timeline(d, Path(args.out).with_suffix(".generate.timeline.jsonl.gz"))
 
+
+def expert_loads(c):
+    """Per pass (prefill, one decoder forward): the rows each expert gets in each MoE layer, summarized. Random
+    weights route unevenly; an expert past BM rows has its weights read once per BM-row tile."""
+    from orl_jax_kernels.grouped_gemm.kernel import BM
+
+    seen, real = [], moe._sorted_rows
+
+    def spy(experts, num_experts, kernel, by_token=False):
+        out = real(experts, num_experts, kernel, by_token)
+        jax.debug.callback(lambda sizes: seen.append(np.asarray(sizes)), out[2])
+        return out
+
+    moe._sorted_rows = spy
+    jax.clear_caches()
+    try:
+        cache = prefilled(c)
+        jax.effects_barrier()
+        passes = {"prefill": list(seen)}
+        seen.clear()
+        canvas = jnp.asarray(np.random.default_rng(1).integers(0, min(200000, c.vocab_size), (1, args.new)), jnp.int32)
+        jax.block_until_ready(jax.jit(lambda p, t, k: diffusion_gemma.decode(p, c, t, k)[:, :, :8])(params, canvas,
+                                                                                                     cache))
+        jax.effects_barrier()
+        passes["decode"] = list(seen)
+    finally:
+        moe._sorted_rows = real
+        jax.clear_caches()
+    for name, layers in passes.items():
+        s = np.stack(layers)  # [layers, E]
+        tiles = np.ceil(s / BM)
+        log(what="expert_loads", pass_name=name, layers=len(layers), rows_per_layer=int(s[0].sum()),
+            mean=float(s.mean()), max_per_layer=s.max(axis=1).tolist(), unused=int((s == 0).sum()),
+            over_bm=int((s > BM).sum()), bm=BM, weight_reads=float(tiles.sum() / (s > 0).sum()))
+
+
+if args.expert_loads:
+    expert_loads(cfg.replace(moe_impl="pallas"))
 
 if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the isolated bench ranks them otherwise)
     from orl_jax_kernels.small_m_gemm.kernel import set_tuned
