@@ -197,13 +197,18 @@ def compile_dg(fn, options=None):
     return jax.jit(fn, compiler_options=runtime.DG_COMPILER_OPTIONS | (options or {}))
 
 
+def bench_canvas(cfg):
+    """The timed decoder forwards' canvas: args.new random tokens."""
+    return jnp.asarray(np.random.default_rng(1).integers(0, min(200000, cfg.vocab_size), (1, args.new)), jnp.int32)
+
+
 def one_forward(cfg, cache=None, options=None):
     """ms of one decoder forward over a 256-token canvas after the prompt (cache read only; prefilled here unless
     given), and the compiled program's temporary bytes (a scanned weight slice copied for a custom call would show
     here). options: XLA compiler options on top of runtime.DG_COMPILER_OPTIONS."""
     if cache is None:
         cache = prefilled(cfg)
-    canvas = jnp.asarray(np.random.default_rng(1).integers(0, min(200000, cfg.vocab_size), (1, args.new)), jnp.int32)
+    canvas = bench_canvas(cfg)
     f = compile_dg(lambda p, c, k: diffusion_gemma.decode(p, cfg, c, k)[:, :, :8], options)
     compiled = f.lower(params, canvas, cache).compile()
     mem = compiled.memory_analysis()
@@ -349,9 +354,8 @@ def expert_loads(c):
         jax.effects_barrier()
         passes = {"prefill": list(seen)}
         seen.clear()
-        canvas = jnp.asarray(np.random.default_rng(1).integers(0, min(200000, c.vocab_size), (1, args.new)), jnp.int32)
-        jax.block_until_ready(jax.jit(lambda p, t, k: diffusion_gemma.decode(p, c, t, k)[:, :, :8])(params, canvas,
-                                                                                                     cache))
+        jax.block_until_ready(jax.jit(lambda p, t, k: diffusion_gemma.decode(p, c, t, k)[:, :, :8])(
+            params, bench_canvas(c), cache))
         jax.effects_barrier()
         passes["decode"] = list(seen)
     finally:
