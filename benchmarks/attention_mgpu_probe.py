@@ -68,10 +68,11 @@ def main():
     want = ours.astype(jnp.float32)
     from jax.experimental.pallas.ops.gpu import attention_mgpu as mgpu
 
-    kk = jnp.concatenate([kc[:, :FILLED], kself], axis=1)
-    vv = jnp.concatenate([vc[:, :FILLED], vself], axis=1)
-    f16 = lambda *xs: [x.astype(jnp.float16) for x in xs]  # noqa: E731
-    q16, kk, vv, kc16, vc16, ks16, vs16 = f16(q, kk, vv, kc, vc, kself, vself)
+    def visible(kc, vc, ks, vs):  # the keys and values every query sees, as one array each: [filled cache, own]
+        return (jnp.concatenate([kc[:, :FILLED], ks], axis=1), jnp.concatenate([vc[:, :FILLED], vs], axis=1))
+
+    q16, kc16, vc16, ks16, vs16 = (x.astype(jnp.float16) for x in (q, kc, vc, kself, vself))
+    kk, vv = visible(kc16, vc16, ks16, vs16)
     for bq, bkv, steps in CONFIGS:
         cfg = mgpu.TuningConfig(block_q=bq, block_kv=bkv, max_concurrent_steps=steps)
         label = f"attention_mgpu float16 block_q={bq} block_kv={bkv} steps={steps}"
@@ -80,9 +81,8 @@ def main():
             err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want)))
             record(variant=label, max_abs_err_vs_ours=err)
             print(f"  max |mgpu - ours| = {err:.3g}", flush=True)
-            timed(label + " + concatenation", lambda q, kc, vc, ks, vs, cfg=cfg: mgpu.attention(
-                q, jnp.concatenate([kc[:, :FILLED], ks], axis=1), jnp.concatenate([vc[:, :FILLED], vs], axis=1),
-                cfg), q16, kc16, vc16, ks16, vs16)
+            timed(label + " + concatenation", lambda q, *kv, cfg=cfg: mgpu.attention(q, *visible(*kv), cfg),
+                  q16, kc16, vc16, ks16, vs16)
 
 
 if __name__ == "__main__":

@@ -202,6 +202,12 @@ def bench_canvas(cfg):
     return jnp.asarray(np.random.default_rng(1).integers(0, min(200000, cfg.vocab_size), (1, args.new)), jnp.int32)
 
 
+def decoder(cfg):
+    """The timed decoder forward: (params, canvas, cache) -> a slice of its logits (the whole [L, V] output would
+    add a copy to every timing)."""
+    return lambda p, toks, cache: diffusion_gemma.decode(p, cfg, toks, cache)[:, :, :8]
+
+
 def one_forward(cfg, cache=None, options=None):
     """ms of one decoder forward over a 256-token canvas after the prompt (cache read only; prefilled here unless
     given), and the compiled program's temporary bytes (a scanned weight slice copied for a custom call would show
@@ -209,7 +215,7 @@ def one_forward(cfg, cache=None, options=None):
     if cache is None:
         cache = prefilled(cfg)
     canvas = bench_canvas(cfg)
-    f = compile_dg(lambda p, c, k: diffusion_gemma.decode(p, cfg, c, k)[:, :, :8], options)
+    f = compile_dg(decoder(cfg), options)
     compiled = f.lower(params, canvas, cache).compile()
     mem = compiled.memory_analysis()
     sec = median_seconds(lambda: compiled(params, canvas, cache), reps=5, calls=5)
@@ -238,7 +244,7 @@ def one_forward(cfg, cache=None, options=None):
 
 def looped_forward(cfg, cache, canvas, options, n):
     """ms per decoder forward when n of them run in one program, a fori_loop on the device as in generate()."""
-    return looped_ms(lambda p, toks, k: diffusion_gemma.decode(p, cfg, toks, k)[:, :, :8], canvas, n, cache,
+    return looped_ms(decoder(cfg), canvas, n, cache,
                      options=options, reps=3)
 
 
@@ -354,8 +360,7 @@ def expert_loads(c):
         jax.effects_barrier()
         passes = {"prefill": list(seen)}
         seen.clear()
-        jax.block_until_ready(jax.jit(lambda p, t, k: diffusion_gemma.decode(p, c, t, k)[:, :, :8])(
-            params, bench_canvas(c), cache))
+        jax.block_until_ready(compile_dg(decoder(c))(params, bench_canvas(c), cache))
         jax.effects_barrier()
         passes["decode"] = list(seen)
     finally:
