@@ -151,3 +151,26 @@ def test_late_normalization_equals_the_softmax_first():
     for p in (parts, parts[:1]):
         np.testing.assert_allclose(np.asarray(attn.scaled_attention(q, p, 0.5, late_normalize=True)),
                                    np.asarray(attn.scaled_attention(q, p, 0.5)), atol=1e-5, rtol=1e-5)
+
+
+def test_einsum_head_dims_send_the_kernel_path_to_the_joined_einsums(monkeypatch):
+    """attention.EINSUM_HEAD_DIMS: a head dim listed there takes the joined einsum path with impl "pallas" (the
+    kernel is never traced), with the kernel's values; other head dims keep the kernel."""
+    from orl_jax_kernels.decode_attention import kernel as da
+
+    ks = jax.random.split(jax.random.key(8), 6)
+    b, l, s, kv, g, h = 1, 16, 32, 2, 2, 64
+    q = jax.random.normal(ks[0], (b, l, kv * g, h))
+    parts = [(jax.random.normal(ks[1], (b, s, kv, h)), jax.random.normal(ks[2], (b, s, kv, h)),
+              jnp.arange(s)[None, None, :] < jnp.full((b, l, 1), 20)),
+             (jax.random.normal(ks[4], (b, l, kv, h)), jax.random.normal(ks[5], (b, l, kv, h)),
+              jnp.ones((b, l, l), bool))]
+    kernel_calls = []
+    monkeypatch.setattr(da, "cached_attention", lambda *a, real=da.cached_attention, **kw: (
+        kernel_calls.append(1), real(*a, **kw))[1])
+    want = attn.attention(q, parts, "pallas", scale=1.0)
+    assert kernel_calls == [1]
+    monkeypatch.setattr(attn, "EINSUM_HEAD_DIMS", (h,))
+    got = attn.attention(q, parts, "pallas", scale=1.0)
+    assert kernel_calls == [1]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from triton_ir import verified_triton_modules
 
-from orl_jax_kernels.grouped_gemm.kernel import BM, grouped_matmul, supported
+from orl_jax_kernels.grouped_gemm.kernel import BM, grouped_matmul, supported, tile_columns
 from orl_jax_kernels.grouped_gemm.reference import grouped_matmul_reference
 from orl_jax_kernels.small_m_gemm.kernel import Blocks
 
@@ -62,6 +62,34 @@ def test_gathered_rows_in_interpret_mode(stacked, columns_inner, monkeypatch):
     assert np.abs(np.asarray(shifted) - np.asarray(want)).max() > 0.1
     with pytest.raises(ValueError, match="rows must be"):
         grouped_matmul(x, one, sizes, layer, BLOCKS, interpret=True, rows=rows.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_tiled_layout_in_interpret_mode(stacked):
+    """w in tile_columns layout (each column tile's [K, bn] block contiguous) gives the untiled products; rows
+    gathered; a wrong tile width is refused."""
+    ks = jax.random.split(jax.random.key(5), 3)
+    e, k, n, t = 4, 128, 256, 19
+    sizes = jnp.array([BM + 2, 0, 9, 4])
+    x = jax.random.normal(ks[0], (t, k))
+    rows = jax.random.randint(ks[1], (int(sizes.sum()),), 0, t, jnp.int32)
+    w = jax.random.normal(ks[2], (2, e, k, n)) * 0.1
+    tw = tile_columns(w, BLOCKS.bn)
+    assert tw.shape == (2, e, n // BLOCKS.bn, k, BLOCKS.bn)
+    layer, one, tone = (jnp.int32(1), w, tw) if stacked else (None, w[1], tw[1])
+    got = grouped_matmul(x, tone, sizes, layer, BLOCKS, interpret=True, rows=rows, tiled=True)
+    want = grouped_matmul(x, one, sizes, layer, BLOCKS, interpret=True, rows=rows)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-5)
+    narrow = grouped_matmul(x, tile_columns(one, 64), sizes, layer, Blocks(bn=64, bk=64, splits=1),
+                            interpret=True, rows=rows, tiled=True)
+    np.testing.assert_allclose(np.asarray(narrow), np.asarray(want), rtol=1e-6, atol=1e-5)
+    # the check can fail: the untiled bytes read as tiled mix the columns
+    wrong = grouped_matmul(x, one.reshape(tone.shape), sizes, layer, BLOCKS, interpret=True, rows=rows, tiled=True)
+    assert np.abs(np.asarray(wrong) - np.asarray(want)).max() > 0.1
+    with pytest.raises(ValueError, match="tiled with bn=64"):
+        grouped_matmul(x, tile_columns(one, 64), sizes, layer, BLOCKS, interpret=True, rows=rows, tiled=True)
+    with pytest.raises(ValueError, match="not a multiple"):
+        tile_columns(one, 96)
 
 
 def test_given_offsets_replace_the_cumsum_of_the_group_sizes():

@@ -46,6 +46,9 @@ WIDE_SOFTMAX_KERNEL = True
 # per 26B full layer: 11.2 us in the session-21 profile); on an H200 the 26B forward took 14.946 / 14.960 ms against
 # 15.036 / 15.015 with them per forward in a device loop, alternating in one process
 # (benchmarks/results/2026-12-01_dg_query_major_h200.md; the switch that compared them is in git at a6ef11e).
+# Head dims sent to that joined einsum path even where kernels/decode_attention takes them (a benchmark switch:
+# DiffusionGemma's 256-wide sliding layers through cuBLAS and kernels/masked_softmax). Read at trace time.
+EINSUM_HEAD_DIMS: tuple[int, ...] = ()
 
 
 class KernelMask(NamedTuple):
@@ -102,7 +105,8 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
     self_mask lets padding rows see themselves, so cached passes have no such row).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale  # jax.nn.dot_product_attention's default too
-    if impl == "pallas" and len(parts) == 2:
+    forced = q.shape[-1] in EINSUM_HEAD_DIMS
+    if impl == "pallas" and len(parts) == 2 and not forced:
         from orl_jax_kernels.decode_attention.kernel import cached_attention
 
         (kc, vc, cm), (ks, vs, sm) = parts
@@ -115,7 +119,7 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
     if impl in ("xla", "cudnn") and not (impl == "cudnn" and q.shape[-1] > CUDNN_MAX_HEAD_DIM):
         k, v, mask = _joined(parts)
         return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation=impl)
-    if JOIN_WIDE_PARTS and len(parts) > 1 and q.shape[-1] > CUDNN_MAX_HEAD_DIM:
+    if JOIN_WIDE_PARTS and len(parts) > 1 and (q.shape[-1] > CUDNN_MAX_HEAD_DIM or forced):
         joined = _joined(parts)
         if impl == "pallas" and WIDE_SOFTMAX_KERNEL:
             from orl_jax_kernels.masked_softmax.kernel import supported as softmax_supported
