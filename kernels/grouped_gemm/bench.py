@@ -6,10 +6,10 @@ layer's slice. Sweeps the grouped kernel's tiles and writes the best per shape a
   python kernels/grouped_gemm/bench.py [--out grouped.jsonl] [--table grouped_tuned.json]
   python kernels/grouped_gemm/bench.py --layouts [--out layouts.jsonl]
 
---layouts: a whole expert MLP per layer (gate/up with gathered rows, the activation, down), the weights in the
-model's layout against `tile_columns` layout (each program's [K, bn] tile contiguous) at several tiles, beside XLA's
-sum over the same bytes (the chip's read under load), in alternating rounds over an 8-layer stack, 20 programs per
-sync.
+--layouts: a whole expert MLP per layer (gate/up with gathered rows, the activation, down) as two grouped GEMMs in
+the model's weight layout or `tile_columns`' (each program's [K, bn] tile contiguous), with the activation in
+gate/up's epilogue (`tile_gated`), or in one launch (mlp.grouped_mlp), beside XLA's sum over the same bytes (the
+chip's read under load), in alternating rounds over an 8-layer stack, 20 programs per sync.
 
 Rows: 256 canvas tokens x top-8 of 128 experts = 2048 routed rows, sorted by expert; the routing is random and
 uniform (each token's 8 distinct experts), so groups hold ~16 rows (a trained router is less even). Weights: a
@@ -19,6 +19,7 @@ checked against ragged_dot first.
 
 import argparse
 import itertools
+from dataclasses import replace
 import os
 import sys
 
@@ -34,13 +35,15 @@ import jax.numpy as jnp  # noqa: E402
 from bench_io import recorder, write_table  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
-from orl_jax_kernels.grouped_gemm.kernel import default_blocks, grouped_matmul, supported, tile_columns  # noqa: E402
+from orl_jax_kernels.grouped_gemm.kernel import (default_blocks, grouped_matmul, supported, tile_columns,  # noqa: E402
+                                                 tile_gated)
 from orl_jax_kernels.grouped_gemm.reference import grouped_matmul_reference  # noqa: E402
 from orl_jax_kernels.small_m_gemm.kernel import Blocks, batched_small_m_matmul, pipeline_stages  # noqa: E402
 
 INTERPRET = os.environ.get("ORL_BENCH_INTERPRET") == "1"  # CPU smoke run (tiny shapes, no timing sense)
 # name: (K, N); E experts, T tokens, top-k, bucket capacity C (moe.capacity at T)
 SHAPES = {"gate_up": (2816, 1408), "down": (704, 2816)}
+ACT = staticmethod(lambda v: jax.nn.gelu(v, approximate=True)).__func__  # DiffusionGemma's gelu_pytorch_tanh
 E, T, TOPK, C, LAYERS = 128, 256, 8, 64, 4
 if INTERPRET:
     SHAPES, E, T, TOPK, C, LAYERS = {"tiny": (128, 256)}, 8, 16, 2, 16, 2
@@ -104,7 +107,11 @@ def bench_shape(name, k, n, record) -> dict:
 
 
 def bench_layouts(record, rounds: int = 3, layers: int = 2 if INTERPRET else 8) -> None:
-    """Per layer: XLA's read of the layer's expert bytes, and the expert MLP in either layout at each tile pair."""
+    """Per layer: XLA's read of the layer's expert bytes, and the expert MLP (gate/up with gathered rows, the
+    activation, down) as two grouped GEMMs in the model's layout or tile_columns', with the activation in gate/up's
+    epilogue (tile_gated), or in one launch (mlp.grouped_mlp), alternating in `rounds` rounds."""
+    from orl_jax_kernels.grouped_gemm.mlp import grouped_mlp
+
     (d, f2), (f, _) = SHAPES.get("gate_up", (128, 256)), SHAPES.get("down", (128, 128))
     if INTERPRET:
         d, f2, f = 128, 256, 128
@@ -115,51 +122,51 @@ def bench_layouts(record, rounds: int = 3, layers: int = 2 if INTERPRET else 8) 
     gu = (jax.random.normal(ks[2], (layers, E, d, f2), jnp.float32) * 0.02).astype(jnp.bfloat16)
     dn = (jax.random.normal(ks[3], (layers, E, f, d), jnp.float32) * 0.02).astype(jnp.bfloat16)
     idx = jnp.arange(layers, dtype=jnp.int32)
-    calls = 1 if INTERPRET else 20
+    act = ACT
+    b_gu, b_dn = default_blocks(d, f2), default_blocks(f, d)
 
-    def mlp(b_gu, b_dn, tiled):
+    def two(layout, gu_blocks=b_gu, dn_blocks=b_dn):
         def one(x, gu, dn, i):
-            g, u = jnp.split(grouped_matmul(x, gu, sizes, i, b_gu, INTERPRET, offsets, rows=tokens, tiled=tiled), 2, -1)
-            h = jax.nn.gelu(g.astype(jnp.float32), approximate=True).astype(g.dtype) * u
-            return grouped_matmul(h, dn, sizes, i, b_dn, INTERPRET, offsets, tiled=tiled)
+            if layout == "gated":
+                h = grouped_matmul(x, gu, sizes, i, gu_blocks, INTERPRET, offsets, rows=tokens, gated=act)
+            else:
+                out = grouped_matmul(x, gu, sizes, i, gu_blocks, INTERPRET, offsets, rows=tokens,
+                                     tiled=layout == "tiled")
+                g, u = jnp.split(out, 2, -1)
+                h = act(g.astype(jnp.float32)).astype(g.dtype) * u
+            return grouped_matmul(h, dn, sizes, i, dn_blocks, INTERPRET, offsets, tiled=layout == "tiled")
         return one
+
+    def fused(dn_bn=b_dn.bn, warps=4, stages=3):
+        dn_blocks = Blocks(bn=dn_bn, bk=b_dn.bk, splits=1)
+        return lambda x, gu, dn, i: grouped_mlp(x, tokens, gu, dn, offsets, i, act, b_gu, dn_blocks,
+                                                num_warps=warps, num_stages=stages, interpret=INTERPRET)
 
     def per_layer(f, *w):  # seconds per layer of a program over the whole stack
         g = jax.jit(lambda x, *w: jax.lax.map(lambda i: f(x, *w, i), idx))
-        return median_seconds(g, x, *w, reps=3 if INTERPRET else 7, calls=calls) / layers
+        return median_seconds(g, x, *w, reps=3 if INTERPRET else 7, calls=1 if INTERPRET else 20) / layers
 
     read = lambda x, gu, dn, i: jnp.sum(gu[i], dtype=jnp.float32) + jnp.sum(dn[i], dtype=jnp.float32)  # noqa: E731
-    base_gu, base_dn = default_blocks(d, f2), default_blocks(f, d)
-    pairs = [(base_gu, base_dn)]
-    for bn_gu, bn_dn in ((64, 64), (base_gu.bn, 256)):  # 256 does not divide gate/up's 1408 columns
-        pairs.append((Blocks(bn=bn_gu, bk=base_gu.bk, splits=1, num_warps=4, num_stages=base_gu.num_stages),
-                      Blocks(bn=bn_dn, bk=base_dn.bk, splits=1, num_warps=4, num_stages=base_dn.num_stages)))
-    for sg, sd in ((3, 4), (2, 6), (4, 4)):
-        pairs.append((Blocks(bn=base_gu.bn, bk=base_gu.bk, splits=1, num_warps=4, num_stages=sg),
-                      Blocks(bn=base_dn.bn, bk=base_dn.bk, splits=1, num_warps=4, num_stages=sd)))
-    want = mlp(base_gu, base_dn, False)(x, gu, dn, 0).astype(jnp.float32)
-    tiled_w = {}
+    gated_w = (tile_gated(gu, b_gu.bn // 2), dn)
+    variants = [("two GEMMs, model layout (today)", two("model"), (gu, dn)),
+                ("two GEMMs, tile_columns layout", two("tiled"), (tile_columns(gu, b_gu.bn), tile_columns(dn, b_dn.bn))),
+                ("gate/up with the activation in its epilogue (tile_gated) + down", two("gated"), gated_w),
+                ("... gate/up at 3 stages", two("gated", replace(b_gu, num_stages=3)), gated_w)]
+    for stages in (2, 3, 4):
+        variants.append((f"one launch (grouped_mlp), 4 warps, {stages} stages", fused(stages=stages), gated_w))
+    variants.append(("one launch, down bn 64, 3 stages", fused(dn_bn=64), gated_w))
+    variants.append(("one launch, 8 warps, 3 stages", fused(warps=8), gated_w))
+    want = two("model")(x, gu, dn, 0).astype(jnp.float32)
     for r in range(rounds):
         record(layout_round=r, variant="xla_read", us=per_layer(read, gu, dn) * 1e6,
                gb=(gu[0].nbytes + dn[0].nbytes) / 1e9)
-        for b_gu, b_dn in pairs:
-            for tiled in (False, True):
-                if not (tiled or (b_gu, b_dn) == pairs[0] or r == 0):
-                    continue  # the model layout's other tiles: once (the tuned ones are the baseline)
-                name = f"{'tiled' if tiled else 'model'} gate/up {b_gu} down {b_dn}"
-                try:
-                    w = (gu, dn)
-                    if tiled:
-                        if (b_gu.bn, b_dn.bn) not in tiled_w:
-                            tiled_w.clear()  # one tiled copy at a time (12 GB each at the 26B's shapes)
-                            tiled_w[(b_gu.bn, b_dn.bn)] = (tile_columns(gu, b_gu.bn), tile_columns(dn, b_dn.bn))
-                        w = tiled_w[(b_gu.bn, b_dn.bn)]
-                    f_ = mlp(b_gu, b_dn, tiled)
-                    got = f_(x, *w, 0).astype(jnp.float32)
-                    err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
-                    record(layout_round=r, variant=name, us=per_layer(f_, *w) * 1e6, rel_err=err)
-                except Exception as ex:  # a tiling the chip rejects
-                    record(layout_round=r, variant=name, error=repr(ex)[:200])
+        for name, f_, w in variants:
+            try:
+                got = f_(x, *w, 0).astype(jnp.float32)
+                err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+                record(layout_round=r, variant=name, us=per_layer(f_, *w) * 1e6, rel_err=err)
+            except Exception as ex:  # a tiling the chip rejects
+                record(layout_round=r, variant=name, error=repr(ex)[:200])
 
 
 def main():

@@ -1,0 +1,152 @@
+"""A whole expert MLP, act(x @ gate) * (x @ up) @ down per group, in one launch of many programs.
+
+Why: the MoE's two grouped GEMMs (kernel.py) pay a kernel boundary between them: gate/up's last wave drains, XLA's
+activation runs (~4 us per DiffusionGemma layer), down's pipelines fill. Session 39's one-program-per-expert kernel
+(git c954eea) removed the boundary but left 4 of 132 SMs idle, and an H200's read scales with busy SMs. Here the
+grid keeps the two GEMMs' programs (gate/up tiles, then down tiles), and each program takes its work item from an
+atomic ticket, so a down item can only start after every gate/up item was taken. A gate/up item computes act(gate) *
+up for its expert's rows and one tile of F columns (the weight in kernel.tile_gated layout) and counts itself done
+on its expert's counter; a down item waits on that counter (all F tiles of its expert) and multiplies the expert's
+rows of h by one column tile of down. Down items of early experts start while the last gate/up items run: no
+drain, no activation launch, every SM busy. Deadlock-free whatever the scheduler does: an item only waits on items
+with smaller tickets, which programs already running hold (CUB's decoupled look-back takes tile ids the same way).
+
+Semantics: kernel.grouped_matmul(gated=act) then kernel.grouped_matmul of its output with down (the intermediate
+rounded to x's dtype). Pallas, Triton lowering; interpret mode on CPU for tests (programs run one after another
+there, in ticket order).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from orl_jax_kernels.pallas_args import layer_operand, triton_params
+from orl_jax_kernels.small_m_gemm.kernel import Blocks
+
+MAX_SPIN = 1 << 22  # a safety net, never reached when the tickets hold: a wrong wait finishes (wrongly), not hangs
+
+
+def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, count_in, h_ref, o_ref, count_ref, *,
+            bm: int, gu: Blocks, dn: Blocks, act, interpret: bool):
+    del count_in  # aliased to count_ref
+    from jax.experimental.pallas import triton as plt
+
+    barrier = (lambda: None) if interpret else plt.debug_barrier  # interpret mode: one thread, no barrier op
+
+    n_exp, f_tiles, d, bw2 = gu_ref.shape[1:]
+    bw = bw2 // 2
+    f = f_tiles * bw
+    d_tiles = dn_ref.shape[-1] // dn.bn
+    layer = layer_ref[0]
+    ticket = plt.atomic_add(count_ref, (jnp.int32(n_exp),), jnp.int32(1))  # count_ref[E]: the next work item
+    is_gu = ticket < n_exp * f_tiles
+    item = jnp.where(is_gu, ticket, ticket - n_exp * f_tiles)
+    e = jnp.where(is_gu, item // f_tiles, item // d_tiles)
+    j = jnp.where(is_gu, item % f_tiles, item % d_tiles)
+    start, rows = off_ref[e], off_ref[e + 1] - off_ref[e]
+    n_tiles = (rows + bm - 1) // bm
+
+    @pl.when(is_gu)
+    def _():
+        def tile(t, carry):
+            r0 = start + t * bm
+            live = (t * bm + jnp.arange(bm)) < rows
+            ids = plt.load(rows_ref.at[pl.ds(r0, bm)], mask=live, other=0)
+
+            def chunk(c, acc):
+                k0 = pl.multiple_of(c * gu.bk, gu.bk)
+                xb = plt.load(x_ref.at[ids[:, None], (k0 + jnp.arange(gu.bk))[None, :]], mask=live[:, None],
+                              other=0.0)
+                wg, wu = (gu_ref[layer, e, j, pl.ds(k0, gu.bk), pl.ds(at, bw)] for at in (0, bw))
+                return (acc[0] + jnp.dot(xb, wg, preferred_element_type=jnp.float32),
+                        acc[1] + jnp.dot(xb, wu, preferred_element_type=jnp.float32))
+
+            zero = jnp.zeros((bm, bw), jnp.float32)
+            g, u = jax.lax.fori_loop(0, d // gu.bk, chunk, (zero, zero))
+            g, u = (a.astype(h_ref.dtype).astype(jnp.float32) for a in (g, u))
+            plt.store(h_ref.at[pl.ds(r0, bm), pl.ds(pl.multiple_of(j * bw, bw), bw)],
+                      (act(g) * u).astype(h_ref.dtype), mask=live[:, None])
+            return carry
+
+        jax.lax.fori_loop(0, n_tiles, tile, 0)
+        barrier()  # every thread's stores before the release
+        plt.atomic_add(count_ref, (e,), jnp.int32(1))
+
+    @pl.when(jnp.logical_not(is_gu) & (rows > 0))
+    def _():
+        zero = jnp.int32(0)  # carried: a constant inside the body cannot be discharged in interpret mode
+        jax.lax.while_loop(lambda c: (c[0] < f_tiles) & (c[1] < MAX_SPIN),
+                           lambda c: (plt.atomic_add(count_ref, (e,), c[2]), c[1] + 1, c[2]),
+                           (plt.atomic_add(count_ref, (e,), zero), zero, zero))  # atomic reads of e's count
+        barrier()  # every thread after the acquire
+        cols = pl.ds(pl.multiple_of(j * dn.bn, dn.bn), dn.bn)
+
+        def tile(t, carry):
+            r0 = start + t * bm
+            live = (t * bm + jnp.arange(bm)) < rows
+
+            def chunk(c, acc):
+                k0 = pl.multiple_of(c * dn.bk, dn.bk)
+                hb = plt.load(h_ref.at[pl.ds(r0, bm), pl.ds(k0, dn.bk)], mask=live[:, None], other=0.0)
+                return acc + jnp.dot(hb, dn_ref[layer, e, pl.ds(k0, dn.bk), cols],
+                                     preferred_element_type=jnp.float32)
+
+            acc = jax.lax.fori_loop(0, f // dn.bk, chunk, jnp.zeros((bm, dn.bn), jnp.float32))
+            plt.store(o_ref.at[pl.ds(r0, bm), cols], acc.astype(o_ref.dtype), mask=live[:, None])
+            return carry
+
+        jax.lax.fori_loop(0, n_tiles, tile, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("act", "gu_blocks", "dn_blocks", "bm", "num_warps", "num_stages",
+                                             "interpret"))
+def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Array, offsets: jax.Array,
+                layer: jax.Array, act, gu_blocks: Blocks = Blocks(bn=128, bk=64, splits=1),
+                dn_blocks: Blocks = Blocks(bn=128, bk=64, splits=1), bm: int = 64, num_warps: int = 4,
+                num_stages: int = 3, interpret: bool = False) -> jax.Array:
+    """Sorted row r of x[rows] through its expert's MLP: act(x_r @ gate_e) * (x_r @ up_e) @ down_e -> [M, D] in
+    x's dtype (M = rows.shape[0]; rows past offsets[-1] are 0).
+
+    x [T, D]; rows [M] int32 (the token of each row, sorted by expert); gate_up [L, E, F / bw, D, 2 bw]
+    (kernel.tile_gated of a [gate | up] stack, bw = gu_blocks.bn / 2); down [L, E, F, D] (the model's layout);
+    offsets [E + 1] (the groups' first rows, then their end); layer: the stacks' layer. gu_blocks / dn_blocks: bk
+    (rows of K per step) and bn of each GEMM; one num_warps / num_stages for the launch."""
+    _, d = x.shape
+    layer_arr = layer_operand("grouped_mlp", True, layer, gate_up.shape)
+    if gate_up.ndim != 5 or down.ndim != 4:
+        raise ValueError(f"grouped_mlp: gate_up {gate_up.shape} must be a tile_gated stack [L, E, F / bw, D, 2 bw] "
+                         f"and down {down.shape} a stack [L, E, F, D]")
+    n_layers, e, f_tiles, d_w, bw2 = gate_up.shape
+    f = f_tiles * bw2 // 2
+    if d_w != d or down.shape != (n_layers, e, f, d) or bw2 != gu_blocks.bn:
+        raise ValueError(f"grouped_mlp: x {x.shape}, gate_up {gate_up.shape} (bn {gu_blocks.bn}) and down "
+                         f"{down.shape} do not match")
+    if d % gu_blocks.bk or f % dn_blocks.bk or d % dn_blocks.bn:
+        raise ValueError(f"grouped_mlp: blocks {gu_blocks} / {dn_blocks} do not divide D={d}, F={f}")
+    if offsets.shape != (e + 1,) or rows.ndim != 1 or rows.dtype != jnp.int32:
+        raise ValueError(f"grouped_mlp: offsets {offsets.shape} (want ({e + 1},)) / rows {rows.dtype}{rows.shape}")
+    m = rows.shape[0]
+    spare = bm if interpret else 0  # interpret mode clamps windows that leave the array (kernel.py)
+    rows_p = jnp.pad(rows, (0, spare))
+    items = e * (f_tiles + d // dn_blocks.bn)
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i, n=a.ndim: (0,) * n)  # noqa: E731
+    count = jnp.zeros((e + 1,), jnp.int32)
+    h_shape, o_shape = (m + spare, f), (m + spare, d)
+    _, out, _ = pl.pallas_call(
+        functools.partial(_kernel, bm=bm, gu=gu_blocks, dn=dn_blocks, act=act, interpret=interpret),
+        out_shape=(jax.ShapeDtypeStruct(h_shape, x.dtype), jax.ShapeDtypeStruct(o_shape, x.dtype),
+                   jax.ShapeDtypeStruct(count.shape, count.dtype)),
+        grid=(items,),
+        in_specs=[whole(a) for a in (layer_arr, offsets, rows_p, x, gate_up, down, count)],
+        out_specs=[pl.BlockSpec(h_shape, lambda i: (0, 0)), pl.BlockSpec(o_shape, lambda i: (0, 0)),
+                   whole(count)],
+        input_output_aliases={6: 2},
+        interpret=interpret,
+        **triton_params(num_warps, num_stages, interpret),
+    )(layer_arr, offsets, rows_p, x, gate_up, down, count)
+    live = jnp.arange(m) < offsets[-1]
+    return jnp.where(live[:, None], out[:m] if spare else out, 0)
