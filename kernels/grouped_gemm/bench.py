@@ -19,9 +19,9 @@ checked against ragged_dot first.
 
 import argparse
 import itertools
-from dataclasses import replace
 import os
 import sys
+from dataclasses import replace
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
@@ -35,8 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 from bench_io import recorder, write_table  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
-from orl_jax_kernels.grouped_gemm.kernel import (default_blocks, grouped_matmul, supported, tile_columns,  # noqa: E402
-                                                 tile_gated)
+from orl_jax_kernels.grouped_gemm.kernel import default_blocks, grouped_matmul, supported, tile_columns, tile_gated  # noqa: E402
 from orl_jax_kernels.grouped_gemm.reference import grouped_matmul_reference  # noqa: E402
 from orl_jax_kernels.small_m_gemm.kernel import Blocks, batched_small_m_matmul, pipeline_stages  # noqa: E402
 
@@ -149,7 +148,8 @@ def bench_layouts(record, rounds: int = 3, layers: int = 2 if INTERPRET else 8) 
     read = lambda x, gu, dn, i: jnp.sum(gu[i], dtype=jnp.float32) + jnp.sum(dn[i], dtype=jnp.float32)  # noqa: E731
     gated_w = (tile_gated(gu, b_gu.bn // 2), dn)
     variants = [("two GEMMs, model layout (today)", two("model"), (gu, dn)),
-                ("two GEMMs, tile_columns layout", two("tiled"), (tile_columns(gu, b_gu.bn), tile_columns(dn, b_dn.bn))),
+                ("two GEMMs, tile_columns layout", two("tiled"),
+                 (tile_columns(gu, b_gu.bn), tile_columns(dn, b_dn.bn))),
                 ("gate/up with the activation in its epilogue (tile_gated) + down", two("gated"), gated_w),
                 ("... gate/up at 3 stages", two("gated", replace(b_gu, num_stages=3)), gated_w)]
     for stages in (2, 3, 4):

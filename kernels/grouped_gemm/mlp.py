@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from orl_jax_kernels.pallas_args import layer_operand, triton_params
 from orl_jax_kernels.small_m_gemm.kernel import Blocks
 
+TILES = Blocks(bn=128, bk=64, splits=1)  # default tiles of both GEMMs (DiffusionGemma's in kernel.default_blocks)
 MAX_SPIN = 1 << 22  # a safety net, never reached when the tickets hold: a wrong wait finishes (wrongly), not hangs
 
 
@@ -105,8 +106,8 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, count_in, h_ref
 @functools.partial(jax.jit, static_argnames=("act", "gu_blocks", "dn_blocks", "bm", "num_warps", "num_stages",
                                              "interpret"))
 def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Array, offsets: jax.Array,
-                layer: jax.Array, act, gu_blocks: Blocks = Blocks(bn=128, bk=64, splits=1),
-                dn_blocks: Blocks = Blocks(bn=128, bk=64, splits=1), bm: int = 64, num_warps: int = 4,
+                layer: jax.Array, act, gu_blocks: Blocks = TILES,
+                dn_blocks: Blocks = TILES, bm: int = 64, num_warps: int = 4,
                 num_stages: int = 3, interpret: bool = False) -> jax.Array:
     """Sorted row r of x[rows] through its expert's MLP: act(x_r @ gate_e) * (x_r @ up_e) @ down_e -> [M, D] in
     x's dtype (M = rows.shape[0]; rows past offsets[-1] are 0).
