@@ -47,7 +47,10 @@ ap.add_argument("--gemm-sweep", help="a JSON list [{'name':, 'table': [rows as i
                                     "'attention_table': [rows as in --attention-table], 'gather_in_kernel': bool, "
                                     "'compiler_options': {XLA option: value, added to runtime.DG_COMPILER_OPTIONS}, "
                                     "'set': {'orl_jax.model.attention.JOIN_WIDE_PARTS': value, ...: trace-time "
-                                    "switches, back to their defaults after the entry}}, ...] (all but the name "
+                                    "switches, back to their defaults after the entry}, 'fused_experts': bool "
+                                    "(the expert gate/up stacks in moe.fuse_gate_up's layout: one launch per "
+                                    "layer's experts; its logits are compared with the defaults')}, ...] (all but "
+                                    "the name "
                                     "optional; missing ones take the flags'): only the "
                                     "decoder forward (moe_impl pallas), timed once per entry in this process, each "
                                     "traced afresh (an empty table: the kernels' defaults). Example: "
@@ -208,17 +211,19 @@ def decoder(cfg):
     return lambda p, toks, cache: diffusion_gemma.decode(p, cfg, toks, cache)[:, :, :8]
 
 
-def one_forward(cfg, cache=None, options=None):
+def one_forward(cfg, cache=None, options=None, p=None):
     """ms of one decoder forward over a 256-token canvas after the prompt (cache read only; prefilled here unless
     given), and the compiled program's temporary bytes (a scanned weight slice copied for a custom call would show
-    here). options: XLA compiler options on top of runtime.DG_COMPILER_OPTIONS."""
+    here). options: XLA compiler options on top of runtime.DG_COMPILER_OPTIONS. p: the params (the global ones
+    unless given)."""
+    p = params if p is None else p
     if cache is None:
         cache = prefilled(cfg)
     canvas = bench_canvas(cfg)
     f = compile_dg(decoder(cfg), options)
-    compiled = f.lower(params, canvas, cache).compile()
+    compiled = f.lower(p, canvas, cache).compile()
     mem = compiled.memory_analysis()
-    sec = median_seconds(lambda: compiled(params, canvas, cache), reps=5, calls=5)
+    sec = median_seconds(lambda: compiled(p, canvas, cache), reps=5, calls=5)
     if args.profile:
         import tempfile
 
@@ -226,7 +231,7 @@ def one_forward(cfg, cache=None, options=None):
 
         d = tempfile.mkdtemp()
         with jax.profiler.trace(d):
-            jax.block_until_ready([compiled(params, canvas, cache) for _ in range(5)])
+            jax.block_until_ready([compiled(p, canvas, cache) for _ in range(5)])
         hlo = compiled.as_text()
         with gzip.open(Path(args.out).with_suffix(f".{cfg.moe_impl}.hlo.txt.gz"), "wt") as fh:  # to read the copies
             fh.write(hlo)
@@ -238,14 +243,13 @@ def one_forward(cfg, cache=None, options=None):
         for row in gaps:
             log(what="profile_gap", moe_impl=cfg.moe_impl, **row)
         write_timeline(d, Path(args.out).with_suffix(f".{cfg.moe_impl}.timeline.jsonl.gz"))
-    looped = looped_forward(cfg, cache, canvas, options, args.looped) if args.looped else None
+    looped = looped_forward(cfg, cache, canvas, options, args.looped, p) if args.looped else None
     return sec * 1e3, getattr(mem, "temp_size_in_bytes", None), looped
 
 
-def looped_forward(cfg, cache, canvas, options, n):
+def looped_forward(cfg, cache, canvas, options, n, p=None):
     """ms per decoder forward when n of them run in one program, a fori_loop on the device as in generate()."""
-    return looped_ms(decoder(cfg), canvas, n, cache,
-                     options=options, reps=3)
+    return looped_ms(decoder(cfg), canvas, n, cache, options=options, reps=3, p=p)
 
 
 def prefilled(cfg):
@@ -278,15 +282,15 @@ def moe_only(impl):
     return median_seconds(lambda: f(gu, dn, x, w, e), reps=5) * 1e3 * cfg.num_layers / n
 
 
-def looped_ms(fn, x, n=16, *operands, options=None, reps=5):
-    """ms per call of fn(params, x, *operands) -> array, n calls in one device loop, each input depending on the
-    previous output through a test that is never true (nothing hoisted). Arrays go in as operands, not closures
-    (a closure would embed them in the program as constants)."""
+def looped_ms(fn, x, n=16, *operands, options=None, reps=5, p=None):
+    """ms per call of fn(p, x, *operands) -> array (p: the global params unless given), n calls in one device loop,
+    each input depending on the previous output through a test that is never true (nothing hoisted). Arrays go in
+    as operands, not closures (a closure would embed them in the program as constants)."""
     def run(p, x, *ops):
         return jax.lax.fori_loop(0, n, lambda _, x: x + (jnp.max(fn(p, x, *ops)) == jnp.inf).astype(x.dtype), x)
 
     f = compile_dg(run, options)
-    return median_seconds(lambda: f(params, x, *operands), reps=reps) * 1e3 / n
+    return median_seconds(lambda: f(params if p is None else p, x, *operands), reps=reps) * 1e3 / n
 
 
 def write_generate_hlo(c, kw):
@@ -385,7 +389,13 @@ if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the is
     from orl_jax_kernels.decode_attention import kernel as attention_kernel
 
     attention_rows = json.loads(Path(args.attention_table).read_text()) if args.attention_table else []
-    for entry in json.loads(Path(args.gemm_sweep).read_text()):
+    entries = json.loads(Path(args.gemm_sweep).read_text())
+    fused_params = reference = None
+    if any(e.get("fused_experts") for e in entries):  # a second copy of the gate/up stacks; the defaults' logits
+        fused_params = diffusion_gemma.fused_expert_params(params)
+        logits_of = jax.jit(lambda p, toks, c: diffusion_gemma.decode(p, swept, toks, c))
+        reference = logits_of(params, bench_canvas(swept), cache)
+    for entry in entries:
         table = set_tuned(entry.get("table", []))
         attention = attention_kernel.set_tuned(entry.get("attention_table", attention_rows))
         variant = set_variant(entry.get("gather_in_kernel", not args.sorted_copy))
@@ -393,8 +403,16 @@ if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the is
         switches = entry.get("set", {})
         defaults = {name: set_switch(name, value) for name, value in switches.items()}
         jax.clear_caches()  # every kernel wrapper and the forward trace again, under these tables and switches
+        p = fused_params if entry.get("fused_experts") else params
         try:
-            ms, temp, looped = one_forward(swept, cache, options)
+            if p is fused_params:
+                got = logits_of(p, bench_canvas(swept), cache)
+                log(what="fused_experts_logits", gemm_variant=entry["name"],
+                    max_abs_diff=float(jnp.max(jnp.abs(got - reference))),
+                    rel_l2=float(jnp.linalg.norm(got - reference) / jnp.linalg.norm(reference)),
+                    argmax_agree=float(jnp.mean(jnp.argmax(got, -1) == jnp.argmax(reference, -1))))
+                del got
+            ms, temp, looped = one_forward(swept, cache, options, p)
         except Exception as ex:  # an entry the compiler or the chip refuses (shared memory): recorded, not fatal
             log(what="decode_forward", gemm_variant=entry["name"], set=switches, error=repr(ex)[:300])
             ms = None

@@ -63,3 +63,57 @@ def test_triton_ir_at_diffusion_gemma_shapes():
         lambda x, r, gu, dn, o, i: grouped_mlp(x, r, gu, dn, o, i, ACT, GU, Blocks(bn=128, bk=64, splits=1)),
         sd((256, 2816), jnp.bfloat16), sd((2048,), jnp.int32), sd((25, 128, 11, 2816, 128), jnp.bfloat16),
         sd((25, 128, 704, 2816), jnp.bfloat16), sd((129,), jnp.int32), sd((), jnp.int32))
+
+
+def test_moe_fused_path_equals_the_dense_path():
+    """experts_mlp(impl="pallas") with gate/up in moe.fuse_gate_up's layout: one launch (plus the sort), the same
+    values as every token through every expert; the layout refuses shapes the kernel does not tile, and any other
+    impl."""
+    from orl_jax.model import moe
+    from orl_jax.model.streamed import StackedWeight
+
+    ks = jax.random.split(jax.random.key(3), 4)
+    t, d, e, f, k = 40, 128, 8, 64, 2
+    x = jax.random.normal(ks[0], (t, d))
+    gate_up, down = jax.random.normal(ks[1], (2, e, d, 2 * f)) * 0.1, jax.random.normal(ks[2], (2, e, f, d)) * 0.1
+    experts = jnp.stack([jnp.zeros(t, jnp.int32), jnp.arange(t, dtype=jnp.int32) % (e - 1) + 1], axis=1)
+    weights = jax.nn.softmax(jax.random.normal(ks[3], (t, k)), axis=-1)
+    tiles = moe.fuse_gate_up(gate_up)
+    assert moe.fused_stack(StackedWeight(tiles, 1)) and not moe.fused_stack(StackedWeight(gate_up, 1))
+
+    def run(g, impl="pallas"):  # layer 1 of the stacks
+        return moe.experts_mlp(x, weights, experts, StackedWeight(g, jnp.int32(1)), StackedWeight(down, jnp.int32(1)),
+                               "gelu_tanh", impl)
+
+    got = jax.jit(run)(tiles)
+    want = moe.dense_experts_mlp(x, weights, experts, gate_up[1], down[1], "gelu_tanh")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert str(jax.make_jaxpr(run)(tiles)).count("pallas_call") == 2  # the sort, the whole MLP
+    with pytest.raises(ValueError, match="takes impl 'pallas'"):
+        run(tiles, "bucketed")
+    with pytest.raises(ValueError, match="multiple of"):
+        moe.fuse_gate_up(gate_up[..., :96])
+
+
+def test_diffusion_gemma_decoder_with_fused_expert_params():
+    """diffusion_gemma.fused_expert_params: the decoder (moe_impl pallas, interpret mode) with both expert gate/up
+    stacks in the fused layout gives the logits of the model's layout (fp32), with one pallas_call fewer per layer."""
+    from orl_jax import params as P
+    from orl_jax.diffusion_gemma_config import DG_PRESETS
+    from orl_jax.model import diffusion_gemma as dg
+
+    cfg = DG_PRESETS["tiny-dg"].replace(hidden_size=128, moe_intermediate_size=64, moe_impl="pallas")
+    params = P.init(dg.param_specs(cfg), jax.random.key(0))
+    prompt = jax.random.randint(jax.random.key(1), (1, 16), 0, 240)
+    canvas = jax.random.randint(jax.random.key(2), (1, cfg.block_length), 0, 240)
+    _, cache = dg.prefill(params, cfg, prompt, jnp.array([13]), 32)
+    fused = dg.fused_expert_params(params)
+    assert fused["sliding"]["experts_gate_up"].ndim == 5 and fused["full"]["experts_down"] is params["full"][
+        "experts_down"]
+    want = dg.decode(params, cfg, canvas, cache)
+    got = dg.decode(fused, cfg, canvas, cache)
+    assert float(want.std()) > 0.01
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
+    calls = [str(jax.make_jaxpr(lambda p: dg.decode(p, cfg, canvas, cache))(p)).count("pallas_call")
+             for p in (params, fused)]
+    assert calls[1] < calls[0]

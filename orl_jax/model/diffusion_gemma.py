@@ -73,7 +73,7 @@ from orl_jax.model.layers import (
     rope_inv_freq,
     soft_cap,
 )
-from orl_jax.model.moe import experts_mlp, route
+from orl_jax.model.moe import experts_mlp, fuse_gate_up, route
 from orl_jax.model.streamed import StackedWeight, pack_vectors, unpack_vectors, vector_offsets
 from orl_jax.params import ParamSpec, ones
 
@@ -250,6 +250,14 @@ def _qk_kernel_offsets(cfg: DiffusionGemmaConfig, layout) -> tuple[int, ...] | N
     fits = (qwen3.cached_attention_impl(cfg) == "pallas" and cfg.rope_sliding.partial_rotary_factor == 1.0
             and supported(cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim))
     return vector_offsets(layout, "q_norm", "k_norm") if fits else None
+
+
+def fused_expert_params(params: dict) -> dict:
+    """params with both expert gate/up stacks in moe.fuse_gate_up's layout, so that cached passes with moe_impl
+    "pallas" run each layer's experts in one launch (kernels/grouped_gemm/mlp.py). A new copy of those stacks (the
+    26B: 30 GB); inference only: training, export and the other moe_impls take the model's layout."""
+    return params | {t: params[t] | {"experts_gate_up": fuse_gate_up(params[t]["experts_gate_up"])}
+                     for t in ("sliding", "full")}
 
 
 def moe_impl(cfg: DiffusionGemmaConfig) -> str:

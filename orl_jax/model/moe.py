@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from orl_jax.model.layers import ACTIVATIONS, einsum, rms_norm_fp32
-from orl_jax.model.streamed import as_stacked, xla_ragged_dot
+from orl_jax.model.streamed import StackedWeight, as_stacked, xla_ragged_dot
 
 ROUTER_TOPK_F32 = True  # read at trace time; see route
 
@@ -122,6 +122,8 @@ def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up, d
     buckets). See the module docstring. distinct: each token's k experts differ (a top-k router's): the pallas path
     may then sort by token (EXPERT_SORT_BY_TOKEN)."""
     t, k = experts.shape
+    if fused_stack(gate_up) and impl != "pallas":
+        raise ValueError(f"experts_mlp: gate_up in fuse_gate_up's layout takes impl 'pallas', got impl={impl!r}")
     if impl == "pallas":  # expert stacks as StackedWeight: their ragged_dot is the grouped kernel
         return grouped_experts_mlp(x, weights, experts, as_stacked(gate_up), as_stacked(down), act,
                                    sort_kernel=SORT_KERNEL, by_token=distinct and EXPERT_SORT_BY_TOKEN)
@@ -247,6 +249,28 @@ def _sorted_rows(experts: jax.Array, num_experts: int, kernel: bool, by_token: b
 GATHER_IN_KERNEL = True
 
 
+# The width of a gate (and of an up) column tile in `fuse_gate_up`'s layout: half of the gate/up GEMM's 128 columns.
+FUSED_TILE = 64
+
+
+def fuse_gate_up(stack: jax.Array) -> jax.Array:
+    """An expert gate/up stack [L, E, D, 2F] (gate | up) in kernels/grouped_gemm's `tile_gated` layout [L, E,
+    F / FUSED_TILE, D, 2 FUSED_TILE], for the pallas path's one-launch expert MLP (kernels/grouped_gemm/mlp.py):
+    the activation in gate/up's programs and down's programs waiting per expert, instead of two grouped GEMMs with
+    XLA's activation between them. Inference only: the other paths, training and export take the model's layout."""
+    from orl_jax_kernels.grouped_gemm.kernel import tile_gated
+
+    if stack.ndim != 4 or stack.shape[-1] % (2 * FUSED_TILE) or stack.shape[-2] % 128:
+        raise ValueError(f"fuse_gate_up: a gate/up stack [L, E, D, 2F] with F a multiple of {FUSED_TILE} and D of "
+                         f"128 (the kernel's tiles), got {stack.shape}")
+    return tile_gated(stack, FUSED_TILE)
+
+
+def fused_stack(w) -> bool:
+    """Whether a layer's gate/up weight comes in `fuse_gate_up`'s layout (a 5-D stack)."""
+    return isinstance(w, StackedWeight) and w.stack.ndim == 5
+
+
 def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False,
                         by_token: bool = False) -> jax.Array:
     """Rows sorted by expert and multiplied group by group (`grouped_matmul`): work proportional to T * k. The
@@ -259,8 +283,16 @@ def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kerne
     # Indices from the sort kernel (offsets given) take bare gathers. XLA's sort keeps jnp.take: a gather whose index
     # is used once fused the whole counting sort into itself (170 us per 26B layer, session 16).
     take = in_bounds_take if offsets is not None else (lambda a, i: jnp.take(a, i, axis=0))  # noqa: E731
-    xs, rows = (x, tokens) if GATHER_IN_KERNEL else (take(x, tokens), None)
-    g, u = jnp.split(grouped_matmul(xs, gate_up, sizes, offsets, rows=rows), 2, axis=-1)  # [M, F] each
-    y = grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes, offsets)  # [M, D] in sorted order
+    if fused_stack(gate_up):  # the whole expert MLP in one launch
+        from orl_jax_kernels.grouped_gemm.mlp import grouped_mlp
+
+        if offsets is None:
+            offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes.astype(jnp.int32))])
+        y = grouped_mlp(x, tokens, gate_up.stack, as_stacked(down).stack, offsets, gate_up.index, ACTIVATIONS[act],
+                        interpret=jax.default_backend() == "cpu")
+    else:
+        xs, rows = (x, tokens) if GATHER_IN_KERNEL else (take(x, tokens), None)
+        g, u = jnp.split(grouped_matmul(xs, gate_up, sizes, offsets, rows=rows), 2, axis=-1)  # [M, F] each
+        y = grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes, offsets)  # [M, D] in sorted order
     y = take(y, pos).astype(jnp.float32) * weights.reshape(-1, 1)  # [M, D] in (token, choice) order
     return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)  # [T, D]
