@@ -117,3 +117,33 @@ def test_diffusion_gemma_decoder_with_fused_expert_params():
     calls = [str(jax.make_jaxpr(lambda p: dg.decode(p, cfg, canvas, cache))(p)).count("pallas_call")
              for p in (params, fused)]
     assert calls[1] < calls[0]
+
+
+@pytest.mark.gpu
+def test_compiled_on_gpu_at_the_26b_expert_shapes_every_layer():
+    """On a GPU at DiffusionGemma 26B's expert shapes (2048 rows sorted by kernels/expert_sort, an 8-layer stack: 64-bit
+    offsets), the MoE's fused path equals its two-GEMM path at every layer of a loop over the stack (the tickets and
+    counters start afresh in every call)."""
+    from orl_jax.model import moe
+    from orl_jax.model.streamed import StackedWeight
+
+    ks = jax.random.split(jax.random.key(11), 5)
+    t, d, e, f, k, n_layers = 256, 2816, 128, 704, 8, 8
+    x = jax.random.normal(ks[0], (t, d), jnp.bfloat16)
+    gate_up = (jax.random.normal(ks[1], (n_layers, e, d, 2 * f), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    down = (jax.random.normal(ks[2], (n_layers, e, f, d), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    experts = jax.lax.top_k(jax.random.normal(ks[3], (t, e)), k)[1].astype(jnp.int32)
+    weights = jax.nn.softmax(jax.random.normal(ks[4], (t, k)), axis=-1)
+    tiles = moe.fuse_gate_up(gate_up)
+
+    def every_layer(g):
+        return jax.lax.map(lambda i: moe.experts_mlp(x, weights, experts, StackedWeight(g, i), StackedWeight(down, i),
+                                                     "gelu_tanh", "pallas", distinct=True),
+                           jnp.arange(n_layers, dtype=jnp.int32))
+
+    want = np.asarray(jax.jit(every_layer)(gate_up), np.float32)
+    for _ in range(2):  # twice: a counter left over from a call would show
+        got = np.asarray(jax.jit(every_layer)(tiles), np.float32)
+        for i in range(n_layers):
+            err = np.linalg.norm(got[i] - want[i]) / np.linalg.norm(want[i])
+            assert err < 1e-2, (i, err)
