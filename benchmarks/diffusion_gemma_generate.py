@@ -395,6 +395,18 @@ if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the is
         fused_params = diffusion_gemma.fused_expert_params(params)
         logits_of = jax.jit(lambda p, toks, c: diffusion_gemma.decode(p, swept, toks, c))
         reference = logits_of(params, bench_canvas(swept), cache)
+        # How far rounding alone moves these logits (random weights may amplify it layer by layer): the same forward
+        # with the sliding layers' attention on the einsums (the same math, other roundings) against the defaults
+        restore = set_switch("orl_jax.model.attention.EINSUM_HEAD_DIMS", [cfg.head_dim])
+        jax.clear_caches()
+        other = jax.jit(lambda p, toks, c: diffusion_gemma.decode(p, swept, toks, c))(params, bench_canvas(swept),
+                                                                                       cache)
+        set_switch("orl_jax.model.attention.EINSUM_HEAD_DIMS", restore)
+        jax.clear_caches()
+        log(what="rounding_logits", max_abs_diff=float(jnp.max(jnp.abs(other - reference))),
+            rel_l2=float(jnp.linalg.norm(other - reference) / jnp.linalg.norm(reference)),
+            argmax_agree=float(jnp.mean(jnp.argmax(other, -1) == jnp.argmax(reference, -1))))
+        del other
     for entry in entries:
         table = set_tuned(entry.get("table", []))
         attention = attention_kernel.set_tuned(entry.get("attention_table", attention_rows))
