@@ -88,6 +88,9 @@ ap.add_argument("--generate-hlo", action="store_true",
 ap.add_argument("--expert-loads", action="store_true",
                 help="first log the rows routed to each expert in every MoE layer of the prefill and of one decoder "
                      "forward (moe_impl pallas): the grouped kernels read an expert's weights once per 64-row tile")
+ap.add_argument("--fused-experts", action="store_true",
+                help="the expert gate/up stacks in moe.fuse_gate_up's layout (diffusion_gemma.fused_expert_params): "
+                     "with --moe-impl pallas each layer's experts run in one launch (kernels/grouped_gemm/mlp.py)")
 ap.add_argument("--capacity-factor", type=int,
                 help="moe.CAPACITY_FACTOR (slots per expert / mean load; overflow takes further rounds)")
 args = ap.parse_args()
@@ -117,7 +120,7 @@ T0 = time.perf_counter()
 
 
 def log(**kw):
-    kw |= {"expert_parallel": args.expert, "cached_attention": args.cached_attention, "rng": args.rng,
+    kw |= {"expert_parallel": args.expert, "fused_experts": args.fused_experts, "cached_attention": args.cached_attention, "rng": args.rng,
            "device": jax.devices()[0].device_kind,
            "jax": jax.__version__,
            "t": round(time.perf_counter() - T0, 1)}
@@ -189,6 +192,8 @@ params = jax.tree.unflatten(treedef, [
 jax.block_until_ready(params)
 n = sum(int(np.prod(s.shape)) for s in leaves)
 log(what="init", params_b=n / 1e9, seconds=time.perf_counter() - t)
+if args.fused_experts:  # the model's gate/up stacks are dropped with the old tree (no second 30 GB copy kept)
+    params = jax.block_until_ready(diffusion_gemma.fused_expert_params(params))
 
 prompt = np.random.default_rng(0).integers(0, min(200000, cfg.vocab_size) - 8, (1, args.prompt)).astype(np.int32)
 sampler = UniformSampler(max_denoising_steps=48, t_max=0.8, t_min=0.4, entropy_bound=0.1, stability=1,
