@@ -120,7 +120,8 @@ T0 = time.perf_counter()
 
 
 def log(**kw):
-    kw |= {"expert_parallel": args.expert, "fused_experts": args.fused_experts, "cached_attention": args.cached_attention, "rng": args.rng,
+    kw |= {"expert_parallel": args.expert, "fused_experts": args.fused_experts,
+           "cached_attention": args.cached_attention, "rng": args.rng,
            "device": jax.devices()[0].device_kind,
            "jax": jax.__version__,
            "t": round(time.perf_counter() - T0, 1)}
