@@ -136,14 +136,15 @@ def test_compiled_on_gpu_at_the_26b_expert_shapes_every_layer():
     weights = jax.nn.softmax(jax.random.normal(ks[4], (t, k)), axis=-1)
     tiles = moe.fuse_gate_up(gate_up)
 
-    def every_layer(g):
+    def every_layer(g, down, x, weights, experts):  # arrays as arguments: a closure would embed them as constants
         return jax.lax.map(lambda i: moe.experts_mlp(x, weights, experts, StackedWeight(g, i), StackedWeight(down, i),
                                                      "gelu_tanh", "pallas", distinct=True),
                            jnp.arange(n_layers, dtype=jnp.int32))
 
-    want = np.asarray(jax.jit(every_layer)(gate_up), np.float32)
+    run = jax.jit(every_layer)
+    want = np.asarray(run(gate_up, down, x, weights, experts), np.float32)
     for _ in range(2):  # twice: a counter left over from a call would show
-        got = np.asarray(jax.jit(every_layer)(tiles), np.float32)
+        got = np.asarray(run(tiles, down, x, weights, experts), np.float32)
         for i in range(n_layers):
             err = np.linalg.norm(got[i] - want[i]) / np.linalg.norm(want[i])
             assert err < 1e-2, (i, err)
