@@ -148,3 +148,20 @@ def test_compiled_on_gpu_at_the_26b_expert_shapes_every_layer():
         for i in range(n_layers):
             err = np.linalg.norm(got[i] - want[i]) / np.linalg.norm(want[i])
             assert err < 1e-2, (i, err)
+
+
+def test_inference_params_fuse_only_where_the_kernel_runs():
+    """diffusion_gemma.inference_params (the CLI's generate): fused where moe_impl resolves to pallas and the shapes
+    fit; unchanged on the other impls (a CPU's "auto") and for experts the kernel does not tile (the tiny preset)."""
+    from orl_jax import params as P
+    from orl_jax.diffusion_gemma_config import DG_PRESETS
+    from orl_jax.model import diffusion_gemma as dg
+
+    fits = DG_PRESETS["tiny-dg"].replace(hidden_size=128, moe_intermediate_size=64)
+    params = P.init(dg.param_specs(fits), jax.random.key(0))
+    assert dg.inference_params(params, fits.replace(moe_impl="pallas"))["sliding"]["experts_gate_up"].ndim == 5
+    assert dg.inference_params(params, fits.replace(moe_impl="bucketed")) is params
+    assert dg.inference_params(params, fits) is params  # "auto" on a CPU: not the kernel
+    tiny = DG_PRESETS["tiny-dg"].replace(moe_impl="pallas")
+    small = P.init(dg.param_specs(tiny), jax.random.key(0))
+    assert dg.inference_params(small, tiny) is small

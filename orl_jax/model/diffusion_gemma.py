@@ -73,7 +73,7 @@ from orl_jax.model.layers import (
     rope_inv_freq,
     soft_cap,
 )
-from orl_jax.model.moe import experts_mlp, fuse_gate_up, route
+from orl_jax.model.moe import FUSED_TILE, experts_mlp, fuse_gate_up, route
 from orl_jax.model.streamed import StackedWeight, pack_vectors, unpack_vectors, vector_offsets
 from orl_jax.params import ParamSpec, ones
 
@@ -253,11 +253,23 @@ def _qk_kernel_offsets(cfg: DiffusionGemmaConfig, layout) -> tuple[int, ...] | N
 
 
 def fused_expert_params(params: dict) -> dict:
-    """params with both expert gate/up stacks in moe.fuse_gate_up's layout, so that cached passes with moe_impl
-    "pallas" run each layer's experts in one launch (kernels/grouped_gemm/mlp.py). A new copy of those stacks (the
-    26B: 30 GB); inference only: training, export and the other moe_impls take the model's layout."""
+    """params with both expert gate/up stacks in moe.fuse_gate_up's layout, so that passes with moe_impl "pallas"
+    run each layer's experts in one launch (kernels/grouped_gemm/mlp.py) instead of two grouped GEMMs and XLA's
+    activation: on an H200 the 26B's denoising forward took 14.96-15.01 ms against 15.17-15.20, alternating in one
+    process on two machines (benchmarks/results/2026-12-04_dg_fused_expert_mlp_h200.md). A new copy of those stacks
+    (the 26B: 30 GB; the old ones go when the caller drops them); inference only: training, export and the other
+    moe_impls take the model's layout (moe.experts_mlp refuses it there)."""
     return params | {t: params[t] | {"experts_gate_up": fuse_gate_up(params[t]["experts_gate_up"])}
                      for t in ("sliding", "full")}
+
+
+def inference_params(params: dict, cfg: DiffusionGemmaConfig) -> dict:
+    """The params generate() runs fastest with: fused_expert_params where moe_impl resolves to "pallas" (on a GPU)
+    and the expert shapes fit the fused kernel's tiles (moe.fuse_gate_up), else params unchanged."""
+    f, d = cfg.moe_intermediate_size, cfg.hidden_size
+    if moe_impl(cfg) != "pallas" or f % FUSED_TILE or d % 128:
+        return params
+    return fused_expert_params(params)
 
 
 def moe_impl(cfg: DiffusionGemmaConfig) -> str:

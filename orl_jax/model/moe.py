@@ -9,7 +9,9 @@ Dispatch, by size (experts_mlp); every path is exact (nothing is dropped) and eq
 - moe_impl "pallas" (the GPU default): at any size the T * k rows sorted by expert go through kernels/grouped_gemm,
   one program per (expert, column tile) reading its expert's weights in place once, only the routed rows
   loaded: no buckets, no rounds, no data-dependent loop. It replaced "pallas_bucketed" (the buckets through
-  kernels/small_m_gemm): 22.7 against 29.9 ms per 26B forward (benchmarks/results/2026-11-30_dg_in_place_h200x2.md);
+  kernels/small_m_gemm): 22.7 against 29.9 ms per 26B forward (benchmarks/results/2026-11-30_dg_in_place_h200x2.md).
+  With the gate/up stack in `fuse_gate_up`'s layout (inference), the whole expert MLP is one launch
+  (kernels/grouped_gemm/mlp.py): ~-0.2 ms per 26B forward (benchmarks/results/2026-12-04_dg_fused_expert_mlp_h200.md);
 - larger T: the T * k assignments are sorted by expert into contiguous rows and `grouped_matmul` multiplies each
   group by its own expert's matrix (`jax.lax.ragged_dot`); rows are weighted, put back in token order and summed.
 
