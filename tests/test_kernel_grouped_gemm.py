@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from triton_ir import verified_triton_modules
 
-from orl_jax_kernels.grouped_gemm.kernel import BM, grouped_matmul, supported, tile_columns, tile_gated
+from orl_jax_kernels.grouped_gemm.kernel import BM, grouped_matmul, supported
 from orl_jax_kernels.grouped_gemm.reference import grouped_matmul_reference
 from orl_jax_kernels.small_m_gemm.kernel import Blocks
 
@@ -62,64 +62,6 @@ def test_gathered_rows_in_interpret_mode(stacked, columns_inner, monkeypatch):
     assert np.abs(np.asarray(shifted) - np.asarray(want)).max() > 0.1
     with pytest.raises(ValueError, match="rows must be"):
         grouped_matmul(x, one, sizes, layer, BLOCKS, interpret=True, rows=rows.astype(jnp.float32))
-
-
-@pytest.mark.parametrize("stacked", [False, True])
-def test_tiled_layout_in_interpret_mode(stacked):
-    """w in tile_columns layout (each column tile's [K, bn] block contiguous) gives the untiled products; rows
-    gathered; a wrong tile width is refused."""
-    ks = jax.random.split(jax.random.key(5), 3)
-    e, k, n, t = 4, 128, 256, 19
-    sizes = jnp.array([BM + 2, 0, 9, 4])
-    x = jax.random.normal(ks[0], (t, k))
-    rows = jax.random.randint(ks[1], (int(sizes.sum()),), 0, t, jnp.int32)
-    w = jax.random.normal(ks[2], (2, e, k, n)) * 0.1
-    tw = tile_columns(w, BLOCKS.bn)
-    assert tw.shape == (2, e, n // BLOCKS.bn, k, BLOCKS.bn)
-    layer, one, tone = (jnp.int32(1), w, tw) if stacked else (None, w[1], tw[1])
-    got = grouped_matmul(x, tone, sizes, layer, BLOCKS, interpret=True, rows=rows, tiled=True)
-    want = grouped_matmul(x, one, sizes, layer, BLOCKS, interpret=True, rows=rows)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-5)
-    narrow = grouped_matmul(x, tile_columns(one, 64), sizes, layer, Blocks(bn=64, bk=64, splits=1),
-                            interpret=True, rows=rows, tiled=True)
-    np.testing.assert_allclose(np.asarray(narrow), np.asarray(want), rtol=1e-6, atol=1e-5)
-    # the check can fail: the untiled bytes read as tiled mix the columns
-    wrong = grouped_matmul(x, one.reshape(tone.shape), sizes, layer, BLOCKS, interpret=True, rows=rows, tiled=True)
-    assert np.abs(np.asarray(wrong) - np.asarray(want)).max() > 0.1
-    with pytest.raises(ValueError, match="tiled with bn=64"):
-        grouped_matmul(x, tile_columns(one, 64), sizes, layer, BLOCKS, interpret=True, rows=rows, tiled=True)
-    with pytest.raises(ValueError, match="not a multiple"):
-        tile_columns(one, 96)
-
-
-@pytest.mark.parametrize("stacked,dtype", [(False, jnp.float32), (True, jnp.float32), (True, jnp.bfloat16)])
-def test_gated_epilogue_in_interpret_mode(stacked, dtype):
-    """gated=act with w in tile_gated layout: act(x @ gate) * (x @ up) [M, F] from one call, equal to the plain
-    kernel's [gate | up] product followed by the activation (its products rounded to x's dtype first)."""
-    act = lambda v: jax.nn.gelu(v, approximate=True)  # noqa: E731
-    ks = jax.random.split(jax.random.key(6), 3)
-    e, k, f, t = 4, 128, 128, 21
-    sizes = jnp.array([3, BM + 5, 0, 11])
-    x = jax.random.normal(ks[0], (t, k)).astype(dtype)
-    rows = jax.random.randint(ks[1], (int(sizes.sum()) + 3,), 0, t, jnp.int32)
-    w = (jax.random.normal(ks[2], (2, e, k, 2 * f)) * 0.1).astype(dtype)
-    tw = tile_gated(w, 64)
-    assert tw.shape == (2, e, f // 64, k, 128)
-    np.testing.assert_array_equal(np.asarray(tw[1, 2, 1, :, 64:]), np.asarray(w[1, 2, :, f + 64:f + 128]))
-    layer, one, tone = (jnp.int32(1), w, tw) if stacked else (None, w[1], tw[1])
-    got = grouped_matmul(x, tone, sizes, layer, BLOCKS, interpret=True, rows=rows, gated=act)
-    gu = grouped_matmul(x, one, sizes, layer, BLOCKS, interpret=True, rows=rows).astype(jnp.float32)
-    want = (act(gu[:, :f]) * gu[:, f:]).astype(dtype)
-    assert got.shape == (rows.shape[0], f) and got.dtype == dtype
-    tol = 1e-5 if dtype == jnp.float32 else 1e-2
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
-    assert not np.asarray(got[-3:], np.float32).any()  # rows past the groups
-    # the check can fail: gate and up swapped give other values
-    swapped = tile_gated(jnp.concatenate([one[..., f:], one[..., :f]], axis=-1), 64)
-    other = grouped_matmul(x, swapped, sizes, layer, BLOCKS, interpret=True, rows=rows, gated=act)
-    assert np.abs(np.asarray(other, np.float32) - np.asarray(want, np.float32)).max() > 0.01
-    with pytest.raises(ValueError, match="not a multiple"):
-        tile_gated(one, 48)
 
 
 def test_given_offsets_replace_the_cumsum_of_the_group_sizes():
@@ -187,11 +129,6 @@ def test_kernel_lowers_to_verified_triton_at_the_expert_shapes():
     verified_triton_modules(lambda x, w, s, i, r: grouped_matmul(x, w, s, i, rows=r),
                             sd((256, 2816), jnp.bfloat16), sd((25, 128, 2816, 1408), jnp.bfloat16),
                             sd((128,), jnp.int32), sd((), jnp.int32), sd((2048,), jnp.int32))
-    # ... with the activation in its epilogue, the weights in tile_gated layout
-    verified_triton_modules(
-        lambda x, w, s, i, r: grouped_matmul(x, w, s, i, rows=r, gated=lambda v: jax.nn.gelu(v, approximate=True)),
-        sd((256, 2816), jnp.bfloat16), sd((25, 128, 11, 2816, 128), jnp.bfloat16),
-        sd((128,), jnp.int32), sd((), jnp.int32), sd((2048,), jnp.int32))
 
 
 def test_moe_pallas_path_equals_the_dense_path(monkeypatch):

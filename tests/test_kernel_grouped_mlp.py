@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from triton_ir import verified_triton_modules
 
-from orl_jax_kernels.grouped_gemm.kernel import grouped_matmul, tile_gated
-from orl_jax_kernels.grouped_gemm.mlp import grouped_mlp
+from orl_jax_kernels.grouped_gemm.kernel import grouped_matmul
+from orl_jax_kernels.grouped_gemm.mlp import grouped_mlp, tile_gated
 from orl_jax_kernels.small_m_gemm.kernel import Blocks
 
 ACT = staticmethod(lambda v: jax.nn.gelu(v, approximate=True)).__func__
@@ -31,9 +31,13 @@ def _case(dtype, key=0):
 def test_matches_the_two_grouped_gemms_in_interpret_mode(dtype):
     sizes, offsets, x, rows, gu, dn, bm = _case(dtype)
     layer = jnp.int32(1)
-    got = grouped_mlp(x, rows, tile_gated(gu, GU.bn // 2), dn, offsets, layer, ACT, GU, DN, bm=bm, interpret=True)
-    h = grouped_matmul(x, tile_gated(gu, GU.bn // 2), sizes, layer, GU, interpret=True, offsets=offsets,
-                       rows=rows, gated=ACT, bm=bm)
+    tiles = tile_gated(gu, GU.bn // 2)
+    assert tiles.shape == (2, 5, 2, 128, 128)  # tile j: gate columns [64 j, 64 j + 64), then the same up columns
+    np.testing.assert_array_equal(np.asarray(tiles[1, 2, 1, :, 64:]), np.asarray(gu[1, 2, :, 128 + 64:]))
+    got = grouped_mlp(x, rows, tiles, dn, offsets, layer, ACT, GU, DN, bm=bm, interpret=True)
+    # the two grouped GEMMs, the activation between them on the rounded products
+    g, u = jnp.split(grouped_matmul(x, gu, sizes, layer, GU, interpret=True, offsets=offsets, rows=rows, bm=bm), 2, -1)
+    h = (ACT(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(dtype)
     want = grouped_matmul(h, dn, sizes, layer, DN, interpret=True, offsets=offsets, bm=bm)
     assert got.shape == (rows.shape[0], x.shape[1]) and got.dtype == dtype
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
@@ -48,6 +52,8 @@ def test_matches_the_two_grouped_gemms_in_interpret_mode(dtype):
 def test_rejects_mismatched_inputs():
     sizes, offsets, x, rows, gu, dn, bm = _case(jnp.float32)
     tgu = tile_gated(gu, 64)
+    with pytest.raises(ValueError, match="not a multiple"):
+        tile_gated(gu, 48)
     with pytest.raises(ValueError, match="tile_gated stack"):
         grouped_mlp(x, rows, gu, dn, offsets, jnp.int32(0), ACT, GU, DN, interpret=True)
     with pytest.raises(ValueError, match="do not match"):

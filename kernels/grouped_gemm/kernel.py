@@ -65,7 +65,7 @@ def supported(k: int, n: int, blocks: Blocks | None = None) -> bool:
 
 
 def _kernel(layer_ref, off_ref, rows_ref, x_ref, w_ref, o_ref, *, bk: int, n_chunks: int, bm: int, stacked: bool,
-            expert_axis: int, tiled: bool, gated):
+            expert_axis: int):
     from jax.experimental.pallas import triton as plt
 
     e = pl.program_id(expert_axis)
@@ -85,20 +85,10 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, w_ref, o_ref, *, bk: int, n_chu
             xs = (x_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)] if ids is None
                   else x_ref.at[ids[:, None], (k0 + jnp.arange(bk))[None, :]])
             xb = plt.load(xs, mask=live[:, None], other=0.0)
-            lead = ((layer,) if stacked else ()) + ((0, 0) if tiled else (0,))  # [(L,) E, (N / bn,) K, bn]
-            if gated is None:
-                wb = w_ref[lead + (pl.ds(k0, bk), slice(None))]
-                return acc + jnp.dot(xb, wb, preferred_element_type=jnp.float32)
-            wg, wu = (w_ref[lead + (pl.ds(k0, bk), pl.ds(at, bn // 2))] for at in (0, bn // 2))  # [gate | up]
-            return (acc[0] + jnp.dot(xb, wg, preferred_element_type=jnp.float32),
-                    acc[1] + jnp.dot(xb, wu, preferred_element_type=jnp.float32))
+            wb = w_ref[layer, 0, pl.ds(k0, bk), :] if stacked else w_ref[0, pl.ds(k0, bk), :]
+            return acc + jnp.dot(xb, wb, preferred_element_type=jnp.float32)
 
-        width = bn if gated is None else bn // 2
-        zero = jnp.zeros((bm, width), jnp.float32)
-        acc = jax.lax.fori_loop(0, n_chunks, chunk, zero if gated is None else (zero, zero))
-        if gated is not None:  # the products rounded as a GEMM writes them, then act(gate) * up in float32
-            g, u = (a.astype(o_ref.dtype).astype(jnp.float32) for a in acc)
-            acc = gated(g) * u
+        acc = jax.lax.fori_loop(0, n_chunks, chunk, jnp.zeros((bm, bn), jnp.float32))
         plt.store(o_ref.at[pl.ds(r0, bm), :], acc.astype(o_ref.dtype), mask=live[:, None])
         return carry
 
@@ -110,48 +100,20 @@ def _with_rows(kernel, have_rows: bool):
     return kernel if have_rows else lambda layer_ref, off_ref, *refs: kernel(layer_ref, off_ref, None, *refs)
 
 
-def tile_gated(w: jax.Array, bw: int) -> jax.Array:
-    """[..., E, K, 2F] (gate | up) -> [..., E, F / bw, K, 2 bw]: tile j holds gate columns [j bw, (j + 1) bw) then
-    the same up columns, contiguous: grouped_matmul's `gated` layout (a program computes act(gate) * up itself)."""
-    *lead, k, f2 = w.shape
-    if f2 % (2 * bw):
-        raise ValueError(f"tile_gated: 2F={f2} is not a multiple of 2 x bw={2 * bw}")
-    gu = w.reshape(*lead, k, 2, f2 // (2 * bw), bw)  # [..., K, gate / up, tile, bw]
-    return jnp.moveaxis(gu, -2, -4).reshape(*lead, f2 // (2 * bw), k, 2 * bw)
-
-
-def tile_columns(w: jax.Array, bn: int) -> jax.Array:
-    """[..., E, K, N] -> [..., E, N / bn, K, bn]: each column tile's [K, bn] block contiguous (grouped_matmul's
-    `tiled` layout: a program then streams one contiguous block instead of bn-wide pieces of rows N apart)."""
-    *lead, k, n = w.shape
-    if n % bn:
-        raise ValueError(f"tile_columns: N={n} is not a multiple of bn={bn}")
-    return jnp.swapaxes(w.reshape(*lead, k, n // bn, bn), -3, -2)
-
-
-@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "bm", "tiled", "gated"))
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "bm"))
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: jax.Array | None = None,
                    blocks: Blocks | None = None, interpret: bool = False,
                    offsets: jax.Array | None = None, bm: int | None = None,
-                   rows: jax.Array | None = None, tiled: bool = False, gated=None) -> jax.Array:
+                   rows: jax.Array | None = None) -> jax.Array:
     """x [M, K] (rows sorted by group) times w [E, K, N], or the layer `layer` of a stack w [L, E, K, N], group by
     group: group_sizes [E] (int, summing to <= M) -> [M, N] in x's dtype. offsets [E + 1]: the groups' first rows
     and their end, when the caller has them (kernels/expert_sort returns them); else computed from group_sizes.
     bm: rows per tile (a power of two >= 16), BM unless given.
     rows [M] (int32): sorted row r is x[rows[r]] for an x of any number of rows, gathered by the kernel's loads
-    (the MoE's tokens: no sorted copy of x is written and read back).
-    tiled: w is in `tile_columns` layout, [E, N / bn, K, bn] or a stack [L, E, N / bn, K, bn], bn the blocks'.
-    gated: an activation (a jnp function of float32): w is in `tile_gated` layout (bw = bn / 2) of a [gate | up]
-    weight with N = 2F columns, and the result is act(x @ gate) * (x @ up) [M, F] (both products rounded to x's
-    dtype first, as two GEMMs would write them; no [M, 2F] intermediate, no activation launch)."""
-    tiled = tiled or gated is not None
+    (the MoE's tokens: no sorted copy of x is written and read back)."""
     k = x.shape[1]
-    if tiled:
-        e, n, bn_w = w.shape[-4], w.shape[-3] * w.shape[-1], w.shape[-1]
-        w_shape = w.shape[:-3] + (k, n)  # the untiled shape, for the checks below
-    else:
-        e, n, w_shape = w.shape[-3], w.shape[-1], w.shape
-    stacked = len(w_shape) == 4
+    e, n = w.shape[-3], w.shape[-1]
+    stacked = w.ndim == 4
     layer_arr = layer_operand("grouped_matmul", stacked, layer, w.shape)  # stacked: [L, E, K, N]
     if w.shape[-2] != k or group_sizes.shape != (e,):
         raise ValueError(f"grouped_matmul: x {x.shape}, w {w.shape} and group_sizes {group_sizes.shape} do not match")
@@ -164,9 +126,6 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: ja
     blocks = blocks or default_blocks(k, n)
     if not supported(k, n, blocks):
         raise ValueError(f"grouped_matmul: K={k}, N={n} not supported with {blocks}")
-    if tiled and bn_w != blocks.bn:
-        raise ValueError(f"grouped_matmul: w tiled with bn={bn_w}, the blocks have bn={blocks.bn}")
-    n_out, bn_out = (n, blocks.bn) if gated is None else (n // 2, blocks.bn // 2)
     # Interpret mode clamps a tile's window that leaves the array onto other rows: there the sorted rows (x, or
     # `rows`) get bm spare rows. Triton's masked loads and stores touch only the group's rows, so on a GPU they go
     # in as they lie (the pad was a copy of x per call, ~8 us at DiffusionGemma's gate/up input).
@@ -179,23 +138,19 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: ja
     inner = COLUMNS_INNER
     grid = (n // blocks.bn, e) if inner else (e, n // blocks.bn)
     ge = (lambda f: lambda j, g: f(g, j)) if inner else (lambda f: f)  # index maps in (expert, column) terms
-    if tiled:
-        w_spec = (pl.BlockSpec((w.shape[0], 1, 1, k, blocks.bn), ge(lambda g, j: (0, g, j, 0, 0))) if stacked
-                  else pl.BlockSpec((1, 1, k, blocks.bn), ge(lambda g, j: (g, j, 0, 0))))
-    else:
-        w_spec = (pl.BlockSpec((w.shape[0], 1, k, blocks.bn), ge(lambda g, j: (0, g, 0, j))) if stacked
-                  else pl.BlockSpec((1, k, blocks.bn), ge(lambda g, j: (g, 0, j))))
+    w_spec = (pl.BlockSpec((w.shape[0], 1, k, blocks.bn), ge(lambda g, j: (0, g, 0, j))) if stacked
+              else pl.BlockSpec((1, k, blocks.bn), ge(lambda g, j: (g, 0, j))))
     xs = x if rows is not None else pad(x)
     gathered = [pad(rows)] if rows is not None else []
     out = pl.pallas_call(
         _with_rows(functools.partial(_kernel, bk=blocks.bk, n_chunks=k // blocks.bk, bm=bm, stacked=stacked,
-                                     expert_axis=1 if inner else 0, tiled=tiled, gated=gated), rows is not None),
-        out_shape=jax.ShapeDtypeStruct((m + spare, n_out), x.dtype),
+                                     expert_axis=1 if inner else 0), rows is not None),
+        out_shape=jax.ShapeDtypeStruct((m + spare, n), x.dtype),
         grid=grid,
         in_specs=[pl.BlockSpec((1,), ge(lambda g, j: (0,))), pl.BlockSpec((e + 1,), ge(lambda g, j: (0,)))]
                  + [pl.BlockSpec((m + spare,), ge(lambda g, j: (0,)))] * len(gathered)
                  + [pl.BlockSpec(xs.shape, ge(lambda g, j: (0, 0))), w_spec],
-        out_specs=pl.BlockSpec((m + spare, bn_out), ge(lambda g, j: (0, j))),
+        out_specs=pl.BlockSpec((m + spare, blocks.bn), ge(lambda g, j: (0, j))),
         interpret=interpret,
         **triton_params(blocks.num_warps, pipeline_stages(blocks, bm), interpret),
     )(layer_arr, offsets, *gathered, xs, w)

@@ -5,15 +5,20 @@ activation runs (~4 us per DiffusionGemma layer), down's pipelines fill. Session
 (git c954eea) removed the boundary but left 4 of 132 SMs idle, and an H200's read scales with busy SMs. Here the
 grid keeps the two GEMMs' programs (gate/up tiles, then down tiles), and each program takes its work item from an
 atomic ticket, so a down item can only start after every gate/up item was taken. A gate/up item computes act(gate) *
-up for its expert's rows and one tile of F columns (the weight in kernel.tile_gated layout) and counts itself done
+up for its expert's rows and one tile of F columns (the weight in `tile_gated` layout) and counts itself done
 on its expert's counter; a down item waits on that counter (all F tiles of its expert) and multiplies the expert's
 rows of h by one column tile of down. Down items of early experts start while the last gate/up items run: no
 drain, no activation launch, every SM busy. Deadlock-free whatever the scheduler does: an item only waits on items
 with smaller tickets, which programs already running hold (CUB's decoupled look-back takes tile ids the same way).
 
-Semantics: kernel.grouped_matmul(gated=act) then kernel.grouped_matmul of its output with down (the intermediate
-rounded to x's dtype). Pallas, Triton lowering; interpret mode on CPU for tests (programs run one after another
-there, in ticket order).
+Measured on an H200 (benchmarks/results/2026-12-04_dg_fused_expert_mlp_h200.md): 373 us per 26B layer against 382
+for the two kernels and XLA's activation (the chip reads the same bytes in 362-363), although act(gate) * up in
+gate/up's programs alone (two 64-wide dots per program) cost +4 us; in the 26B forward 14.96-15.01 ms against
+15.17-15.20, alternating in one process on two machines.
+
+Semantics: kernel.grouped_matmul's [gate | up] product, act(gate) * up of its rounded halves, then grouped_matmul of
+that (rounded to x's dtype) with down. Pallas, Triton lowering; interpret mode on CPU for tests (programs run one
+after another there, in ticket order).
 """
 
 from __future__ import annotations
@@ -26,6 +31,17 @@ from jax.experimental import pallas as pl
 
 from orl_jax_kernels.pallas_args import layer_operand, triton_params
 from orl_jax_kernels.small_m_gemm.kernel import Blocks
+
+
+def tile_gated(w: jax.Array, bw: int) -> jax.Array:
+    """[..., E, K, 2F] (gate | up) -> [..., E, F / bw, K, 2 bw]: tile j holds gate columns [j bw, (j + 1) bw) then
+    the same up columns, contiguous (grouped_mlp's gate/up layout: one program computes act(gate) * up itself)."""
+    *lead, k, f2 = w.shape
+    if f2 % (2 * bw):
+        raise ValueError(f"tile_gated: 2F={f2} is not a multiple of 2 x bw={2 * bw}")
+    gu = w.reshape(*lead, k, 2, f2 // (2 * bw), bw)  # [..., K, gate / up, tile, bw]
+    return jnp.moveaxis(gu, -2, -4).reshape(*lead, f2 // (2 * bw), k, 2 * bw)
+
 
 TILES = Blocks(bn=128, bk=64, splits=1)  # default tiles of both GEMMs (DiffusionGemma's in kernel.default_blocks)
 MAX_SPIN = 1 << 22  # a safety net, never reached when the tickets hold: a wrong wait finishes (wrongly), not hangs
@@ -113,7 +129,7 @@ def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Arr
     x's dtype (M = rows.shape[0]; rows past offsets[-1] are 0).
 
     x [T, D]; rows [M] int32 (the token of each row, sorted by expert); gate_up [L, E, F / bw, D, 2 bw]
-    (kernel.tile_gated of a [gate | up] stack, bw = gu_blocks.bn / 2); down [L, E, F, D] (the model's layout);
+    (tile_gated of a [gate | up] stack, bw = gu_blocks.bn / 2); down [L, E, F, D] (the model's layout);
     offsets [E + 1] (the groups' first rows, then their end); layer: the stacks' layer. gu_blocks / dn_blocks: bk
     (rows of K per step) and bn of each GEMM; one num_warps / num_stages for the launch."""
     _, d = x.shape

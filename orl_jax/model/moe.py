@@ -260,7 +260,7 @@ def fuse_gate_up(stack: jax.Array) -> jax.Array:
     F / FUSED_TILE, D, 2 FUSED_TILE], for the pallas path's one-launch expert MLP (kernels/grouped_gemm/mlp.py):
     the activation in gate/up's programs and down's programs waiting per expert, instead of two grouped GEMMs with
     XLA's activation between them. Inference only: the other paths, training and export take the model's layout."""
-    from orl_jax_kernels.grouped_gemm.kernel import tile_gated
+    from orl_jax_kernels.grouped_gemm.mlp import tile_gated
 
     if stack.ndim != 4 or stack.shape[-1] % (2 * FUSED_TILE) or stack.shape[-2] % 128:
         raise ValueError(f"fuse_gate_up: a gate/up stack [L, E, D, 2F] with F a multiple of {FUSED_TILE} and D of "
