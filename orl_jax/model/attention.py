@@ -46,8 +46,11 @@ WIDE_SOFTMAX_KERNEL = True
 # per 26B full layer: 11.2 us in the session-21 profile); on an H200 the 26B forward took 14.946 / 14.960 ms against
 # 15.036 / 15.015 with them per forward in a device loop, alternating in one process
 # (benchmarks/results/2026-12-01_dg_query_major_h200.md; the switch that compared them is in git at a6ef11e).
-# Head dims sent to that joined einsum path even where kernels/decode_attention takes them (a benchmark switch:
-# DiffusionGemma's 256-wide sliding layers through cuBLAS and kernels/masked_softmax). Read at trace time.
+# Head dims sent to that joined einsum path even where kernels/decode_attention takes them (a benchmark switch).
+# DiffusionGemma's 256-wide sliding layers that way (cuBLAS and kernels/masked_softmax): 15.43-15.45 ms per 26B
+# forward against 15.07-15.09 with the kernel, alternating in one process
+# (benchmarks/results/2026-12-04_dg_fused_expert_mlp_h200.md); the DiffusionGemma benchmark uses it to show how far
+# rounding alone moves the random-weight model's logits. Read at trace time.
 EINSUM_HEAD_DIMS: tuple[int, ...] = ()
 
 
