@@ -253,6 +253,9 @@ GATHER_IN_KERNEL = True
 
 # The width of a gate (and of an up) column tile in `fuse_gate_up`'s layout: half of the gate/up GEMM's 128 columns.
 FUSED_TILE = 64
+# Pipeline stages of the one-launch expert MLP: 3 took 373 us per 26B layer in isolation, 2 / 4 stages 377 / 375
+# (benchmarks/results/2026-12-04_dg_fused_expert_mlp_h200.md). Read at trace time.
+FUSED_STAGES = 3
 
 
 def fuse_gate_up(stack: jax.Array) -> jax.Array:
@@ -292,7 +295,7 @@ def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kerne
         if offsets is None:
             offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes.astype(jnp.int32))])
         y = grouped_mlp(x, tokens, gate_up.stack, as_stacked(down).stack, offsets, gate_up.index, ACTIVATIONS[act],
-                        interpret=jax.default_backend() == "cpu")
+                        num_stages=FUSED_STAGES, interpret=jax.default_backend() == "cpu")
     else:
         xs, rows = (x, tokens) if GATHER_IN_KERNEL else (take(x, tokens), None)
         g, u = jnp.split(grouped_matmul(xs, gate_up, sizes, offsets, rows=rows), 2, axis=-1)  # [M, F] each
