@@ -168,6 +168,12 @@ def test_inference_params_fuse_only_where_the_kernel_runs():
     assert dg.inference_params(params, fits.replace(moe_impl="pallas"))["sliding"]["experts_gate_up"].ndim == 5
     assert dg.inference_params(params, fits.replace(moe_impl="bucketed")) is params
     assert dg.inference_params(params, fits) is params  # "auto" on a CPU: not the kernel
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tensor",))  # experts over two devices (conftest makes 4 CPU ones)
+    split = jax.device_put(params["sliding"]["experts_gate_up"], NamedSharding(mesh, PartitionSpec(None, "tensor")))
+    sharded = params | {"sliding": params["sliding"] | {"experts_gate_up": split}}
+    assert dg.inference_params(sharded, fits.replace(moe_impl="pallas")) is sharded
     tiny = DG_PRESETS["tiny-dg"].replace(moe_impl="pallas")
     small = P.init(dg.param_specs(tiny), jax.random.key(0))
     assert dg.inference_params(small, tiny) is small

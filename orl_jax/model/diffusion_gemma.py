@@ -264,10 +264,13 @@ def fused_expert_params(params: dict) -> dict:
 
 
 def inference_params(params: dict, cfg: DiffusionGemmaConfig) -> dict:
-    """The params generate() runs fastest with: fused_expert_params where moe_impl resolves to "pallas" (on a GPU)
-    and the expert shapes fit the fused kernel's tiles (moe.fuse_gate_up), else params unchanged."""
+    """The params generate() runs fastest with on one device: fused_expert_params where moe_impl resolves to
+    "pallas" (on a GPU) and the expert shapes fit the fused kernel's tiles (moe.fuse_gate_up); else, and for expert
+    stacks sharded over several devices (expert parallelism keeps the model's layout), params unchanged."""
     f, d = cfg.moe_intermediate_size, cfg.hidden_size
-    if moe_impl(cfg) != "pallas" or f % FUSED_TILE or d % 128:
+    stack = params["sliding"]["experts_gate_up"]
+    sharded = len(getattr(stack, "sharding", None) and stack.sharding.device_set or ()) > 1
+    if moe_impl(cfg) != "pallas" or f % FUSED_TILE or d % 128 or sharded:
         return params
     return fused_expert_params(params)
 

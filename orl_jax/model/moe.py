@@ -253,8 +253,9 @@ GATHER_IN_KERNEL = True
 
 # The width of a gate (and of an up) column tile in `fuse_gate_up`'s layout: half of the gate/up GEMM's 128 columns.
 FUSED_TILE = 64
-# Pipeline stages of the one-launch expert MLP: 3 took 373 us per 26B layer in isolation, 2 / 4 stages 377 / 375
-# (benchmarks/results/2026-12-04_dg_fused_expert_mlp_h200.md). Read at trace time.
+# Pipeline stages of the one-launch expert MLP: 3 took 373 us per 26B layer in isolation, 2 / 4 stages 377 / 375; in
+# the forward 2 / 4 stages were 0.15 / 0.06 ms slower (benchmarks/results/2026-12-04_dg_fused_expert_mlp_h200.md).
+# Read at trace time.
 FUSED_STAGES = 3
 
 
