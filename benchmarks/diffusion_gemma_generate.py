@@ -396,23 +396,27 @@ if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the is
 
     attention_rows = json.loads(Path(args.attention_table).read_text()) if args.attention_table else []
     entries = json.loads(Path(args.gemm_sweep).read_text())
+
+    def logits_of(p):  # the whole [1, L, V] decoder logits under the current switches
+        return jax.jit(lambda p, toks, c: diffusion_gemma.decode(p, swept, toks, c))(p, bench_canvas(swept), cache)
+
+    def log_logit_gap(what, p, **fields):  # p's decoder logits against the defaults' (`reference`)
+        got = logits_of(p)
+        log(what=what, max_abs_diff=float(jnp.max(jnp.abs(got - reference))),
+            rel_l2=float(jnp.linalg.norm(got - reference) / jnp.linalg.norm(reference)),
+            argmax_agree=float(jnp.mean(jnp.argmax(got, -1) == jnp.argmax(reference, -1))), **fields)
+
     fused_params = reference = None
     if any(e.get("fused_experts") for e in entries):  # a second copy of the gate/up stacks; the defaults' logits
         fused_params = diffusion_gemma.fused_expert_params(params)
-        logits_of = jax.jit(lambda p, toks, c: diffusion_gemma.decode(p, swept, toks, c))
-        reference = logits_of(params, bench_canvas(swept), cache)
+        reference = logits_of(params)
         # How far rounding alone moves these logits (random weights may amplify it layer by layer): the same forward
         # with the sliding layers' attention on the einsums (the same math, other roundings) against the defaults
         restore = set_switch("orl_jax.model.attention.EINSUM_HEAD_DIMS", [cfg.head_dim])
         jax.clear_caches()
-        other = jax.jit(lambda p, toks, c: diffusion_gemma.decode(p, swept, toks, c))(params, bench_canvas(swept),
-                                                                                       cache)
+        log_logit_gap("rounding_logits", params)
         set_switch("orl_jax.model.attention.EINSUM_HEAD_DIMS", restore)
         jax.clear_caches()
-        log(what="rounding_logits", max_abs_diff=float(jnp.max(jnp.abs(other - reference))),
-            rel_l2=float(jnp.linalg.norm(other - reference) / jnp.linalg.norm(reference)),
-            argmax_agree=float(jnp.mean(jnp.argmax(other, -1) == jnp.argmax(reference, -1))))
-        del other
     for entry in entries:
         table = set_tuned(entry.get("table", []))
         attention = attention_kernel.set_tuned(entry.get("attention_table", attention_rows))
@@ -424,12 +428,7 @@ if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the is
         p = fused_params if entry.get("fused_experts") else params
         try:
             if p is fused_params:
-                got = logits_of(p, bench_canvas(swept), cache)
-                log(what="fused_experts_logits", gemm_variant=entry["name"],
-                    max_abs_diff=float(jnp.max(jnp.abs(got - reference))),
-                    rel_l2=float(jnp.linalg.norm(got - reference) / jnp.linalg.norm(reference)),
-                    argmax_agree=float(jnp.mean(jnp.argmax(got, -1) == jnp.argmax(reference, -1))))
-                del got
+                log_logit_gap("fused_experts_logits", p, gemm_variant=entry["name"])
             ms, temp, looped = one_forward(swept, cache, options, p)
         except Exception as ex:  # an entry the compiler or the chip refuses (shared memory): recorded, not fatal
             log(what="decode_forward", gemm_variant=entry["name"], set=switches, error=repr(ex)[:300])
