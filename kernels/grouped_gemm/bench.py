@@ -126,9 +126,9 @@ def bench_mlp(record, rounds: int = 3, layers: int = 2 if INTERPRET else 8) -> N
         h = ACT(g.astype(jnp.float32)).astype(g.dtype) * u
         return grouped_matmul(h, dn, sizes, i, b_dn, INTERPRET, offsets)
 
-    def fused(stages):
+    def fused(stages, one_dot=False):
         return lambda x, gu, dn, i: grouped_mlp(x, tokens, gu, dn, offsets, i, ACT, b_gu, b_dn, num_stages=stages,
-                                                interpret=INTERPRET)
+                                                one_dot=one_dot, interpret=INTERPRET)
 
     def per_layer(f, *w):  # seconds per layer of a program over the whole stack
         g = jax.jit(lambda x, *w: jax.lax.map(lambda i: f(x, *w, i), idx))
@@ -138,6 +138,7 @@ def bench_mlp(record, rounds: int = 3, layers: int = 2 if INTERPRET else 8) -> N
     tiles = (tile_gated(gu, b_gu.bn // 2), dn)
     variants = [("two grouped GEMMs + XLA's activation (kernel.py)", two, (gu, dn))]
     variants += [(f"one launch (mlp.grouped_mlp), {s} stages", fused(s), tiles) for s in (2, 3, 4)]
+    variants.append(("one launch, gate/up as one product per step (one_dot), 3 stages", fused(3, True), tiles))
     want = {i: two(x, gu, dn, i).astype(jnp.float32) for i in (0, layers - 1)}  # the last layer: 64-bit offsets
     for r in range(rounds):
         record(mlp_round=r, variant="xla_read", us=per_layer(read, gu, dn) * 1e6,

@@ -47,8 +47,17 @@ TILES = Blocks(bn=128, bk=64, splits=1)  # default tiles of both GEMMs (Diffusio
 MAX_SPIN = 1 << 22  # a safety net, never reached when the tickets hold: a wrong wait finishes (wrongly), not hangs
 
 
+def _halves(acc: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[bm, 2 bw] -> its two [bm, bw] halves. Pallas' Triton lowering has no slice of a value; a reshape and a masked
+    sum over the new axis lower (exact: each sum has one nonzero term)."""
+    bm, n = acc.shape
+    a = acc.reshape(bm, 2, n // 2)
+    half = jax.lax.broadcasted_iota(jnp.int32, a.shape, 1)
+    return tuple(jnp.sum(jnp.where(half == h, a, 0.0), axis=1) for h in (0, 1))
+
+
 def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, count_in, h_ref, o_ref, count_ref, *,
-            bm: int, gu: Blocks, dn: Blocks, act, interpret: bool):
+            bm: int, gu: Blocks, dn: Blocks, act, one_dot: bool, interpret: bool):
     del count_in  # aliased to count_ref
     from jax.experimental.pallas import triton as plt
 
@@ -78,12 +87,18 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, count_in, h_ref
                 k0 = pl.multiple_of(c * gu.bk, gu.bk)
                 xb = plt.load(x_ref.at[ids[:, None], (k0 + jnp.arange(gu.bk))[None, :]], mask=live[:, None],
                               other=0.0)
+                if one_dot:  # the tile's [gate | up] columns as one [bk, 2 bw] product
+                    return acc + jnp.dot(xb, gu_ref[layer, e, j, pl.ds(k0, gu.bk), :],
+                                         preferred_element_type=jnp.float32)
                 wg, wu = (gu_ref[layer, e, j, pl.ds(k0, gu.bk), pl.ds(at, bw)] for at in (0, bw))
                 return (acc[0] + jnp.dot(xb, wg, preferred_element_type=jnp.float32),
                         acc[1] + jnp.dot(xb, wu, preferred_element_type=jnp.float32))
 
             zero = jnp.zeros((bm, bw), jnp.float32)
-            g, u = jax.lax.fori_loop(0, d // gu.bk, chunk, (zero, zero))
+            if one_dot:
+                g, u = _halves(jax.lax.fori_loop(0, d // gu.bk, chunk, jnp.zeros((bm, 2 * bw), jnp.float32)))
+            else:
+                g, u = jax.lax.fori_loop(0, d // gu.bk, chunk, (zero, zero))
             g, u = (a.astype(h_ref.dtype).astype(jnp.float32) for a in (g, u))
             plt.store(h_ref.at[pl.ds(r0, bm), pl.ds(pl.multiple_of(j * bw, bw), bw)],
                       (act(g) * u).astype(h_ref.dtype), mask=live[:, None])
@@ -120,18 +135,20 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, count_in, h_ref
 
 
 @functools.partial(jax.jit, static_argnames=("act", "gu_blocks", "dn_blocks", "bm", "num_warps", "num_stages",
-                                             "interpret"))
+                                             "one_dot", "interpret"))
 def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Array, offsets: jax.Array,
                 layer: jax.Array, act, gu_blocks: Blocks = TILES,
                 dn_blocks: Blocks = TILES, bm: int = 64, num_warps: int = 4,
-                num_stages: int = 3, interpret: bool = False) -> jax.Array:
+                num_stages: int = 3, one_dot: bool = False, interpret: bool = False) -> jax.Array:
     """Sorted row r of x[rows] through its expert's MLP: act(x_r @ gate_e) * (x_r @ up_e) @ down_e -> [M, D] in
     x's dtype (M = rows.shape[0]; rows past offsets[-1] are 0).
 
     x [T, D]; rows [M] int32 (the token of each row, sorted by expert); gate_up [L, E, F / bw, D, 2 bw]
     (tile_gated of a [gate | up] stack, bw = gu_blocks.bn / 2); down [L, E, F, D] (the model's layout);
     offsets [E + 1] (the groups' first rows, then their end); layer: the stacks' layer. gu_blocks / dn_blocks: bk
-    (rows of K per step) and bn of each GEMM; one num_warps / num_stages for the launch."""
+    (rows of K per step) and bn of each GEMM; one num_warps / num_stages for the launch. one_dot: gate/up's [gate |
+    up] tile as one 2 bw-wide product per K step, its halves split after the loop (`_halves`), instead of two bw-wide
+    products (not yet timed on a GPU; the two products cost ~4 us per 26B layer as a change of their own)."""
     _, d = x.shape
     layer_arr = layer_operand("grouped_mlp", True, layer, gate_up.shape)
     if gate_up.ndim != 5 or down.ndim != 4:
@@ -154,7 +171,7 @@ def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Arr
     count = jnp.zeros((e + 1,), jnp.int32)
     h_shape, o_shape = (m + spare, f), (m + spare, d)
     _, out, _ = pl.pallas_call(
-        functools.partial(_kernel, bm=bm, gu=gu_blocks, dn=dn_blocks, act=act, interpret=interpret),
+        functools.partial(_kernel, bm=bm, gu=gu_blocks, dn=dn_blocks, act=act, one_dot=one_dot, interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct(h_shape, x.dtype), jax.ShapeDtypeStruct(o_shape, x.dtype),
                    jax.ShapeDtypeStruct(count.shape, count.dtype)),
         grid=(items,),

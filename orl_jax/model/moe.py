@@ -257,6 +257,9 @@ FUSED_TILE = 64
 # the forward 2 / 4 stages were 0.15 / 0.06 ms slower (benchmarks/results/2026-12-04_dg_fused_expert_mlp_h200.md).
 # Read at trace time.
 FUSED_STAGES = 3
+# gate/up's [gate | up] tile as one product per K step, split after the loop (mlp.grouped_mlp's one_dot), instead of
+# two half-width products. Not yet timed on a GPU (benchmarks/dg_fused_one_dot_sweep.json). Read at trace time.
+FUSED_ONE_DOT = False
 
 
 def fuse_gate_up(stack: jax.Array) -> jax.Array:
@@ -296,7 +299,7 @@ def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kerne
         if offsets is None:
             offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes.astype(jnp.int32))])
         y = grouped_mlp(x, tokens, gate_up.stack, as_stacked(down).stack, offsets, gate_up.index, ACTIVATIONS[act],
-                        num_stages=FUSED_STAGES, interpret=jax.default_backend() == "cpu")
+                        num_stages=FUSED_STAGES, one_dot=FUSED_ONE_DOT, interpret=jax.default_backend() == "cpu")
     else:
         xs, rows = (x, tokens) if GATHER_IN_KERNEL else (take(x, tokens), None)
         g, u = jnp.split(grouped_matmul(xs, gate_up, sizes, offsets, rows=rows), 2, axis=-1)  # [M, F] each
