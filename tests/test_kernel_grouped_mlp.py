@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 from triton_ir import verified_triton_modules
 
-from orl_jax_kernels.grouped_gemm.kernel import grouped_matmul
+from orl_jax.model.layers import ACTIVATIONS
+from orl_jax_kernels.grouped_gemm.kernel import group_offsets, grouped_matmul
 from orl_jax_kernels.grouped_gemm.mlp import grouped_mlp, tile_gated
 from orl_jax_kernels.small_m_gemm.kernel import Blocks
 
-ACT = staticmethod(lambda v: jax.nn.gelu(v, approximate=True)).__func__
+ACT = ACTIVATIONS["gelu_tanh"]  # DiffusionGemma's experts' activation
 GU, DN = Blocks(bn=128, bk=64, splits=1), Blocks(bn=64, bk=64, splits=1)
 
 
@@ -19,7 +20,7 @@ def _case(dtype, key=0):
     ks = jax.random.split(jax.random.key(key), 4)
     e, d, f, t, bm = 5, 128, 128, 23, 16
     sizes = jnp.array([3, 2 * bm + 5, 0, 11, 1])  # a group over several row tiles, an empty one
-    offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(sizes).astype(jnp.int32)])
+    offsets = group_offsets(sizes)
     x = jax.random.normal(ks[0], (t, d)).astype(dtype)
     rows = jax.random.randint(ks[1], (int(sizes.sum()) + 4,), 0, t, jnp.int32)  # 4 rows past the groups
     gu = (jax.random.normal(ks[2], (2, e, d, 2 * f)) * 0.1).astype(dtype)

@@ -34,7 +34,8 @@ import jax.numpy as jnp  # noqa: E402
 from bench_io import recorder, write_table  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
-from orl_jax_kernels.grouped_gemm.kernel import default_blocks, grouped_matmul, supported  # noqa: E402
+from orl_jax.model.layers import ACTIVATIONS  # noqa: E402
+from orl_jax_kernels.grouped_gemm.kernel import default_blocks, group_offsets, grouped_matmul, supported  # noqa: E402
 from orl_jax_kernels.grouped_gemm.mlp import grouped_mlp, tile_gated  # noqa: E402
 from orl_jax_kernels.grouped_gemm.reference import grouped_matmul_reference  # noqa: E402
 from orl_jax_kernels.small_m_gemm.kernel import Blocks, batched_small_m_matmul, pipeline_stages  # noqa: E402
@@ -42,7 +43,7 @@ from orl_jax_kernels.small_m_gemm.kernel import Blocks, batched_small_m_matmul, 
 INTERPRET = os.environ.get("ORL_BENCH_INTERPRET") == "1"  # CPU smoke run (tiny shapes, no timing sense)
 # name: (K, N); E experts, T tokens, top-k, bucket capacity C (moe.capacity at T)
 SHAPES = {"gate_up": (2816, 1408), "down": (704, 2816)}
-ACT = staticmethod(lambda v: jax.nn.gelu(v, approximate=True)).__func__  # DiffusionGemma's gelu_pytorch_tanh
+ACT = ACTIVATIONS["gelu_tanh"]  # DiffusionGemma's experts' activation
 E, T, TOPK, C, LAYERS = 128, 256, 8, 64, 4
 if INTERPRET:
     SHAPES, E, T, TOPK, C, LAYERS = {"tiny": (128, 256)}, 8, 16, 2, 16, 2
@@ -114,7 +115,7 @@ def bench_mlp(record, rounds: int = 3, layers: int = 2 if INTERPRET else 8) -> N
         (d, f2), (f, _) = SHAPES["gate_up"], SHAPES["down"]
     ks = jax.random.split(jax.random.key(7), 4)
     sizes, tokens = routed(ks[0])
-    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes)]).astype(jnp.int32)
+    offsets = group_offsets(sizes)
     x = jax.random.normal(ks[1], (T, d), jnp.bfloat16)
     gu = (jax.random.normal(ks[2], (layers, E, d, f2), jnp.float32) * 0.02).astype(jnp.bfloat16)
     dn = (jax.random.normal(ks[3], (layers, E, f, d), jnp.float32) * 0.02).astype(jnp.bfloat16)

@@ -58,6 +58,11 @@ def default_blocks(k: int, n: int) -> Blocks | None:
     return dataclasses.replace(blocks, num_stages=2) if k // blocks.bk >= LONG_K else blocks
 
 
+def group_offsets(group_sizes: jax.Array) -> jax.Array:
+    """[E] group sizes -> [E + 1] int32: each group's first row, then their end."""
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes.astype(jnp.int32))])
+
+
 def supported(k: int, n: int, blocks: Blocks | None = None) -> bool:
     """The tiles (default_blocks unless given) divide K and N."""
     blocks = blocks or default_blocks(k, n)
@@ -132,7 +137,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: ja
     spare = bm if interpret else 0
     pad = lambda a: jnp.pad(a, ((0, spare),) + ((0, 0),) * (a.ndim - 1)) if spare else a  # noqa: E731
     if offsets is None:
-        offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes.astype(jnp.int32))])
+        offsets = group_offsets(group_sizes)
     elif offsets.shape != (e + 1,):
         raise ValueError(f"grouped_matmul: offsets {offsets.shape} for {e} groups, expected ({e + 1},)")
     inner = COLUMNS_INNER

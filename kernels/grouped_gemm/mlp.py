@@ -94,11 +94,10 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, count_in, h_ref
                 return (acc[0] + jnp.dot(xb, wg, preferred_element_type=jnp.float32),
                         acc[1] + jnp.dot(xb, wu, preferred_element_type=jnp.float32))
 
-            zero = jnp.zeros((bm, bw), jnp.float32)
             if one_dot:
                 g, u = _halves(jax.lax.fori_loop(0, d // gu.bk, chunk, jnp.zeros((bm, 2 * bw), jnp.float32)))
             else:
-                g, u = jax.lax.fori_loop(0, d // gu.bk, chunk, (zero, zero))
+                g, u = jax.lax.fori_loop(0, d // gu.bk, chunk, (jnp.zeros((bm, bw), jnp.float32),) * 2)
             g, u = (a.astype(h_ref.dtype).astype(jnp.float32) for a in (g, u))
             plt.store(h_ref.at[pl.ds(r0, bm), pl.ds(pl.multiple_of(j * bw, bw), bw)],
                       (act(g) * u).astype(h_ref.dtype), mask=live[:, None])

@@ -73,7 +73,7 @@ from orl_jax.model.layers import (
     rope_inv_freq,
     soft_cap,
 )
-from orl_jax.model.moe import FUSED_TILE, experts_mlp, fuse_gate_up, route
+from orl_jax.model.moe import experts_mlp, fusable, fuse_gate_up, route
 from orl_jax.model.streamed import StackedWeight, pack_vectors, unpack_vectors, vector_offsets
 from orl_jax.params import ParamSpec, ones
 
@@ -267,10 +267,9 @@ def inference_params(params: dict, cfg: DiffusionGemmaConfig) -> dict:
     """The params generate() runs fastest with on one device: fused_expert_params where moe_impl resolves to
     "pallas" (on a GPU) and the expert shapes fit the fused kernel's tiles (moe.fuse_gate_up); else, and for expert
     stacks sharded over several devices (expert parallelism keeps the model's layout), params unchanged."""
-    f, d = cfg.moe_intermediate_size, cfg.hidden_size
     stack = params["sliding"]["experts_gate_up"]
     sharded = len(getattr(stack, "sharding", None) and stack.sharding.device_set or ()) > 1
-    if moe_impl(cfg) != "pallas" or f % FUSED_TILE or d % 128 or sharded:
+    if moe_impl(cfg) != "pallas" or not fusable(cfg.hidden_size, cfg.moe_intermediate_size) or sharded:
         return params
     return fused_expert_params(params)
 

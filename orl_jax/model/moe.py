@@ -262,6 +262,12 @@ FUSED_STAGES = 3
 FUSED_ONE_DOT = False
 
 
+def fusable(d: int, f: int) -> bool:
+    """Whether experts of hidden size d and width f fit the one-launch MLP's tiles (FUSED_TILE-wide gate and up
+    column tiles, 128-column down tiles)."""
+    return f % FUSED_TILE == 0 and d % 128 == 0
+
+
 def fuse_gate_up(stack: jax.Array) -> jax.Array:
     """An expert gate/up stack [L, E, D, 2F] (gate | up) in kernels/grouped_gemm's `tile_gated` layout [L, E,
     F / FUSED_TILE, D, 2 FUSED_TILE], for the pallas path's one-launch expert MLP (kernels/grouped_gemm/mlp.py):
@@ -269,7 +275,7 @@ def fuse_gate_up(stack: jax.Array) -> jax.Array:
     XLA's activation between them. Inference only: the other paths, training and export take the model's layout."""
     from orl_jax_kernels.grouped_gemm.mlp import tile_gated
 
-    if stack.ndim != 4 or stack.shape[-1] % (2 * FUSED_TILE) or stack.shape[-2] % 128:
+    if stack.ndim != 4 or stack.shape[-1] % 2 or not fusable(stack.shape[-2], stack.shape[-1] // 2):
         raise ValueError(f"fuse_gate_up: a gate/up stack [L, E, D, 2F] with F a multiple of {FUSED_TILE} and D of "
                          f"128 (the kernel's tiles), got {stack.shape}")
     # layer by layer (the 26B's 24 GB sliding stack in one transpose ran out of memory in XLA's autotuning)
@@ -294,10 +300,10 @@ def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kerne
     # is used once fused the whole counting sort into itself (170 us per 26B layer, session 16).
     take = in_bounds_take if offsets is not None else (lambda a, i: jnp.take(a, i, axis=0))  # noqa: E731
     if fused_stack(gate_up):  # the whole expert MLP in one launch
+        from orl_jax_kernels.grouped_gemm.kernel import group_offsets
         from orl_jax_kernels.grouped_gemm.mlp import grouped_mlp
 
-        if offsets is None:
-            offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes.astype(jnp.int32))])
+        offsets = group_offsets(sizes) if offsets is None else offsets
         y = grouped_mlp(x, tokens, gate_up.stack, as_stacked(down).stack, offsets, gate_up.index, ACTIVATIONS[act],
                         num_stages=FUSED_STAGES, one_dot=FUSED_ONE_DOT, interpret=jax.default_backend() == "cpu")
     else:
