@@ -134,13 +134,15 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, count_in, h_ref
 
 
 @functools.partial(jax.jit, static_argnames=("act", "gu_blocks", "dn_blocks", "bm", "num_warps", "num_stages",
-                                             "one_dot", "interpret"))
+                                             "one_dot", "zero_tail", "interpret"))
 def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Array, offsets: jax.Array,
                 layer: jax.Array, act, gu_blocks: Blocks = TILES,
                 dn_blocks: Blocks = TILES, bm: int = 64, num_warps: int = 4,
-                num_stages: int = 3, one_dot: bool = False, interpret: bool = False) -> jax.Array:
+                num_stages: int = 3, one_dot: bool = False, zero_tail: bool = True,
+                interpret: bool = False) -> jax.Array:
     """Sorted row r of x[rows] through its expert's MLP: act(x_r @ gate_e) * (x_r @ up_e) @ down_e -> [M, D] in
-    x's dtype (M = rows.shape[0]; rows past offsets[-1] are 0).
+    x's dtype (M = rows.shape[0]; rows past offsets[-1] are 0, or left unwritten with zero_tail=False: a consumer that
+    only gathers the groups' rows then reads the kernel's output as is, with no select before it).
 
     x [T, D]; rows [M] int32 (the token of each row, sorted by expert); gate_up [L, E, F / bw, D, 2 bw]
     (tile_gated of a [gate | up] stack, bw = gu_blocks.bn / 2); down [L, E, F, D] (the model's layout);
@@ -181,5 +183,5 @@ def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Arr
         interpret=interpret,
         **triton_params(num_warps, num_stages, interpret),
     )(layer_arr, offsets, rows_p, x, gate_up, down, count)
-    live = jnp.arange(m) < offsets[-1]
-    return jnp.where(live[:, None], out[:m] if spare else out, 0)
+    out = out[:m] if spare else out
+    return jnp.where((jnp.arange(m) < offsets[-1])[:, None], out, 0) if zero_tail else out

@@ -73,8 +73,8 @@ from orl_jax.model.layers import (
     rope_inv_freq,
     soft_cap,
 )
-from orl_jax.model.moe import experts_mlp, fusable, fuse_gate_up, route
-from orl_jax.model.streamed import StackedWeight, pack_vectors, unpack_vectors, vector_offsets
+from orl_jax.model.moe import experts_mlp, fusable, fuse_gate_up, fused_stack, pallas_sort, route, sorted_expert_rows
+from orl_jax.model.streamed import StackedWeight, as_stacked, pack_vectors, unpack_vectors, vector_offsets
 from orl_jax.params import ParamSpec, ones
 
 ACT = "gelu_tanh"  # HF: gelu_pytorch_tanh
@@ -231,6 +231,8 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     weights, experts = route(flat, w["router_scale"], w["router"], w["expert_scale"], cfg.top_k_experts, eps,
                              kernel=impl == "pallas")
     moe_in = rms_norm_fp32(flat, w["moe_norm"], eps)
+    if FFW_TAIL_KERNEL and impl == "pallas" and fused_stack(as_stacked(w["experts_gate_up"])):
+        return _ffw_tail(cfg, x, w, scalar, mlp_in, moe_in, weights, experts), k, v
     moe = experts_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT, impl,
                       distinct=True)  # a top-k's choices
     moe = moe.reshape(b, l, d)  # [B, L, D]
@@ -238,6 +240,25 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     ffw = rms_norm_fp32(mlp, w["post_mlp_norm"], eps) + rms_norm_fp32(moe, w["post_moe_norm"], eps)
     x = (x + rms_norm_fp32(ffw, w["post_ffw_norm"], eps)) * w[scalar][0]
     return x, k, v
+
+
+# The fused experts' layer tail (the MoE's weighted sum, the three post norms, the residual, the layer scalar) in one
+# kernel (kernels/ffw_tail) instead of XLA's two fusions. Read at trace time.
+FFW_TAIL_KERNEL = True
+
+
+def _ffw_tail(cfg: DiffusionGemmaConfig, x, w, scalar: str, mlp_in, moe_in, weights, experts):
+    """_layer's feed-forward half from its norms' outputs on the fused experts' path: the layer's output [B, L, D]."""
+    from orl_jax_kernels.ffw_tail.kernel import ffw_tail
+
+    b, l, d = x.shape
+    y, pos, _ = sorted_expert_rows(moe_in, experts, as_stacked(w["experts_gate_up"]), as_stacked(w["experts_down"]),
+                                   ACT, **pallas_sort(True))  # a top-k's choices are distinct
+    mlp = fused_gated_mlp(mlp_in, w["gate_up"], w["down"], ACT)
+    out = ffw_tail(x.reshape(b * l, d), mlp.reshape(b * l, d), y, pos.reshape(experts.shape), weights,
+                   w["post_mlp_norm"], w["post_moe_norm"], w["post_ffw_norm"], w[scalar], cfg.rms_norm_eps,
+                   interpret=jax.default_backend() == "cpu")
+    return out.reshape(b, l, d)
 
 
 def _qk_kernel_offsets(cfg: DiffusionGemmaConfig, layout) -> tuple[int, ...] | None:
