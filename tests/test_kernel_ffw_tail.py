@@ -62,11 +62,19 @@ def test_triton_ir_at_diffusion_gemma_shapes():
 
 @pytest.mark.gpu
 def test_compiled_on_gpu_at_the_26b_shapes():
-    """At canvas 256 and the prefill's 512 rows: the kernel's output within bf16 rounding of the XLA path."""
+    """At canvas 256 and the prefill's 512 rows, compiled: float32 equal to the reference; bf16 as close to the
+    float32 result as XLA's own bf16 program (XLA keeps the MoE sum in float32 there, the kernel rounds it as the
+    model says: each is within a few bf16 steps)."""
+    f32 = jnp.float32
     for t in (256, 512):
-        x, mlp, y, pos, weights, norms, scalar = _case(t, 2816, 8, 8 * t + 16, jnp.bfloat16, key=t)
-        got = np.asarray(jax.jit(lambda *a: ffw_tail(*a, EPS))(x, mlp, y, pos, weights, *norms, scalar), np.float32)
-        want = np.asarray(jax.jit(lambda *a: ffw_tail_reference(*a, EPS))(x, mlp, y, pos, weights, *norms, scalar),
-                          np.float32)
-        assert np.abs(got - want).max() <= 0.0625, (t, np.abs(got - want).max())  # one bf16 step at |v| < 16
-        assert np.mean(got != want) < 0.02, (t, np.mean(got != want))
+        args = _case(t, 2816, 8, 8 * t + 16, jnp.bfloat16, key=t)
+        x, mlp, y, pos, weights, norms, scalar = args
+        wide = [a.astype(f32) if a.dtype == jnp.bfloat16 else a for a in (x, mlp, y, pos, weights, *norms, scalar)]
+        kernel = jax.jit(lambda *a: ffw_tail(*a, EPS))
+        xla = jax.jit(lambda *a: ffw_tail_reference(*a, EPS))
+        exact = np.asarray(xla(*wide))
+        np.testing.assert_allclose(np.asarray(kernel(*wide)), exact, rtol=1e-4, atol=1e-4)
+        flat = (x, mlp, y, pos, weights, *norms, scalar)
+        got, ref = (np.abs(np.asarray(f(*flat), np.float32) - exact) for f in (kernel, xla))
+        assert got.max() <= max(2 * ref.max(), 0.07), (t, got.max(), ref.max())
+        assert got.mean() <= 1.5 * ref.mean() + 1e-3, (t, got.mean(), ref.mean())

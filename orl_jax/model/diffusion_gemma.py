@@ -66,6 +66,7 @@ from orl_jax.model.cache import HybridKVCache, KVCache
 from orl_jax.model.layers import (
     apply_rope,
     einsum,
+    fused_gated_hidden,
     fused_gated_mlp,
     gated_mlp,
     rms_norm_fp32,
@@ -73,7 +74,7 @@ from orl_jax.model.layers import (
     rope_inv_freq,
     soft_cap,
 )
-from orl_jax.model.moe import experts_mlp, fusable, fuse_gate_up, fused_stack, pallas_sort, route, sorted_expert_rows
+from orl_jax.model.moe import experts_mlp, fusable, fuse_gate_up, pallas_sort, route, sorted_expert_rows
 from orl_jax.model.streamed import StackedWeight, as_stacked, pack_vectors, unpack_vectors, vector_offsets
 from orl_jax.params import ParamSpec, ones
 
@@ -231,7 +232,7 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     weights, experts = route(flat, w["router_scale"], w["router"], w["expert_scale"], cfg.top_k_experts, eps,
                              kernel=impl == "pallas")
     moe_in = rms_norm_fp32(flat, w["moe_norm"], eps)
-    if FFW_TAIL_KERNEL and impl == "pallas" and fused_stack(as_stacked(w["experts_gate_up"])):
+    if _tail_kernel(cfg, w):
         return _ffw_tail(cfg, x, w, scalar, mlp_in, moe_in, weights, experts), k, v
     moe = experts_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT, impl,
                       distinct=True)  # a top-k's choices
@@ -243,20 +244,32 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
 
 
 # The fused experts' layer tail (the MoE's weighted sum, the three post norms, the residual, the layer scalar) in one
-# kernel (kernels/ffw_tail) instead of XLA's two fusions. Read at trace time.
+# kernel (kernels/ffw_tail) instead of XLA's two fusions, with the dense MLP's down projection in the experts' launch
+# (mlp.grouped_mlp's dense): its GEMM would otherwise sit between the experts and the tail. Read at trace time.
 FFW_TAIL_KERNEL = True
 
 
+def _tail_kernel(cfg: DiffusionGemmaConfig, w: dict) -> bool:
+    """Whether a layer of these weights (a layer's, or a layer type's stacks) ends in kernels/ffw_tail: FFW_TAIL_KERNEL,
+    moe_impl pallas, the expert gate/up in fuse_gate_up's layout (diffusion_gemma.inference_params) and a dense MLP
+    whose down projection fits the expert kernel's tiles."""
+    gu = w["experts_gate_up"]
+    return (FFW_TAIL_KERNEL and moe_impl(cfg) == "pallas" and getattr(gu, "stack", gu).ndim == 5
+            and fusable(cfg.hidden_size, cfg.intermediate_size))
+
+
 def _ffw_tail(cfg: DiffusionGemmaConfig, x, w, scalar: str, mlp_in, moe_in, weights, experts):
-    """_layer's feed-forward half from its norms' outputs on the fused experts' path: the layer's output [B, L, D]."""
+    """_layer's feed-forward half from its norms' outputs on the fused experts' path: the layer's output [B, L, D].
+    w["down"] (the dense MLP's) is best a StackedWeight: the expert kernel reads it in place."""
     from orl_jax_kernels.ffw_tail.kernel import ffw_tail
 
     b, l, d = x.shape
-    y, pos, _ = sorted_expert_rows(moe_in, experts, as_stacked(w["experts_gate_up"]), as_stacked(w["experts_down"]),
-                                   ACT, **pallas_sort(True))  # a top-k's choices are distinct
-    mlp = fused_gated_mlp(mlp_in, w["gate_up"], w["down"], ACT)
-    out = ffw_tail(x.reshape(b * l, d), mlp.reshape(b * l, d), y, pos.reshape(experts.shape), weights,
-                   w["post_mlp_norm"], w["post_moe_norm"], w["post_ffw_norm"], w[scalar], cfg.rms_norm_eps,
+    h = fused_gated_hidden(mlp_in, w["gate_up"], ACT).reshape(b * l, -1)  # [T, Fd]
+    y, pos, _, mlp = sorted_expert_rows(moe_in, experts, as_stacked(w["experts_gate_up"]),
+                                        as_stacked(w["experts_down"]), ACT, dense=(h, as_stacked(w["down"])),
+                                        **pallas_sort(True))  # a top-k's choices are distinct
+    out = ffw_tail(x.reshape(b * l, d), mlp, y, pos.reshape(experts.shape), weights, w["post_mlp_norm"],
+                   w["post_moe_norm"], w["post_ffw_norm"], w[scalar], cfg.rms_norm_eps,
                    interpret=jax.default_backend() == "cpu")
     return out.reshape(b, l, d)
 
@@ -335,8 +348,10 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     # expert stacks in place (StackedWeight).
     looped = cache is not None or (in_place and not remat)
     stacks = EXPERT_WEIGHTS if moe_impl(cfg) == "pallas" else ()
-    sliding_w = {n: a for n, a in params["sliding"].items() if n not in stacks}
-    full_w = {n: a for n, a in params["full"].items() if n not in stacks}
+    # on the tail kernel's path the expert kernel also reads the dense down projection in place
+    stacks_s, stacks_f = (stacks + (("down",) if _tail_kernel(cfg, params[t]) else ()) for t in ("sliding", "full"))
+    sliding_w = {n: a for n, a in params["sliding"].items() if n not in stacks_s}
+    full_w = {n: a for n, a in params["full"].items() if n not in stacks_f}
     if cache is not None and qwen3.cached_attention_impl(cfg) == "pallas":  # int8, the extents: once, not per layer
         vis = kernel_masks(vis, ("cache_" + SLIDING, "cache_" + FULL))
     sliding_v = full_v = None
@@ -346,7 +361,7 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     norm_offsets = _qk_kernel_offsets(cfg, sliding_layout) if cache is not None else None
 
     def sliding_layer(x, i, w, ck=None, cv=None):
-        w = w | {n: StackedWeight(params["sliding"][n], i) for n in stacks}
+        w = w | {n: StackedWeight(params["sliding"][n], i) for n in stacks_s}
         part = None if ck is None else (ck, cv, vis["cache_" + SLIDING])
         return _layer(cfg, x, w, rope_s, vis[SLIDING], part, scalar)
 
@@ -383,7 +398,8 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
         return x, kv
 
     def full_layer(x, g):
-        w = {n: a[g] for n, a in full_w.items()} | {n: StackedWeight(params["full"][n], jnp.int32(g)) for n in stacks}
+        w = {n: a[g] for n, a in full_w.items()} | {n: StackedWeight(params["full"][n], jnp.int32(g))
+                                                     for n in stacks_f}
         part = None
         if full_v is not None:
             w |= unpack_vectors(full_v[g], full_layout)

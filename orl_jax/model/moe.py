@@ -294,17 +294,21 @@ def fused_stack(w) -> bool:
     return isinstance(w, StackedWeight) and w.stack.ndim == 5
 
 
-def sorted_expert_rows(x, experts, gate_up, down, act: str, sort_kernel: bool = False,
-                       by_token: bool = False) -> tuple[jax.Array, jax.Array, bool]:
+def sorted_expert_rows(x, experts, gate_up, down, act: str, sort_kernel: bool = False, by_token: bool = False,
+                       dense: tuple | None = None) -> tuple:
     """Every (token, choice)'s expert MLP as rows sorted by expert, multiplied group by group (`grouped_matmul`, or
     kernels/grouped_gemm/mlp in one launch for `fuse_gate_up`'s layout): work proportional to T * k.
     -> (y [M, D], pos [T k]: each choice's row of y in (token, choice) order, bare: pos came from kernels/expert_sort,
-    so a bare gather may read it). Rows of y that no choice points at are not zeroed.
+    so a bare gather may read it, dense's product or None). Rows of y that no choice points at are not zeroed.
+    dense = (h [R, Fd], w: a StackedWeight [L, Fd, D]): on the one-launch path only, h @ w in the same launch (the
+    dense MLP beside the MoE: see mlp.grouped_mlp's dense).
     sort_kernel: sort with kernels/expert_sort (one launch, and the group offsets the grouped kernel needs) up to its
     MAX_ASSIGNMENTS, instead of sort_by_expert's XLA fusions (by_token: each token's experts distinct, see
     _sorted_rows)."""
+    if dense is not None and not fused_stack(gate_up):
+        raise ValueError("sorted_expert_rows: dense takes gate_up in fuse_gate_up's layout (the one-launch kernel)")
     tokens, pos, sizes, offsets = _sorted_rows(experts, gate_up.shape[0], sort_kernel, by_token)
-    bare = offsets is not None
+    bare, dense_out = offsets is not None, None
     if fused_stack(gate_up):  # the whole expert MLP in one launch
         from orl_jax_kernels.grouped_gemm.kernel import group_offsets
         from orl_jax_kernels.grouped_gemm.mlp import grouped_mlp
@@ -312,13 +316,16 @@ def sorted_expert_rows(x, experts, gate_up, down, act: str, sort_kernel: bool = 
         offsets = group_offsets(sizes) if offsets is None else offsets
         y = grouped_mlp(x, tokens, gate_up.stack, as_stacked(down).stack, offsets, gate_up.index, ACTIVATIONS[act],
                         num_stages=FUSED_STAGES, one_dot=FUSED_ONE_DOT, zero_tail=False,
+                        dense=None if dense is None else (dense[0], dense[1].stack, dense[1].index),
                         interpret=jax.default_backend() == "cpu")
+        if dense is not None:
+            y, dense_out = y
     else:
         take = in_bounds_take if bare else (lambda a, i: jnp.take(a, i, axis=0))  # noqa: E731  (see grouped_experts_mlp)
         xs, rows = (x, tokens) if GATHER_IN_KERNEL else (take(x, tokens), None)
         g, u = jnp.split(grouped_matmul(xs, gate_up, sizes, offsets, rows=rows), 2, axis=-1)  # [M, F] each
         y = grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes, offsets)  # [M, D] in sorted order
-    return y, pos, bare
+    return y, pos, bare, dense_out
 
 
 def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False,
@@ -326,7 +333,7 @@ def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kerne
     """`sorted_expert_rows`, then the outputs come back by a gather (each assignment reads its sorted row), weighted
     and summed over the k choices."""
     t, k = experts.shape
-    y, pos, bare = sorted_expert_rows(x, experts, gate_up, down, act, sort_kernel, by_token)
+    y, pos, bare, _ = sorted_expert_rows(x, experts, gate_up, down, act, sort_kernel, by_token)
     # Indices from the sort kernel take bare gathers. XLA's sort keeps jnp.take: a gather whose index is used once
     # fused the whole counting sort into itself (170 us per 26B layer, session 16).
     y = (in_bounds_take(y, pos) if bare else jnp.take(y, pos, axis=0)).astype(jnp.float32) * weights.reshape(-1, 1)
