@@ -56,54 +56,25 @@ def _halves(acc: jax.Array) -> tuple[jax.Array, jax.Array]:
     return tuple(jnp.sum(jnp.where(half == h, a, 0.0), axis=1) for h in (0, 1))
 
 
-def _kernel(*refs, bm: int, gu: Blocks, dn: Blocks, act, one_dot: bool, dense_rows: int | None, interpret: bool):
+def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, count_in, h_ref, o_ref, count_ref, *,
+            bm: int, gu: Blocks, dn: Blocks, act, one_dot: bool, interpret: bool):
+    del count_in  # aliased to count_ref
     from jax.experimental.pallas import triton as plt
 
-    dense = dense_rows is not None
-    if dense:
-        layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, dh_ref, dw_ref, _, h_ref, o_ref, count_ref, do_ref = refs
-    else:  # the count's input (aliased to count_ref) unused
-        layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, _, h_ref, o_ref, count_ref = refs
     barrier = (lambda: None) if interpret else plt.debug_barrier  # interpret mode: one thread, no barrier op
 
     n_exp, f_tiles, d, bw2 = gu_ref.shape[1:]
     bw = bw2 // 2
+    f = f_tiles * bw
     d_tiles = dn_ref.shape[-1] // dn.bn
-    n_dense = d_tiles if dense else 0  # the dense down's column tiles: the first tickets
     layer = layer_ref[0]
-    raw = plt.atomic_add(count_ref, (jnp.int32(n_exp),), jnp.int32(1))  # count_ref[E]: the next work item
-    is_dense = raw < n_dense
-    ticket = jnp.maximum(raw - n_dense, 0)
-    is_gu = (ticket < n_exp * f_tiles) & jnp.logical_not(is_dense)
-    item = jnp.where(ticket < n_exp * f_tiles, ticket, ticket - n_exp * f_tiles)
+    ticket = plt.atomic_add(count_ref, (jnp.int32(n_exp),), jnp.int32(1))  # count_ref[E]: the next work item
+    is_gu = ticket < n_exp * f_tiles
+    item = jnp.where(is_gu, ticket, ticket - n_exp * f_tiles)
     e = jnp.where(is_gu, item // f_tiles, item // d_tiles)
     j = jnp.where(is_gu, item % f_tiles, item % d_tiles)
     start, rows = off_ref[e], off_ref[e + 1] - off_ref[e]
     n_tiles = (rows + bm - 1) // bm
-
-    def down_tiles(src_ref, w_ref, w_at, dst_ref, r_start, n_rows, col):
-        """dst[rows] [:, col tile] = src[rows] @ w[w_at][:, col tile], bm rows at a time."""
-        cols = pl.ds(pl.multiple_of(col * dn.bn, dn.bn), dn.bn)
-
-        def tile(t, carry):
-            r0 = r_start + t * bm
-            live = (t * bm + jnp.arange(bm)) < n_rows
-
-            def chunk(c, acc):
-                k0 = pl.multiple_of(c * dn.bk, dn.bk)
-                hb = plt.load(src_ref.at[pl.ds(r0, bm), pl.ds(k0, dn.bk)], mask=live[:, None], other=0.0)
-                return acc + jnp.dot(hb, w_ref[(*w_at, pl.ds(k0, dn.bk), cols)], preferred_element_type=jnp.float32)
-
-            acc = jax.lax.fori_loop(0, src_ref.shape[1] // dn.bk, chunk, jnp.zeros((bm, dn.bn), jnp.float32))
-            plt.store(dst_ref.at[pl.ds(r0, bm), cols], acc.astype(dst_ref.dtype), mask=live[:, None])
-            return carry
-
-        jax.lax.fori_loop(0, (n_rows + bm - 1) // bm, tile, 0)
-
-    if dense:
-        @pl.when(is_dense)
-        def _():
-            down_tiles(dh_ref, dw_ref, (layer_ref[1],), do_ref, 0, dense_rows, raw)
 
     @pl.when(is_gu)
     def _():
@@ -136,38 +107,48 @@ def _kernel(*refs, bm: int, gu: Blocks, dn: Blocks, act, one_dot: bool, dense_ro
         barrier()  # every thread's stores before the release
         plt.atomic_add(count_ref, (e,), jnp.int32(1))
 
-    @pl.when(jnp.logical_not(is_gu | is_dense) & (rows > 0))
+    @pl.when(jnp.logical_not(is_gu) & (rows > 0))
     def _():
         zero = jnp.int32(0)  # carried: a constant inside the body cannot be discharged in interpret mode
         jax.lax.while_loop(lambda c: (c[0] < f_tiles) & (c[1] < MAX_SPIN),
                            lambda c: (plt.atomic_add(count_ref, (e,), c[2]), c[1] + 1, c[2]),
                            (plt.atomic_add(count_ref, (e,), zero), zero, zero))  # atomic reads of e's count
         barrier()  # every thread after the acquire
-        down_tiles(h_ref, dn_ref, (layer, e), o_ref, start, rows, j)
+        cols = pl.ds(pl.multiple_of(j * dn.bn, dn.bn), dn.bn)
+
+        def tile(t, carry):
+            r0 = start + t * bm
+            live = (t * bm + jnp.arange(bm)) < rows
+
+            def chunk(c, acc):
+                k0 = pl.multiple_of(c * dn.bk, dn.bk)
+                hb = plt.load(h_ref.at[pl.ds(r0, bm), pl.ds(k0, dn.bk)], mask=live[:, None], other=0.0)
+                return acc + jnp.dot(hb, dn_ref[layer, e, pl.ds(k0, dn.bk), cols],
+                                     preferred_element_type=jnp.float32)
+
+            acc = jax.lax.fori_loop(0, f // dn.bk, chunk, jnp.zeros((bm, dn.bn), jnp.float32))
+            plt.store(o_ref.at[pl.ds(r0, bm), cols], acc.astype(o_ref.dtype), mask=live[:, None])
+            return carry
+
+        jax.lax.fori_loop(0, n_tiles, tile, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("act", "gu_blocks", "dn_blocks", "bm", "num_warps", "num_stages",
-                                             "one_dot", "zero_tail", "interpret"))
+                                             "one_dot", "interpret"))
 def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Array, offsets: jax.Array,
                 layer: jax.Array, act, gu_blocks: Blocks = TILES,
                 dn_blocks: Blocks = TILES, bm: int = 64, num_warps: int = 4,
-                num_stages: int = 3, one_dot: bool = False, zero_tail: bool = True,
-                dense: tuple | None = None, interpret: bool = False):
+                num_stages: int = 3, one_dot: bool = False, interpret: bool = False) -> jax.Array:
     """Sorted row r of x[rows] through its expert's MLP: act(x_r @ gate_e) * (x_r @ up_e) @ down_e -> [M, D] in
-    x's dtype (M = rows.shape[0]; rows past offsets[-1] are 0, or left unwritten with zero_tail=False: a consumer that
-    only gathers the groups' rows then reads the kernel's output as is, with no select before it).
+    x's dtype (M = rows.shape[0]; rows past offsets[-1] are 0).
 
     x [T, D]; rows [M] int32 (the token of each row, sorted by expert); gate_up [L, E, F / bw, D, 2 bw]
     (tile_gated of a [gate | up] stack, bw = gu_blocks.bn / 2); down [L, E, F, D] (the model's layout);
     offsets [E + 1] (the groups' first rows, then their end); layer: the stacks' layer. gu_blocks / dn_blocks: bk
     (rows of K per step) and bn of each GEMM; one num_warps / num_stages for the launch. one_dot: gate/up's [gate |
     up] tile as one 2 bw-wide product per K step, its halves split after the loop (`_halves`), instead of two bw-wide
-    products.
-
-    dense = (h [R, Fd], w [Ld, Fd, D], layer_d): also the product h @ w[layer_d] (a dense MLP's down projection beside
-    the experts), as the first D / bn tickets: returns (the rows, that product [R, D]). Why: XLA's GEMM for it cannot
-    start until this kernel frees the SMs, and then sits between the experts and the layer's tail (~11 us per 26B
-    layer); here it costs its bytes (~3 us)."""
+    products (the model's default, moe.FUSED_ONE_DOT: 0.3-1 us per 26B layer faster in isolation, 0.02-0.045 ms per
+    forward)."""
     _, d = x.shape
     layer_arr = layer_operand("grouped_mlp", True, layer, gate_up.shape)
     if gate_up.ndim != 5 or down.ndim != 4:
@@ -186,39 +167,20 @@ def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Arr
     spare = bm if interpret else 0  # interpret mode clamps windows that leave the array (kernel.py)
     rows_p = jnp.pad(rows, (0, spare))
     items = e * (f_tiles + d // dn_blocks.bn)
-    h_shape, o_shape = (m + spare, f), (m + spare, d)
-    operands, outs = [layer_arr, offsets, rows_p, x, gate_up, down], [h_shape, o_shape]
-    dense_rows = None
-    if dense is not None:
-        dh, dw, dense_layer = dense
-        dense_rows = dh.shape[0]
-        if dh.ndim != 2 or dw.ndim != 3 or dw.shape[1:] != (dh.shape[1], d) or dh.shape[1] % dn_blocks.bk:
-            raise ValueError(f"grouped_mlp: dense h {dh.shape} and w {dw.shape} do not match D={d} "
-                             f"(Fd a multiple of bk={dn_blocks.bk})")
-        layer_arr = jnp.concatenate([layer_arr, layer_operand("grouped_mlp", True, dense_layer, dw.shape)])
-        operands = [layer_arr, *operands[1:], jnp.pad(dh.astype(x.dtype), ((0, spare), (0, 0))), dw]
-        items += d // dn_blocks.bn
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i, n=a.ndim: (0,) * n)  # noqa: E731
     count = jnp.zeros((e + 1,), jnp.int32)
-    operands.append(count)
-    shapes = [jax.ShapeDtypeStruct(s, x.dtype) for s in outs] + [jax.ShapeDtypeStruct(count.shape, count.dtype)]
-    if dense is not None:
-        shapes.append(jax.ShapeDtypeStruct((dense_rows + spare, d), x.dtype))
-    def whole(a):  # the whole array as the one block of every program
-        return pl.BlockSpec(a.shape, lambda i: (0,) * len(a.shape))
-
-    results = pl.pallas_call(
-        functools.partial(_kernel, bm=bm, gu=gu_blocks, dn=dn_blocks, act=act, one_dot=one_dot,
-                          dense_rows=dense_rows, interpret=interpret),
-        out_shape=tuple(shapes),
+    h_shape, o_shape = (m + spare, f), (m + spare, d)
+    _, out, _ = pl.pallas_call(
+        functools.partial(_kernel, bm=bm, gu=gu_blocks, dn=dn_blocks, act=act, one_dot=one_dot, interpret=interpret),
+        out_shape=(jax.ShapeDtypeStruct(h_shape, x.dtype), jax.ShapeDtypeStruct(o_shape, x.dtype),
+                   jax.ShapeDtypeStruct(count.shape, count.dtype)),
         grid=(items,),
-        in_specs=[whole(a) for a in operands],
-        out_specs=[whole(s) for s in shapes],
-        input_output_aliases={len(operands) - 1: 2},
+        in_specs=[whole(a) for a in (layer_arr, offsets, rows_p, x, gate_up, down, count)],
+        out_specs=[pl.BlockSpec(h_shape, lambda i: (0, 0)), pl.BlockSpec(o_shape, lambda i: (0, 0)),
+                   whole(count)],
+        input_output_aliases={6: 2},
         interpret=interpret,
         **triton_params(num_warps, num_stages, interpret),
-    )(*operands)
-    out = results[1][:m] if spare else results[1]
-    out = jnp.where((jnp.arange(m) < offsets[-1])[:, None], out, 0) if zero_tail else out
-    if dense is None:
-        return out
-    return out, results[3][:dense_rows] if spare else results[3]
+    )(layer_arr, offsets, rows_p, x, gate_up, down, count)
+    live = jnp.arange(m) < offsets[-1]
+    return jnp.where(live[:, None], out[:m] if spare else out, 0)

@@ -66,7 +66,6 @@ from orl_jax.model.cache import HybridKVCache, KVCache
 from orl_jax.model.layers import (
     apply_rope,
     einsum,
-    fused_gated_hidden,
     fused_gated_mlp,
     gated_mlp,
     rms_norm_fp32,
@@ -74,8 +73,8 @@ from orl_jax.model.layers import (
     rope_inv_freq,
     soft_cap,
 )
-from orl_jax.model.moe import experts_mlp, fusable, fuse_gate_up, pallas_sort, route, sorted_expert_rows
-from orl_jax.model.streamed import StackedWeight, as_stacked, pack_vectors, unpack_vectors, vector_offsets
+from orl_jax.model.moe import experts_mlp, fusable, fuse_gate_up, route
+from orl_jax.model.streamed import StackedWeight, pack_vectors, unpack_vectors, vector_offsets
 from orl_jax.params import ParamSpec, ones
 
 ACT = "gelu_tanh"  # HF: gelu_pytorch_tanh
@@ -232,8 +231,6 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     weights, experts = route(flat, w["router_scale"], w["router"], w["expert_scale"], cfg.top_k_experts, eps,
                              kernel=impl == "pallas")
     moe_in = rms_norm_fp32(flat, w["moe_norm"], eps)
-    if _tail_kernel(cfg, w):
-        return _ffw_tail(cfg, x, w, scalar, mlp_in, moe_in, weights, experts), k, v
     moe = experts_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT, impl,
                       distinct=True)  # a top-k's choices
     moe = moe.reshape(b, l, d)  # [B, L, D]
@@ -241,37 +238,6 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     ffw = rms_norm_fp32(mlp, w["post_mlp_norm"], eps) + rms_norm_fp32(moe, w["post_moe_norm"], eps)
     x = (x + rms_norm_fp32(ffw, w["post_ffw_norm"], eps)) * w[scalar][0]
     return x, k, v
-
-
-# The fused experts' layer tail (the MoE's weighted sum, the three post norms, the residual, the layer scalar) in one
-# kernel (kernels/ffw_tail) instead of XLA's two fusions, with the dense MLP's down projection in the experts' launch
-# (mlp.grouped_mlp's dense): its GEMM would otherwise sit between the experts and the tail. Read at trace time.
-FFW_TAIL_KERNEL = True
-
-
-def _tail_kernel(cfg: DiffusionGemmaConfig, w: dict) -> bool:
-    """Whether a layer of these weights (a layer's, or a layer type's stacks) ends in kernels/ffw_tail: FFW_TAIL_KERNEL,
-    moe_impl pallas, the expert gate/up in fuse_gate_up's layout (diffusion_gemma.inference_params) and a dense MLP
-    whose down projection fits the expert kernel's tiles."""
-    gu = w["experts_gate_up"]
-    return (FFW_TAIL_KERNEL and moe_impl(cfg) == "pallas" and getattr(gu, "stack", gu).ndim == 5
-            and fusable(cfg.hidden_size, cfg.intermediate_size))
-
-
-def _ffw_tail(cfg: DiffusionGemmaConfig, x, w, scalar: str, mlp_in, moe_in, weights, experts):
-    """_layer's feed-forward half from its norms' outputs on the fused experts' path: the layer's output [B, L, D].
-    w["down"] (the dense MLP's) is best a StackedWeight: the expert kernel reads it in place."""
-    from orl_jax_kernels.ffw_tail.kernel import ffw_tail
-
-    b, l, d = x.shape
-    h = fused_gated_hidden(mlp_in, w["gate_up"], ACT).reshape(b * l, -1)  # [T, Fd]
-    y, pos, _, mlp = sorted_expert_rows(moe_in, experts, as_stacked(w["experts_gate_up"]),
-                                        as_stacked(w["experts_down"]), ACT, dense=(h, as_stacked(w["down"])),
-                                        **pallas_sort(True))  # a top-k's choices are distinct
-    out = ffw_tail(x.reshape(b * l, d), mlp, y, pos.reshape(experts.shape), weights, w["post_mlp_norm"],
-                   w["post_moe_norm"], w["post_ffw_norm"], w[scalar], cfg.rms_norm_eps,
-                   interpret=jax.default_backend() == "cpu")
-    return out.reshape(b, l, d)
 
 
 def _qk_kernel_offsets(cfg: DiffusionGemmaConfig, layout) -> tuple[int, ...] | None:
@@ -348,10 +314,8 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     # expert stacks in place (StackedWeight).
     looped = cache is not None or (in_place and not remat)
     stacks = EXPERT_WEIGHTS if moe_impl(cfg) == "pallas" else ()
-    # on the tail kernel's path the expert kernel also reads the dense down projection in place
-    stacks_s, stacks_f = (stacks + (("down",) if _tail_kernel(cfg, params[t]) else ()) for t in ("sliding", "full"))
-    sliding_w = {n: a for n, a in params["sliding"].items() if n not in stacks_s}
-    full_w = {n: a for n, a in params["full"].items() if n not in stacks_f}
+    sliding_w = {n: a for n, a in params["sliding"].items() if n not in stacks}
+    full_w = {n: a for n, a in params["full"].items() if n not in stacks}
     if cache is not None and qwen3.cached_attention_impl(cfg) == "pallas":  # int8, the extents: once, not per layer
         vis = kernel_masks(vis, ("cache_" + SLIDING, "cache_" + FULL))
     sliding_v = full_v = None
@@ -361,7 +325,7 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     norm_offsets = _qk_kernel_offsets(cfg, sliding_layout) if cache is not None else None
 
     def sliding_layer(x, i, w, ck=None, cv=None):
-        w = w | {n: StackedWeight(params["sliding"][n], i) for n in stacks_s}
+        w = w | {n: StackedWeight(params["sliding"][n], i) for n in stacks}
         part = None if ck is None else (ck, cv, vis["cache_" + SLIDING])
         return _layer(cfg, x, w, rope_s, vis[SLIDING], part, scalar)
 
@@ -398,8 +362,7 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
         return x, kv
 
     def full_layer(x, g):
-        w = {n: a[g] for n, a in full_w.items()} | {n: StackedWeight(params["full"][n], jnp.int32(g))
-                                                     for n in stacks_f}
+        w = {n: a[g] for n, a in full_w.items()} | {n: StackedWeight(params["full"][n], jnp.int32(g)) for n in stacks}
         part = None
         if full_v is not None:
             w |= unpack_vectors(full_v[g], full_layout)

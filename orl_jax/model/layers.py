@@ -67,13 +67,8 @@ def gated_mlp(x: jax.Array, gate, up, down, act: str = "silu") -> jax.Array:
 def fused_gated_mlp(x: jax.Array, gate_up, down, act: str = "silu") -> jax.Array:
     """gated_mlp with gate and up stored as one [D, 2, F] weight: one GEMM streams both (XLA would otherwise
     concatenate two separate weights on every call to merge the dots)."""
-    return einsum("blf,fd->bld", fused_gated_hidden(x, gate_up, act), down)  # [B, L, D]
-
-
-def fused_gated_hidden(x: jax.Array, gate_up, act: str = "silu") -> jax.Array:
-    """fused_gated_mlp's hidden act(x @ gate) * (x @ up) [B, L, F], before its down projection."""
     gu = einsum("bld,dtf->bltf", x, gate_up)  # [B, L, 2, F]
-    return ACTIVATIONS[act](gu[:, :, 0]) * gu[:, :, 1]
+    return einsum("blf,fd->bld", ACTIVATIONS[act](gu[:, :, 0]) * gu[:, :, 1], down)  # [B, L, D]
 
 
 def rms_norm_fp32(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:

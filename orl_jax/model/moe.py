@@ -128,18 +128,13 @@ def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up, d
         raise ValueError(f"experts_mlp: gate_up in fuse_gate_up's layout takes impl 'pallas', got impl={impl!r}")
     if impl == "pallas":  # expert stacks as StackedWeight: their ragged_dot is the grouped kernel
         return grouped_experts_mlp(x, weights, experts, as_stacked(gate_up), as_stacked(down), act,
-                                   **pallas_sort(distinct))
+                                   sort_kernel=SORT_KERNEL, by_token=distinct and EXPERT_SORT_BY_TOKEN)
     if t > BUCKETED_MAX_TOKENS:
         return grouped_experts_mlp(x, weights, experts, gate_up, down, act)
     c = capacity(t, k, gate_up.shape[0])
     if impl == "dense" or c >= t:  # every expert could take every token: bucketing saves nothing
         return dense_experts_mlp(x, weights, experts, gate_up, down, act)
     return bucketed_experts_mlp(x, weights, experts, gate_up, down, act, c)
-
-
-def pallas_sort(distinct: bool) -> dict:
-    """experts_mlp's sort for impl "pallas" (the trace-time switches below), as keyword arguments."""
-    return {"sort_kernel": SORT_KERNEL, "by_token": distinct and EXPERT_SORT_BY_TOKEN}
 
 
 def bucketed_experts_mlp(x, weights, experts, gate_up, down, act: str, capacity: int) -> jax.Array:
@@ -264,8 +259,8 @@ FUSED_TILE = 64
 FUSED_STAGES = 3
 # gate/up's [gate | up] tile as one product per K step, split after the loop (mlp.grouped_mlp's one_dot), instead of
 # two half-width products: 373.6-374.6 against 374.6-374.9 us per 26B layer in isolation, and in the forward
-# 14.435 / 14.440 against 14.480 / 14.464 ms, alternating in one process (benchmarks/dg_fused_one_dot_sweep.json,
-# benchmarks/results/2026-12-04_dg_ffw_tail_h200.md). Read at trace time.
+# 14.435 / 14.440 against 14.480 / 14.464 ms, alternating in one process (benchmarks/dg_fused_one_dot_sweep.json;
+# benchmarks/results/2026-12-04_dg_one_dot_ffw_tail_h200.md). Read at trace time.
 FUSED_ONE_DOT = True
 
 
@@ -294,47 +289,28 @@ def fused_stack(w) -> bool:
     return isinstance(w, StackedWeight) and w.stack.ndim == 5
 
 
-def sorted_expert_rows(x, experts, gate_up, down, act: str, sort_kernel: bool = False, by_token: bool = False,
-                       dense: tuple | None = None) -> tuple:
-    """Every (token, choice)'s expert MLP as rows sorted by expert, multiplied group by group (`grouped_matmul`, or
-    kernels/grouped_gemm/mlp in one launch for `fuse_gate_up`'s layout): work proportional to T * k.
-    -> (y [M, D], pos [T k]: each choice's row of y in (token, choice) order, bare: pos came from kernels/expert_sort,
-    so a bare gather may read it, dense's product or None). Rows of y that no choice points at are not zeroed.
-    dense = (h [R, Fd], w: a StackedWeight [L, Fd, D]): on the one-launch path only, h @ w in the same launch (the
-    dense MLP beside the MoE: see mlp.grouped_mlp's dense).
+def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False,
+                        by_token: bool = False) -> jax.Array:
+    """Rows sorted by expert and multiplied group by group (`grouped_matmul`): work proportional to T * k. The
+    outputs come back by a gather (each assignment reads its sorted row), weighted and summed over the k choices.
     sort_kernel: sort with kernels/expert_sort (one launch, and the group offsets the grouped kernel needs) up to its
     MAX_ASSIGNMENTS, instead of sort_by_expert's XLA fusions (by_token: each token's experts distinct, see
     _sorted_rows)."""
-    if dense is not None and not fused_stack(gate_up):
-        raise ValueError("sorted_expert_rows: dense takes gate_up in fuse_gate_up's layout (the one-launch kernel)")
+    t, k = experts.shape
     tokens, pos, sizes, offsets = _sorted_rows(experts, gate_up.shape[0], sort_kernel, by_token)
-    bare, dense_out = offsets is not None, None
+    # Indices from the sort kernel (offsets given) take bare gathers. XLA's sort keeps jnp.take: a gather whose index
+    # is used once fused the whole counting sort into itself (170 us per 26B layer, session 16).
+    take = in_bounds_take if offsets is not None else (lambda a, i: jnp.take(a, i, axis=0))  # noqa: E731
     if fused_stack(gate_up):  # the whole expert MLP in one launch
         from orl_jax_kernels.grouped_gemm.kernel import group_offsets
         from orl_jax_kernels.grouped_gemm.mlp import grouped_mlp
 
         offsets = group_offsets(sizes) if offsets is None else offsets
         y = grouped_mlp(x, tokens, gate_up.stack, as_stacked(down).stack, offsets, gate_up.index, ACTIVATIONS[act],
-                        num_stages=FUSED_STAGES, one_dot=FUSED_ONE_DOT, zero_tail=False,
-                        dense=None if dense is None else (dense[0], dense[1].stack, dense[1].index),
-                        interpret=jax.default_backend() == "cpu")
-        if dense is not None:
-            y, dense_out = y
+                        num_stages=FUSED_STAGES, one_dot=FUSED_ONE_DOT, interpret=jax.default_backend() == "cpu")
     else:
-        take = in_bounds_take if bare else (lambda a, i: jnp.take(a, i, axis=0))  # noqa: E731  (see grouped_experts_mlp)
         xs, rows = (x, tokens) if GATHER_IN_KERNEL else (take(x, tokens), None)
         g, u = jnp.split(grouped_matmul(xs, gate_up, sizes, offsets, rows=rows), 2, axis=-1)  # [M, F] each
         y = grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes, offsets)  # [M, D] in sorted order
-    return y, pos, bare, dense_out
-
-
-def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False,
-                        by_token: bool = False) -> jax.Array:
-    """`sorted_expert_rows`, then the outputs come back by a gather (each assignment reads its sorted row), weighted
-    and summed over the k choices."""
-    t, k = experts.shape
-    y, pos, bare, _ = sorted_expert_rows(x, experts, gate_up, down, act, sort_kernel, by_token)
-    # Indices from the sort kernel take bare gathers. XLA's sort keeps jnp.take: a gather whose index is used once
-    # fused the whole counting sort into itself (170 us per 26B layer, session 16).
-    y = (in_bounds_take(y, pos) if bare else jnp.take(y, pos, axis=0)).astype(jnp.float32) * weights.reshape(-1, 1)
-    return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)  # [T, D] (y in (token, choice) order)
+    y = take(y, pos).astype(jnp.float32) * weights.reshape(-1, 1)  # [M, D] in (token, choice) order
+    return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)  # [T, D]
