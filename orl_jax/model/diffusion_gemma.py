@@ -234,16 +234,10 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     moe = experts_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT, impl,
                       distinct=True)  # a top-k's choices
     moe = moe.reshape(b, l, d)  # [B, L, D]
-    mlp = fused_gated_mlp(mlp_in, w["gate_up"], w["down"], ACT, DENSE_DOWN_SPLITS)
+    mlp = fused_gated_mlp(mlp_in, w["gate_up"], w["down"], ACT)
     ffw = rms_norm_fp32(mlp, w["post_mlp_norm"], eps) + rms_norm_fp32(moe, w["post_moe_norm"], eps)
     x = (x + rms_norm_fp32(ffw, w["post_ffw_norm"], eps)) * w[scalar][0]
     return x, k, v
-
-
-# The dense MLP's down projection as this many split-K products (layers.fused_gated_mlp's down_splits): at canvas 256
-# cuBLAS runs [256, 2112] x [2112, 2816] as ~44 tiles, and after the expert kernel that GEMM is on the forward's
-# critical path (~11-14 us per layer, benchmarks/results/2026-12-04_dg_one_dot_ffw_tail_h200.md). Read at trace time.
-DENSE_DOWN_SPLITS = 1
 
 
 def _qk_kernel_offsets(cfg: DiffusionGemmaConfig, layout) -> tuple[int, ...] | None:

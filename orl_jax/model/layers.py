@@ -64,20 +64,11 @@ def gated_mlp(x: jax.Array, gate, up, down, act: str = "silu") -> jax.Array:
     return einsum("blf,fd->bld", ACTIVATIONS[act](g) * u, down)  # [B, L, D]
 
 
-def fused_gated_mlp(x: jax.Array, gate_up, down, act: str = "silu", down_splits: int = 1) -> jax.Array:
+def fused_gated_mlp(x: jax.Array, gate_up, down, act: str = "silu") -> jax.Array:
     """gated_mlp with gate and up stored as one [D, 2, F] weight: one GEMM streams both (XLA would otherwise
-    concatenate two separate weights on every call to merge the dots). down_splits S > 1 (S divides F, down a plain
-    array): the down projection as S batched products over F / S rows of `down` each, their float32 partials summed
-    (split-K: S times the GEMM's tiles for a short canvas)."""
+    concatenate two separate weights on every call to merge the dots)."""
     gu = einsum("bld,dtf->bltf", x, gate_up)  # [B, L, 2, F]
-    h = ACTIVATIONS[act](gu[:, :, 0]) * gu[:, :, 1]  # [B, L, F]
-    b, l, f = h.shape
-    if down_splits == 1 or f % down_splits or hasattr(down, "einsum"):
-        return einsum("blf,fd->bld", h, down)  # [B, L, D]
-    parts = jnp.einsum("blsf,sfd->sbld", h.reshape(b, l, down_splits, f // down_splits),
-                       down.reshape(down_splits, f // down_splits, -1).astype(h.dtype),
-                       preferred_element_type=jnp.float32)
-    return jnp.sum(parts, axis=0).astype(h.dtype)
+    return einsum("blf,fd->bld", ACTIVATIONS[act](gu[:, :, 0]) * gu[:, :, 1], down)  # [B, L, D]
 
 
 def rms_norm_fp32(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
