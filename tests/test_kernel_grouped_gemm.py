@@ -155,6 +155,7 @@ def test_moe_pallas_path_equals_the_dense_path(monkeypatch):
                                                        "pallas"))())
     assert jaxpr.count("pallas_call") == 3 and "ragged_dot" not in jaxpr  # kernels/expert_sort, gate/up, down
     monkeypatch.setattr(moe, "SORT_KERNEL", False)  # sort_by_expert's XLA path: the same result
+    jax.clear_caches()  # jit's trace cache is keyed by the function: the switch is read at trace time
     default = jax.jit(moe.experts_mlp, static_argnums=(5, 6))(x, weights, experts, gate_up, down, "gelu_tanh", "pallas")
     np.testing.assert_array_equal(np.asarray(default), np.asarray(got))
     from orl_jax_kernels.expert_sort import kernel as sort
