@@ -116,7 +116,8 @@ def _run(sampler: UniformSampler, logits: np.ndarray, key):
                 cur_step=K - step, sampler=hf_sampler, logits_processor=processors,
                 diffusion_stopping_criteria=stopping)
         live = np.asarray(active)
-        np.testing.assert_allclose(np.asarray(out.probs)[live], torch.softmax(hf_sc, -1).numpy()[live], atol=1e-6,
+        probs = out.probs if out.probs_scale is None else out.probs * out.probs_scale[..., None]
+        np.testing.assert_allclose(np.asarray(probs)[live], torch.softmax(hf_sc, -1).numpy()[live], atol=1e-6,
                                    err_msg=f"step {step}: temperature-processed distribution")
         np.testing.assert_array_equal(np.asarray(out.resolved)[live], hf_sampler.accepted_token_mask.numpy()[live],
                                       err_msg=f"step {step}: accepted positions")

@@ -238,6 +238,21 @@ def test_bf16_logits_round_the_head_product_before_the_soft_cap(dg_ours):
     assert np.abs(np.asarray(got) - np.asarray(jnp.tanh(sums / cap) * cap)).max() > 1e-4
 
 
+def test_soft_embed_of_the_samplers_unnormalized_probs(dg_ours):
+    """generate()'s form of the soft embedding: UniformSampler's StepOut.probs = exp(x - max), the row's 1 / sum
+    applied to the float32 product after the GEMM, equals the soft embedding of softmax(x) (fp32)."""
+    cfg, params = dg_ours
+    sampler = UniformSampler()
+    x = jnp.asarray(np.random.default_rng(33).normal(0, 3, (2, cfg.block_length, cfg.vocab_size)), jnp.float32)
+    canvas, state = sampler.init(jax.random.key(0), 2, cfg.block_length, cfg)
+    out = sampler.step(x, canvas, state, jax.random.key(1), 5, jnp.ones((2,), bool))
+    assert out.probs_scale is not None and float(jnp.max(out.probs)) == 1.0
+    want = np.asarray(_soft(params, cfg, jax.nn.softmax(x / sampler.temperature(5), axis=-1)))
+    got = np.asarray(dg.soft_embed(params, cfg, out.probs, out.probs_scale))
+    assert np.abs(want).max() > 1e-2
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_window_and_self_conditioning_matter(dg_ours, dg_hf):
     """The parity above is not vacuous: a wider window, or dropping the self-conditioning input, changes the
     logits well beyond the tolerance."""

@@ -152,7 +152,7 @@ def _generate_loop(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: Deco
         if isinstance(dcfg.residual, NoResidual):
             z, a = s.z, s.a
         else:
-            z = jnp.where(keep[..., None], soft_embed(params, cfg, out.probs), s.z)
+            z = jnp.where(keep[..., None], soft_embed(params, cfg, out.probs, out.probs_scale), s.z)
             a = jnp.where(keep, out.entropy, s.a)
         cap = s.capture
         if cap is not None:

@@ -21,9 +21,10 @@ import jax.numpy as jnp
 from orl_jax.model.registry import model_module
 
 
-def soft_embed(params: dict, cfg, probs: jax.Array) -> jax.Array:
-    """z = p @ E (times the model's embedding scale): [B, L, V] -> [B, L, D]."""
-    return model_module(cfg).soft_embed(params, cfg, probs)
+def soft_embed(params: dict, cfg, probs: jax.Array, scale: jax.Array | None = None) -> jax.Array:
+    """z = p @ E (times the model's embedding scale): [B, L, V] -> [B, L, D]; scale [B, L]: p is probs * scale (the
+    rows' normalization applied to the product, after the GEMM)."""
+    return model_module(cfg).soft_embed(params, cfg, probs, scale)
 
 
 def _masked(cfg, canvas, a):

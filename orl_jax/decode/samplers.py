@@ -27,9 +27,10 @@ class StepOut:
     canvas: jax.Array  # [B, L] next canvas
     state: dict  # sampler-specific carry
     done: jax.Array  # [B] this row's block is finished
-    probs: jax.Array  # [B, L, V] the step's (temperature-processed) distribution: the residual's source
+    probs: jax.Array  # [B, L, V] the step's (temperature-processed) distribution / probs_scale: the residual's source
     entropy: jax.Array  # [B, L] normalized entropy of probs, in [0, 1]
     resolved: jax.Array  # [B, L] positions decided by this step (filled/accepted)
+    probs_scale: jax.Array | None = None  # [B, L]: when set, the distribution is probs * probs_scale[..., None]
 
 
 def categorical(key: jax.Array, logp: jax.Array, rng: str, mass: jax.Array | None = None) -> jax.Array:
@@ -68,16 +69,34 @@ def _chunks(x: jax.Array) -> jax.Array:
     return x.reshape(*lead, -1, w)
 
 
+# UniformSampler.step's StepOut.probs: exp(x - max) with probs_scale = 1 / sum, the softmax's normalization left to the
+# soft embedding's float32 product (one scale per row after the GEMM). The probabilities then wait for no reduction,
+# so XLA can write their bf16 copy beside the statistics pass instead of in a pass of their own after it (the time
+# says it does; the HLO was not read). At DiffusionGemma's [256, 262144] the
+# step's tail (soft-cap, sampler, soft embedding; benchmarks/dg_sampler_tail.py) took 0.921 against 0.982 ms; z then
+# differs from transformers' bf16 rounding order (bf16(p) @ E rounded, then scaled in bf16) by 0.28% (rel. L2), a
+# rounding of its own. False: the normalized probabilities, transformers' order exactly.
+UNNORMALIZED_PROBS = True
+
+
 def softmax_stats(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """softmax_parts as (argmax, log-probabilities z - log s, entropy, chunk masses)."""
+    argmax, z, log_s, entropy, mass = softmax_parts(x)
+    return argmax, z - log_s[..., None], entropy, mass
+
+
+def softmax_parts(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """What both samplers need of softmax(x) for float32 logits x [..., V], in two passes over x (XLA's
     log_softmax, entropy and the draw's chunk sums each read it once more: four passes of 155 MB per canvas-256
-    step at Qwen3's vocabulary): (argmax [...], log-probabilities [..., V] (elementwise, so XLA computes them
-    where they are read), entropy in nats [...], the chunk masses of the inverse-CDF draw [..., C] (sums of the
-    probabilities)). With z = x - max <= 0, s = sum exp(z) >= 1 and t = sum exp(z) z <= 0: entropy =
+    step at Qwen3's vocabulary): (argmax [...], z = x - max [..., V] (elementwise, so XLA computes it where it is
+    read), log s [...] (log p = z - log s), entropy in nats [...], the chunk masses of the inverse-CDF draw [..., C]
+    (sums of the probabilities)). With z = x - max <= 0, s = sum exp(z) >= 1 and t = sum exp(z) z <= 0: entropy =
     log s - t / s, two non-negative terms (no cancellation); log p = z - log s, as jax.nn.log_softmax.
     Pass 1 is a plain max; pass 2 also finds the argmax as the first index with z == 0 (jnp.argmax's first
     occurrence, exactly), per chunk. At DiffusionGemma's [256, 262144] the argmax's own variadic reduction took 111
-    us, the plain max takes 99 (benchmarks/results/2026-12-02_dg_generate_parts_s31_h200.md)."""
+    us, the plain max takes 99 (benchmarks/results/2026-12-02_dg_generate_parts_s31_h200.md). One pass with each
+    chunk's own max, merged online, was slower (a variadic reduction: 1.038 against 0.982 ms for the step's tail;
+    benchmarks/results/2026-12-04_dg_sampler_tail_h200.md)."""
     v = x.shape[-1]
     z = x - jnp.max(x, axis=-1, keepdims=True)
     zc = _chunks(z)
@@ -93,7 +112,7 @@ def softmax_stats(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Ar
     s, t = jnp.sum(mass, axis=-1), jnp.sum(t, axis=-1)
     log_s = jnp.log(s)
     entropy = jnp.maximum(log_s - t / s, 0.0)
-    return jnp.min(first, axis=-1), z - log_s[..., None], entropy, mass / s[..., None]
+    return jnp.min(first, axis=-1), z, log_s, entropy, mass / s[..., None]
 
 
 def _inverse_cdf(key: jax.Array, logp: jax.Array, mass: jax.Array | None = None) -> jax.Array:
@@ -276,7 +295,8 @@ class UniformSampler:
         k_sample, k_noise = jax.random.split(key)
         scaled = logits / self.temperature(step)  # HF's processed logits
         # argmax of the processed logits, as HF (no rounding ties); entropy [B, L] in nats
-        argmax, logp, ent, mass = softmax_stats(scaled)  # logp [B, L, V]
+        argmax, z, log_s, ent, mass = softmax_parts(scaled)
+        logp = z - log_s[..., None]  # [B, L, V]
         proposal = argmax if self.greedy else categorical(k_sample, logp, self.rng, mass)
         order = jnp.argsort(ent, axis=-1, stable=True)
         sorted_ent = jnp.take_along_axis(ent, order, axis=-1)
@@ -293,7 +313,9 @@ class UniformSampler:
         new_state = {"argmax": jnp.where(keep, argmax, state["argmax"]),
                      "history": jnp.where(keep[None], hist, state["history"])}
         return StepOut(canvas=jnp.where(keep, new, canvas), state=new_state, done=stable & confident,
-                       probs=jnp.exp(logp), entropy=ent / math.log(logits.shape[-1]), resolved=accept & keep)
+                       probs=jnp.exp(z) if UNNORMALIZED_PROBS else jnp.exp(logp),
+                       probs_scale=jnp.exp(-log_s) if UNNORMALIZED_PROBS else None,
+                       entropy=ent / math.log(logits.shape[-1]), resolved=accept & keep)
 
 
 Sampler = MaskSampler | UniformSampler

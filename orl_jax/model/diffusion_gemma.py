@@ -193,11 +193,14 @@ def residual_embed(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, z
     return rms_norm_fp32(x, None, cfg.rms_norm_eps)
 
 
-def soft_embed(params: dict, cfg: DiffusionGemmaConfig, probs: jax.Array) -> jax.Array:
-    """z = p @ E * sqrt(D): [B, L, V] -> [B, L, D] in the model dtype (HF's soft embeddings)."""
+def soft_embed(params: dict, cfg: DiffusionGemmaConfig, probs: jax.Array, scale: jax.Array | None = None) -> jax.Array:
+    """z = p @ E * sqrt(D): [B, L, V] -> [B, L, D] in the model dtype (HF's soft embeddings). scale [B, L]: p is
+    probs * scale[..., None], the scale applied to the float32 product (one rounding)."""
     e = params["embed"]
-    z = jnp.einsum("blv,vd->bld", probs.astype(e.dtype), e, preferred_element_type=jnp.float32).astype(e.dtype)
-    return z * _embed_scale(cfg)
+    z = jnp.einsum("blv,vd->bld", probs.astype(e.dtype), e, preferred_element_type=jnp.float32)
+    if scale is not None:
+        return (z * (scale * math.sqrt(cfg.hidden_size))[..., None]).astype(e.dtype)
+    return z.astype(e.dtype) * _embed_scale(cfg)
 
 
 # --- the layer stack ---------------------------------------------------------------------------------------------

@@ -40,11 +40,11 @@ def residual_embed(params: dict, cfg: ModelConfig, tokens: jax.Array, z: jax.Arr
     return qwen3.embed(params, cfg, tokens) + w[..., None].astype(g.dtype) * g
 
 
-def soft_embed(params: dict, cfg: ModelConfig, probs: jax.Array) -> jax.Array:
-    """z = p @ E: [B, L, V] -> [B, L, D] in the compute dtype."""
+def soft_embed(params: dict, cfg: ModelConfig, probs: jax.Array, scale: jax.Array | None = None) -> jax.Array:
+    """z = p @ E: [B, L, V] -> [B, L, D] in the compute dtype (p = probs * scale[..., None] when scale is given)."""
     dt = cfg.jnp_dtype
-    return jnp.einsum("blv,vd->bld", probs.astype(dt), params["embed"].astype(dt),
-                      preferred_element_type=jnp.float32).astype(dt)
+    z = jnp.einsum("blv,vd->bld", probs.astype(dt), params["embed"].astype(dt), preferred_element_type=jnp.float32)
+    return (z if scale is None else z * scale[..., None]).astype(dt)
 
 
 def init_cache(cfg: ModelConfig, batch: int, size: int) -> KVCache:
