@@ -91,6 +91,11 @@ ap.add_argument("--expert-loads", action="store_true",
 ap.add_argument("--fused-experts", action="store_true",
                 help="the expert gate/up stacks in moe.fuse_gate_up's layout (diffusion_gemma.fused_expert_params): "
                      "with --moe-impl pallas each layer's experts run in one launch (kernels/grouped_gemm/mlp.py)")
+ap.add_argument("--generate-ab", action="append", default=[], metavar="MODULE.NAME=JSON",
+                help="also compile the whole generate() program a second time with these trace-time switches set "
+                     "(repeatable, as --set) and time the two compiled programs alternately, --ab-rounds each: "
+                     "an A/B of generate() in one process, free of the run-to-run spread of separate ones")
+ap.add_argument("--ab-rounds", type=int, default=8, help="--generate-ab: timed calls of each program")
 ap.add_argument("--capacity-factor", type=int,
                 help="moe.CAPACITY_FACTOR (slots per expert / mean load; overflow takes further rounds)")
 args = ap.parse_args()
@@ -99,6 +104,8 @@ if unknown := sorted(set(IMPLS) - {"bucketed", "pallas", "dense"}):
     ap.error(f"--moe-impl: unknown {unknown}")
 if args.looped < 0:
     ap.error(f"--looped must be >= 0, got {args.looped}")
+if args.ab_rounds < 1:
+    ap.error(f"--ab-rounds must be >= 1, got {args.ab_rounds}")
 if args.capacity_factor is not None and args.capacity_factor < 1:
     ap.error(f"--capacity-factor must be >= 1, got {args.capacity_factor}")
 runtime.configure(os.path.expanduser("~/.cache/orl_jax/xla"))
@@ -299,6 +306,44 @@ def looped_ms(fn, x, n=16, *operands, options=None, reps=5, p=None):
     return median_seconds(lambda: f(params if p is None else p, x, *operands), reps=reps) * 1e3 / n
 
 
+def generate_program(c, kw):
+    """The compiled program generate() dispatches for (c, kw), and its arguments (traced under the switches now
+    set: jax's caches are cleared first)."""
+    from orl_jax.decode import engine
+
+    jax.clear_caches()
+    seen, run = [], engine._run_concurrent
+    engine._run_concurrent = lambda *a, **k: seen.append((a, k)) or run(*a, **k)
+    try:
+        jax.block_until_ready(generate(params, c, prompt, **kw))
+    finally:
+        engine._run_concurrent = run
+    a, k = seen[0]
+    return run.lower(*a, **k).compile(), a
+
+
+def generate_ab(c, kw):
+    """generate()'s program under the defaults (A) and under --generate-ab's switches (B), timed alternately."""
+    prog_a, a = generate_program(c, kw)
+    old = {}
+    try:
+        for item in args.generate_ab:
+            name, _, value = item.partition("=")
+            old[name] = set_switch(name, json.loads(value))
+        prog_b, _ = generate_program(c, kw)
+    finally:
+        for name, value in old.items():
+            set_switch(name, value)
+    for prog in (prog_a, prog_b):  # one untimed call each
+        jax.block_until_ready(prog(*a))
+    for r in range(args.ab_rounds):
+        for side, prog in (("A", prog_a), ("B", prog_b)) if r % 2 == 0 else (("B", prog_b), ("A", prog_a)):
+            t = time.perf_counter()
+            jax.block_until_ready(prog(*a))
+            log(what="generate_ab", side=side, set=args.generate_ab if side == "B" else [], round=r,
+                seconds=time.perf_counter() - t)
+
+
 def write_generate_hlo(c, kw):
     """The compiled generate() program's HLO (the program generate() dispatched, lowered again with its arguments)."""
     from orl_jax.decode import engine
@@ -461,5 +506,7 @@ for impl in IMPLS:
         tpf_hf=float(np.asarray(out.tpf_hf)[0]) if getattr(out, "tpf_hf", None) is not None else None)
     if args.generate_hlo:
         write_generate_hlo(c, kw)
+    if args.generate_ab:
+        generate_ab(c, kw)
     if args.parts:
         generate_parts(c, kw)
