@@ -71,11 +71,12 @@ def _chunks(x: jax.Array) -> jax.Array:
 
 # UniformSampler.step's StepOut.probs: exp(x - max) with probs_scale = 1 / sum, the softmax's normalization left to the
 # soft embedding's float32 product (one scale per row after the GEMM). The probabilities then wait for no reduction,
-# so XLA can write their bf16 copy beside the statistics pass instead of in a pass of their own after it (the time
-# says it does; the HLO was not read). At DiffusionGemma's [256, 262144] the
-# step's tail (soft-cap, sampler, soft embedding; benchmarks/dg_sampler_tail.py) took 0.921 against 0.982 ms; z then
-# differs from transformers' bf16 rounding order (bf16(p) @ E rounded, then scaled in bf16) by 0.28% (rel. L2), a
-# rounding of its own. False: the normalized probabilities, transformers' order exactly.
+# and XLA writes their bf16 copy inside a statistics pass: in generate()'s trace the step's three passes over the
+# [256, 262144] logits (77 + 101 + 97 us) became two (100 + 100). The step's tail alone (soft-cap, sampler, soft
+# embedding; benchmarks/dg_sampler_tail.py) took 0.921-0.940 against 0.982-1.012 ms; the whole generate(), as two
+# compiled programs timed alternately in one process, 0.7576 against 0.7577 s (median of 10; the saved pass was
+# mostly off the critical path of the concurrent graph). z is nearer the float32 product (rel. L2 0.17% against
+# 0.28% for transformers' order: bf16(p) @ E rounded, then scaled in bf16). False: transformers' order exactly.
 UNNORMALIZED_PROBS = True
 
 
