@@ -96,6 +96,9 @@ ap.add_argument("--generate-ab", action="append", default=[], metavar="MODULE.NA
                      "(repeatable, as --set) and time the two compiled programs alternately, --ab-rounds each: "
                      "an A/B of generate() in one process, free of the run-to-run spread of separate ones")
 ap.add_argument("--ab-rounds", type=int, default=8, help="--generate-ab: timed calls of each program")
+ap.add_argument("--ab-trace", action="store_true",
+                help="--generate-ab: then trace one call of each program (per step: span, busy time, the top kernels "
+                     "with their time alone on the GPU)")
 ap.add_argument("--capacity-factor", type=int,
                 help="moe.CAPACITY_FACTOR (slots per expert / mean load; overflow takes further rounds)")
 args = ap.parse_args()
@@ -342,6 +345,22 @@ def generate_ab(c, kw):
             jax.block_until_ready(prog(*a))
             log(what="generate_ab", side=side, set=args.generate_ab if side == "B" else [], round=r,
                 seconds=time.perf_counter() - t)
+    if args.ab_trace:
+        import tempfile
+
+        from xplane_summary import summarize
+
+        steps = int(jax.block_until_ready(prog_a(*a)).total_forwards)
+        for side, prog in (("A", prog_a), ("B", prog_b)):
+            d = tempfile.mkdtemp()
+            with jax.profiler.trace(d):
+                jax.block_until_ready(prog(*a))
+            prof = summarize(d, steps=steps, top=40)
+            top = prof.pop("top", [])
+            prof.pop("gaps", None)
+            log(what="generate_ab_profile", side=side, **prof)
+            for row in top:
+                log(what="generate_ab_profile_kernel", side=side, **row)
 
 
 def write_generate_hlo(c, kw):
