@@ -9,7 +9,8 @@ interface (a module with these functions), so a new architecture plugs into gene
   embed(params, cfg, tokens)                        -> [B, L, D] input embeddings of tokens
   residual_embed(params, cfg, tokens, z, w)         -> [B, L, D] embeddings with the adapter applied to z,
                                                        weighted per position by w [B, L]
-  soft_embed(params, cfg, probs)                    -> z [B, L, D]: the residual a step hands to the next
+  soft_embed(params, cfg, probs, scale=None)        -> z [B, L, D]: the residual a step hands to the next
+                                                       (p = probs * scale[..., None] when scale [B, L] is given)
 """
 
 from __future__ import annotations
