@@ -5,6 +5,7 @@ outputs (digest)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
@@ -61,16 +62,34 @@ def set_switch(name: str, value):
     return old
 
 
-def set_switches(items) -> dict:
-    """set_switch for each 'package.module.NAME=JSON' (or '...=@FILE', the JSON in a file: a table a benchmark wrote)
-    of a benchmark's --set; {name: value}."""
+def parse_switches(items) -> dict:
+    """{name: value} of a benchmark's 'package.module.NAME=JSON' items (or '...=@FILE', the JSON in a file: a table a
+    benchmark wrote)."""
     def parse(value: str):
         return json.loads(Path(value[1:]).read_text() if value.startswith("@") else value)
 
-    switches = {name: parse(value) for name, _, value in (item.partition("=") for item in items)}
+    return {name: parse(value) for name, _, value in (item.partition("=") for item in items)}
+
+
+def set_switches(items) -> dict:
+    """set_switch for each item of a benchmark's --set (parse_switches); {name: value}."""
+    switches = parse_switches(items)
     for name, value in switches.items():
         set_switch(name, value)
     return switches
+
+
+@contextlib.contextmanager
+def switched(switches: dict):
+    """The trace-time switches {name: value} set inside the block, their old values back after it."""
+    old = {}
+    try:
+        for name, value in switches.items():
+            old[name] = set_switch(name, value)
+        yield
+    finally:
+        for name, value in old.items():
+            set_switch(name, value)
 
 
 def int_list(ap, flag: str, text: str, lo: int) -> list[int]:

@@ -2,7 +2,7 @@
 float32 soft-cap -> UniformSampler.step (temperature, statistics, draw, acceptance, re-noise) -> the soft embedding
 z = p @ E * sqrt(D) that the next step's self-conditioning reads. What generate() runs after each forward.
 
-Each variant sets trace-time switches (e.g. orl_jax.decode.samplers.ONE_PASS_STATS), is traced afresh and timed as
+Each variant sets trace-time switches (e.g. orl_jax.decode.samplers.UNNORMALIZED_PROBS), is traced afresh and timed as
 --steps tails in one device loop (each input depends on the previous output, nothing hoisted), with the compiler
 options generate() gives DiffusionGemma. One step of each variant is compared with the first variant's: the
 argmax canvas, the accepted positions, the proposal, entropies and z.
@@ -35,7 +35,7 @@ if args.canvas < 1 or args.steps < 1:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_io import set_switch  # noqa: E402
+from bench_io import switched  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
 from orl_jax import runtime  # noqa: E402
@@ -82,24 +82,20 @@ raw = raw.at[0, : L // 2, 17].set(40.0)  # half the canvas nearly decided (low e
 canvas, state = sampler.init(kd[2], 1, L, cfg)
 ref = None
 for v in variants:
-    old = {name: set_switch(name, value) for name, value in v.get("set", {}).items()}
-    jax.clear_caches()
-    try:
+    with switched(v.get("set", {})):
+        jax.clear_caches()
         one = jax.jit(tail, compiler_options=runtime.DG_COMPILER_OPTIONS)
         out, z = jax.block_until_ready(one(embed, raw, canvas, state, kd[3]))
         f = jax.jit(loop, compiler_options=runtime.DG_COMPILER_OPTIONS)
         ms = median_seconds(lambda: f(embed, raw, canvas, state, kd[3]), reps=7) * 1e3 / args.steps
-        got = {"argmax": out.state["argmax"], "canvas": out.canvas, "accept": out.resolved,
-               "entropy": out.entropy, "z": z.astype(jnp.float32)}
-        if ref is None:
-            ref = got
-            cmp = {}
-        else:
-            cmp = {k + "_equal": float(jnp.mean(got[k] == ref[k])) for k in ("argmax", "canvas", "accept")}
-            cmp["entropy_max_abs"] = float(jnp.max(jnp.abs(got["entropy"] - ref["entropy"])))
-            cmp["z_rel_l2"] = float(jnp.linalg.norm(got["z"] - ref["z"]) / jnp.linalg.norm(ref["z"]))
-        log(what="tail", name=v["name"], set=v.get("set", {}), ms=ms, steps=args.steps, canvas=L, vocab=V,
-            accepted=int(np.asarray(out.resolved).sum()), **cmp)
-    finally:
-        for name, value in old.items():
-            set_switch(name, value)
+    got = {"argmax": out.state["argmax"], "canvas": out.canvas, "accept": out.resolved,
+           "entropy": out.entropy, "z": z.astype(jnp.float32)}
+    if ref is None:
+        ref = got
+        cmp = {}
+    else:
+        cmp = {k + "_equal": float(jnp.mean(got[k] == ref[k])) for k in ("argmax", "canvas", "accept")}
+        cmp["entropy_max_abs"] = float(jnp.max(jnp.abs(got["entropy"] - ref["entropy"])))
+        cmp["z_rel_l2"] = float(jnp.linalg.norm(got["z"] - ref["z"]) / jnp.linalg.norm(ref["z"]))
+    log(what="tail", name=v["name"], set=v.get("set", {}), ms=ms, steps=args.steps, canvas=L, vocab=V,
+        accepted=int(np.asarray(out.resolved).sum()), **cmp)

@@ -116,7 +116,7 @@ runtime.configure(os.path.expanduser("~/.cache/orl_jax/xla"))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_io import digest, load_tables, set_switch, set_switches  # noqa: E402
+from bench_io import digest, load_tables, parse_switches, set_switch, set_switches, switched  # noqa: E402
 from timing import chip_rates, median_seconds  # noqa: E402
 
 from orl_jax import params as P  # noqa: E402
@@ -309,34 +309,31 @@ def looped_ms(fn, x, n=16, *operands, options=None, reps=5, p=None):
     return median_seconds(lambda: f(params if p is None else p, x, *operands), reps=reps) * 1e3 / n
 
 
-def generate_program(c, kw):
-    """The compiled program generate() dispatches for (c, kw), and its arguments (traced under the switches now
-    set: jax's caches are cleared first)."""
+def generate_call(c, kw):
+    """The jitted program generate() dispatches for (c, kw) and its (args, kwargs), seen by running it once."""
     from orl_jax.decode import engine
 
-    jax.clear_caches()
     seen, run = [], engine._run_concurrent
     engine._run_concurrent = lambda *a, **k: seen.append((a, k)) or run(*a, **k)
     try:
         jax.block_until_ready(generate(params, c, prompt, **kw))
     finally:
         engine._run_concurrent = run
-    a, k = seen[0]
+    return run, *seen[0]
+
+
+def generate_program(c, kw):
+    """generate()'s program for (c, kw) compiled afresh under the switches now set, and its positional arguments."""
+    jax.clear_caches()
+    run, a, k = generate_call(c, kw)
     return run.lower(*a, **k).compile(), a
 
 
 def generate_ab(c, kw):
     """generate()'s program under the defaults (A) and under --generate-ab's switches (B), timed alternately."""
     prog_a, a = generate_program(c, kw)
-    old = {}
-    try:
-        for item in args.generate_ab:
-            name, _, value = item.partition("=")
-            old[name] = set_switch(name, json.loads(value))
+    with switched(parse_switches(args.generate_ab)):
         prog_b, _ = generate_program(c, kw)
-    finally:
-        for name, value in old.items():
-            set_switch(name, value)
     for prog in (prog_a, prog_b):  # one untimed call each
         jax.block_until_ready(prog(*a))
     for r in range(args.ab_rounds):
@@ -365,15 +362,7 @@ def generate_ab(c, kw):
 
 def write_generate_hlo(c, kw):
     """The compiled generate() program's HLO (the program generate() dispatched, lowered again with its arguments)."""
-    from orl_jax.decode import engine
-
-    seen, run = [], engine._run_concurrent
-    engine._run_concurrent = lambda *a, **k: seen.append((a, k)) or run(*a, **k)
-    try:
-        jax.block_until_ready(generate(params, c, prompt, **kw))
-    finally:
-        engine._run_concurrent = run
-    a, k = seen[0]
+    run, a, k = generate_call(c, kw)
     with gzip.open(Path(args.out).with_suffix(".generate.hlo.txt.gz"), "wt") as fh:
         fh.write(run.lower(*a, **k).compile().as_text())
 

@@ -8,7 +8,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from bench_io import digest, recorder, set_switches, write_table  # noqa: E402
+from bench_io import digest, recorder, set_switches, switched, write_table  # noqa: E402
 
 
 def test_records_append_and_tables_replace(tmp_path, capsys):
@@ -45,3 +45,16 @@ def test_set_switches_parses_json_values_and_refuses_unknown_names(monkeypatch, 
     assert kernel.SPLITS_IN_INPUT_DTYPE is True
     with pytest.raises(ValueError, match="NO_SUCH_SWITCH"):
         set_switches(["orl_jax_kernels.decode_attention.kernel.NO_SUCH_SWITCH=1"])
+
+
+def test_switched_restores_the_old_values_even_after_an_error():
+    from orl_jax.decode import samplers
+
+    name = "orl_jax.decode.samplers.UNNORMALIZED_PROBS"
+    before = samplers.UNNORMALIZED_PROBS
+    with switched({name: not before}):
+        assert samplers.UNNORMALIZED_PROBS is (not before)
+    assert samplers.UNNORMALIZED_PROBS is before
+    with pytest.raises(RuntimeError), switched({name: not before}):
+        raise RuntimeError("inside")
+    assert samplers.UNNORMALIZED_PROBS is before
