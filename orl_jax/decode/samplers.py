@@ -75,9 +75,10 @@ def _chunks(x: jax.Array) -> jax.Array:
 # [256, 262144] logits (77 + 101 + 97 us) became two (100 + 100). The step's tail alone (soft-cap, sampler, soft
 # embedding; benchmarks/dg_sampler_tail.py) took 0.921-0.940 against 0.982-1.012 ms. The whole generate(), as two
 # compiled programs timed alternately in one process: -0.5 and -1.2 ms per call on two machines (medians of the
-# rounds' differences; 8 of 8 rounds faster on the second), about half the kernel time the trace says is saved
-# (~52 us per step alone on the GPU). z is nearer the float32 product (rel. L2 0.17% against 0.28% for transformers'
-# order: bf16(p) @ E rounded, then scaled in bf16). False: transformers' order exactly.
+# rounds' differences; 8 of 8 rounds faster on the second; a later 2-round check: +4.6, -0.2 ms), at most about
+# half the kernel time the trace says is saved (~52 us per step alone on the GPU). z is nearer the float32 product
+# (rel. L2 0.17% against 0.28% for transformers' order: bf16(p) @ E rounded, then scaled in bf16). False:
+# transformers' order exactly.
 UNNORMALIZED_PROBS = True
 
 
