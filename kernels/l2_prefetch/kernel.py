@@ -74,11 +74,11 @@ def _triton_kernel():
     return prefetch
 
 
-def prefetch_l2(stack: jax.Array, layer, nbytes: int, *, programs: int = 1, chunks: int = 32,
+def prefetch_l2(stack: jax.Array, layer, nbytes: int, *, programs: int = 1, chunks: int = 64,
                 evict_last: bool = True) -> jax.Array:
     """Prefetch bytes [0, nbytes) of stack[layer] into L2 (layer: an int32 scalar, traced or not). Returns [programs]
     int32 zeros that depend on the launch. programs x chunks requests of nbytes / (programs x chunks) bytes, one
-    request per thread of a single-warp program at chunks = 32."""
+    requests per thread of a single-warp program at chunks = 64."""
     layer_elems, chunk_elems = plan(stack.shape, stack.dtype, nbytes, programs, chunks)
     token = jax.ShapeDtypeStruct((programs,), jnp.int32)
     if jax.default_backend() != "gpu":
