@@ -100,11 +100,11 @@ def test_runs_on_gpu_and_changes_no_value(monkeypatch):
                                "gelu_tanh", "pallas", distinct=True)
 
     args = (tiles, down, x, weights, experts)
-    calls = lambda: jax.jit(run).lower(*args).as_text().count("custom_call")  # noqa: E731
+    calls = lambda: jax.jit(run).lower(*args).as_text().count("triton_kernel_call")  # noqa: E731
     want, bare = np.asarray(jax.jit(run)(*args), np.float32), calls()
     for programs, evict_last in [(1, True), (4, False)]:
         monkeypatch.setattr(moe, "PREFETCH_L2_BYTES", 32 << 20)
         monkeypatch.setattr(moe, "PREFETCH_L2_PROGRAMS", programs)
         monkeypatch.setattr(moe, "PREFETCH_L2_EVICT_LAST", evict_last)
-        assert calls() == bare + 1
+        assert calls() > bare  # the prefetch's launch is in the program
         np.testing.assert_array_equal(np.asarray(jax.jit(run)(*args), np.float32), want)

@@ -1,0 +1,118 @@
+"""Is DiffusionGemma's expert kernel faster when the first bytes it reads already sit in L2? (issue #4)
+
+Session 45 put kernels/l2_prefetch in the 26B forward: the expert kernel took 349-351 us per sliding layer with
+or without 32 MB of its gate/up stack prefetched ~90 us ahead (2026-12-04_dg_l2_prefetch_h200.md). This probe asks
+the question without the forward's scheduling: per layer of a 4-layer stack at the 26B's expert shapes (gate/up in
+moe.fuse_gate_up's layout, 256 tokens x top-8 routed uniformly), each variant in order, every step tied to the one
+before by a data dependency (a zero made from the previous step's sum):
+
+  cold           a 512 MB read (L2 holds 60 MB), then the expert kernel (mlp.grouped_mlp, the model's settings)
+  read X         the 512 MB read, XLA's sum over the first X MB of the layer's gate/up stack (plain loads), the
+                 experts
+  read X+other   ... and a 100 MB read of other weights between them (the attention phase's ~105 MB of weights)
+  bulk X[+other] kernels/l2_prefetch (evict_last, 8 programs) instead of the sum
+
+The expert kernel's time comes from a trace of 8 layers per variant (median of its calls); `step_us` is each
+variant's whole step by wall clock (its read + experts).
+
+  python benchmarks/l2_expert_prefix_probe.py --out $BENCH/l2_prefix.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from orl_jax import runtime  # noqa: E402
+
+runtime.configure(None)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from bench_io import recorder  # noqa: E402
+from timing import median_seconds  # noqa: E402
+from xplane_summary import kernel_events  # noqa: E402
+
+from orl_jax.model import moe  # noqa: E402
+from orl_jax.model.layers import ACTIVATIONS  # noqa: E402
+from orl_jax_kernels.grouped_gemm.kernel import group_offsets  # noqa: E402
+from orl_jax_kernels.grouped_gemm.mlp import grouped_mlp  # noqa: E402
+from orl_jax_kernels.l2_prefetch.kernel import prefetch_l2  # noqa: E402
+
+E, T, TOPK, D, F, LAYERS, STEPS = 128, 256, 8, 2816, 704, 4, 8
+MB = 1 << 20
+FLUSH_MB, OTHER_MB = 512, 100
+CPU = jax.default_backend() == "cpu"  # a smoke run: tiny shapes, interpret mode, no timing sense
+if CPU:
+    E, T, TOPK, D, F, FLUSH_MB, OTHER_MB, MB = 4, 16, 2, 128, 64, 4, 2, 1 << 14  # "MB": 16 KB
+
+
+def zero_of(s):
+    """A float32 zero XLA cannot fold (s * 0 is NaN for an infinite s): ties a step to the one that made s."""
+    return (s * 0).astype(jnp.float32)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="l2_prefix.jsonl")
+    ap.add_argument("--mb", default="1" if CPU else "16,32,48", help="prefix sizes in MB")
+    args = ap.parse_args()
+    record = recorder(args.out)
+    ks = jax.random.split(jax.random.key(0), 5)
+    experts = jax.lax.top_k(jax.random.normal(ks[0], (T, E)), TOPK)[1].reshape(-1)
+    order = jnp.argsort(experts, stable=True)
+    rows = (order // TOPK).astype(jnp.int32)
+    offsets = group_offsets(jnp.bincount(experts, length=E))
+    x = jax.random.normal(ks[1], (T, D), jnp.bfloat16)
+    tiles = moe.fuse_gate_up(jax.random.normal(ks[2], (LAYERS, E, D, 2 * F), jnp.bfloat16) * 0.02)
+    down = jax.random.normal(ks[3], (LAYERS, E, F, D), jnp.bfloat16) * 0.02
+    arrays = dict(x=x, rows=rows, offsets=offsets, tiles=tiles, down=down, flush=jnp.ones((FLUSH_MB * MB // 2,),
+                  jnp.bfloat16), other=jnp.ones((OTHER_MB * MB // 2,), jnp.bfloat16))
+    act = ACTIVATIONS["gelu_tanh"]
+
+    def variant(kind, mb, with_other):  # arrays as arguments: a closure would embed them as constants
+        def steps(a):
+            def step(i, acc):
+                i = i % LAYERS
+                s = jnp.sum(a["flush"].astype(jnp.float32)) + zero_of(acc)
+                if kind == "read":
+                    prefix = jax.lax.dynamic_slice(a["tiles"].reshape(LAYERS, -1), (i, 0), (1, mb * MB // 2))
+                    s = jnp.sum(prefix.astype(jnp.float32) + zero_of(s))
+                elif kind == "bulk":
+                    tok = prefetch_l2(a["tiles"], i + zero_of(s).astype(jnp.int32), mb * MB, programs=8)
+                    s = s + tok[0].astype(jnp.float32)
+                if with_other:
+                    s = jnp.sum(a["other"].astype(jnp.float32) + zero_of(s))
+                y = grouped_mlp(a["x"] + zero_of(s).astype(a["x"].dtype), a["rows"], a["tiles"], a["down"],
+                                a["offsets"], i, act, num_stages=moe.FUSED_STAGES, one_dot=moe.FUSED_ONE_DOT,
+                                interpret=CPU)
+                return acc + jnp.sum(y[:8].astype(jnp.float32))
+
+            return jax.lax.fori_loop(0, STEPS, step, jnp.float32(0))
+
+        g = jax.jit(steps)
+        return lambda: g(arrays)
+
+    plans = [("cold", 0, False), ("cold", 0, True)]
+    for mb in map(int, args.mb.split(",")):
+        plans += [("read", mb, False), ("read", mb, True), ("bulk", mb, False), ("bulk", mb, True)]
+    for kind, mb, with_other in plans * 2:  # twice, alternating
+        f = variant(kind, mb, with_other)
+        step_us = median_seconds(f, reps=5) / STEPS * 1e6
+        d = tempfile.mkdtemp()
+        with jax.profiler.trace(d):
+            jax.block_until_ready(f())
+        long = sorted(us for _, _, _, ns in kernel_events(d) if (us := ns / 1e3) > 250)
+        record(kind=kind, prefix_mb=mb, other_mb=OTHER_MB if with_other else 0, step_us=step_us,
+               expert_us=float(np.median(long)) if long else None, expert_calls=len(long),
+               expert_us_min=long[0] if long else None)
+
+
+if __name__ == "__main__":
+    main()
