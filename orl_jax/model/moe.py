@@ -262,14 +262,6 @@ FUSED_STAGES = 3
 # 14.435 / 14.440 against 14.480 / 14.464 ms, alternating in one process (benchmarks/dg_fused_one_dot_sweep.json;
 # benchmarks/results/2026-12-04_dg_one_dot_ffw_tail_h200.md). Read at trace time.
 FUSED_ONE_DOT = True
-# Bytes of the layer's gate/up expert stack (the first the one-launch expert kernel reads) pulled into L2 by
-# kernels/l2_prefetch while the layer's attention, dense MLP and routing run; 0: none. The launch depends only on
-# the stack and the layer index, so XLA starts it with the layer. PROGRAMS single-warp programs issue CHUNKS bulk
-# requests each; EVICT_LAST asks L2 to keep the lines ahead of other traffic. Read at trace time.
-PREFETCH_L2_BYTES = 0
-PREFETCH_L2_PROGRAMS = 1
-PREFETCH_L2_CHUNKS = 64
-PREFETCH_L2_EVICT_LAST = True
 
 
 def fusable(d: int, f: int) -> bool:
@@ -314,13 +306,7 @@ def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kerne
         from orl_jax_kernels.grouped_gemm.mlp import grouped_mlp
 
         offsets = group_offsets(sizes) if offsets is None else offsets
-        layer = gate_up.index
-        if PREFETCH_L2_BYTES:  # the token (zeros) orders the prefetch before the experts and keeps it alive
-            from orl_jax_kernels.l2_prefetch.kernel import prefetch_l2
-
-            layer = layer + prefetch_l2(gate_up.stack, layer, PREFETCH_L2_BYTES, programs=PREFETCH_L2_PROGRAMS,
-                                        chunks=PREFETCH_L2_CHUNKS, evict_last=PREFETCH_L2_EVICT_LAST)[0]
-        y = grouped_mlp(x, tokens, gate_up.stack, as_stacked(down).stack, offsets, layer, ACTIVATIONS[act],
+        y = grouped_mlp(x, tokens, gate_up.stack, as_stacked(down).stack, offsets, gate_up.index, ACTIVATIONS[act],
                         num_stages=FUSED_STAGES, one_dot=FUSED_ONE_DOT, interpret=jax.default_backend() == "cpu")
     else:
         xs, rows = (x, tokens) if GATHER_IN_KERNEL else (take(x, tokens), None)
