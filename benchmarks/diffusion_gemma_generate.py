@@ -116,7 +116,7 @@ runtime.configure(os.path.expanduser("~/.cache/orl_jax/xla"))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_io import digest, load_tables, parse_switches, set_switch, set_switches, switched  # noqa: E402
+from bench_io import digest, load_tables, parse_switches, set_switches, switched  # noqa: E402
 from timing import chip_rates, median_seconds  # noqa: E402
 
 from orl_jax import params as P  # noqa: E402
@@ -465,10 +465,9 @@ if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the is
         reference = logits_of(params)
         # How far rounding alone moves these logits (random weights may amplify it layer by layer): the same forward
         # with the sliding layers' attention on the einsums (the same math, other roundings) against the defaults
-        restore = set_switch("orl_jax.model.attention.EINSUM_HEAD_DIMS", [cfg.head_dim])
-        jax.clear_caches()
-        log_logit_gap("rounding_logits", params)
-        set_switch("orl_jax.model.attention.EINSUM_HEAD_DIMS", restore)
+        with switched({"orl_jax.model.attention.EINSUM_HEAD_DIMS": [cfg.head_dim]}):
+            jax.clear_caches()
+            log_logit_gap("rounding_logits", params)
         jax.clear_caches()
     for entry in entries:
         table = set_tuned(entry.get("table", []))
@@ -476,18 +475,16 @@ if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the is
         variant = set_variant(entry.get("gather_in_kernel", not args.sorted_copy))
         options = entry.get("compiler_options", {})
         switches = entry.get("set", {})
-        defaults = {name: set_switch(name, value) for name, value in switches.items()}
-        jax.clear_caches()  # every kernel wrapper and the forward trace again, under these tables and switches
         p = fused_params if entry.get("fused_experts") else params
-        try:
-            if p is fused_params:
-                log_logit_gap("fused_experts_logits", p, gemm_variant=entry["name"])
-            ms, temp, looped = one_forward(swept, cache, options, p)
-        except Exception as ex:  # an entry the compiler or the chip refuses (shared memory): recorded, not fatal
-            log(what="decode_forward", gemm_variant=entry["name"], set=switches, error=repr(ex)[:300])
-            ms = None
-        for name, value in defaults.items():
-            set_switch(name, value)
+        with switched(switches):
+            jax.clear_caches()  # every kernel wrapper and the forward trace again, under these tables and switches
+            try:
+                if p is fused_params:
+                    log_logit_gap("fused_experts_logits", p, gemm_variant=entry["name"])
+                ms, temp, looped = one_forward(swept, cache, options, p)
+            except Exception as ex:  # an entry the compiler or the chip refuses (shared memory): recorded, not fatal
+                log(what="decode_forward", gemm_variant=entry["name"], set=switches, error=repr(ex)[:300])
+                ms = None
         if ms is None:
             continue
         log(what="decode_forward", moe_impl="pallas", gemm_variant=entry["name"], table=str(table),
