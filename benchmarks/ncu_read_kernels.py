@@ -1,13 +1,15 @@
 """The kernels of read_ceiling_probe.py, once each, for Nsight Compute's hardware counters (issue #4): XLA's flat sum
 over one 26B layer's expert bytes (1.52 GB) and the fused expert kernel (mlp.grouped_mlp, the model's settings) on a
 26B layer with 256 tokens x top-8 routed uniformly. Session 45 timed the first at 4.43-4.47 TB/s and the second at
-4.12-4.20; the counters are to say where the kernel's ~6% goes (DRAM throughput, occupancy, warp stalls).
+4.12-4.20; the counters say where the kernel's ~6% goes (DRAM throughput, occupancy, warp stalls).
 
-  ncu --clock-control none -k regex:^_kernel -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \\
-      --section Occupancy --section WarpStateStats --csv python3 benchmarks/ncu_read_kernels.py > experts.csv
+  XLA_FLAGS=--xla_gpu_autotune_level=0 ncu --clock-control none -k regex:^_kernel -c 1 \\
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \\
+      --section LaunchStats --section SchedulerStats --csv python3 benchmarks/ncu_read_kernels.py > experts.csv
 and the flat sum by --launch-skip after listing the launches (--print-summary per-kernel, no sections). Session 45's
 first run (-k 'regex:^(_kernel|.*reduce)' -c 8) profiled eight small reductions of the setup instead, and took 384 s:
-ncu slows a JAX process's start a great deal.
+ncu slows a JAX process's start a great deal, XLA's autotuning most (the line above took 61 s: counters in
+benchmarks/results/2026-12-04_dg_l2_prefetch_h200.md).
 (the Firecracker machines' ncu reads the counters; on gVisor it cannot.)
 """
 
