@@ -27,3 +27,15 @@ def test_registers_and_spills_where_triton_is_installed():
     blocks = Blocks(bl=16, bs=32, chunks_per_split=4)
     got = allocation(triton_ir((1, 32, 32, 8, 128, 544), blocks), blocks)
     assert 0 < got["registers"] <= 255 and got["spill_stores"] >= 0 and got["fits"]
+
+
+def test_expert_kernel_ir_and_resident_blocks():
+    """benchmarks/expert_kernel_registers.py: the fused expert kernel's IR is captured per variant, and the blocks per
+    SM follow Hopper's allocation: the device's 164 registers and 72 KB give ncu's 3 blocks."""
+    from expert_kernel_registers import VARIANTS, resident_blocks, triton_ir
+
+    _, gu, dn, warps, stages, one_dot = VARIANTS[0]
+    assert "tt.dot" in triton_ir(gu, dn, warps, stages, one_dot)
+    assert resident_blocks(164, 73728, 4) == 3  # Nsight Compute on the device: 3 by registers and by shared memory
+    assert resident_blocks(96, 49152, 4) == 4  # shared memory limits
+    assert resident_blocks(203, 73728, 4) == 2  # registers limit
