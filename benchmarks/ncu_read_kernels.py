@@ -6,7 +6,8 @@ over one 26B layer's expert bytes (1.52 GB) and the fused expert kernel (mlp.gro
   XLA_FLAGS=--xla_gpu_autotune_level=0 ncu --clock-control none -k regex:^_kernel -c 1 \\
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \\
       --section LaunchStats --section SchedulerStats --csv python3 benchmarks/ncu_read_kernels.py > experts.csv
-and XLA's flat sum alone with `-k regex:reduce -c 4 ... ncu_read_kernels.py flat`. Session 45's
+and XLA's flat sum alone with `-k regex:reduce -c 4 ... ncu_read_kernels.py flat`. Switches after the mode, e.g.
+`experts orl_jax.model.moe.FUSED_TILE=32 orl_jax.model.moe.FUSED_DOWN_BN=64` (narrower tiles). Session 45's
 first run (-k 'regex:^(_kernel|.*reduce)' -c 8) profiled eight small reductions of the setup instead, and took 384 s:
 ncu slows a JAX process's start a great deal, XLA's autotuning most (the line above took 61 s: counters in
 benchmarks/results/2026-12-04_dg_l2_prefetch_h200.md).
@@ -19,6 +20,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 from orl_jax import runtime  # noqa: E402
 
@@ -26,6 +28,7 @@ runtime.configure(None)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from bench_io import set_switches  # noqa: E402
 
 from orl_jax.model import moe  # noqa: E402
 from orl_jax.model.layers import ACTIVATIONS  # noqa: E402
@@ -39,7 +42,8 @@ E, T, TOPK, D, F = (4, 16, 2, 128, 64) if CPU else (128, 256, 8, 2816, 704)
 def main():
     what = sys.argv[1] if len(sys.argv) > 1 else "both"  # flat | experts | both: "flat" launches little else
     if what not in ("flat", "experts", "both"):
-        raise SystemExit(f"ncu_read_kernels.py [flat|experts|both], got {what!r}")
+        raise SystemExit(f"ncu_read_kernels.py [flat|experts|both] [MODULE.NAME=JSON ...], got {what!r}")
+    set_switches(sys.argv[2:])  # e.g. orl_jax.model.moe.FUSED_TILE=32 orl_jax.model.moe.FUSED_DOWN_BN=64
     flat = jnp.ones((E * 3 * F * D,), jnp.bfloat16)  # one layer's expert bytes
     total = jax.jit(lambda w: jnp.sum(w.astype(jnp.float32)))
     if what == "flat":
@@ -54,7 +58,7 @@ def main():
     tiles = moe.fuse_gate_up(jax.random.normal(ks[2], (2, E, D, 2 * F), jnp.bfloat16) * 0.02)
     down = jax.random.normal(ks[3], (2, E, F, D), jnp.bfloat16) * 0.02
     experts_fn = jax.jit(lambda x, r, g, dn, o: grouped_mlp(
-        x, r, g, dn, o, jnp.int32(1), ACTIVATIONS["gelu_tanh"], num_stages=moe.FUSED_STAGES,
+        x, r, g, dn, o, jnp.int32(1), ACTIVATIONS["gelu_tanh"], *moe.fused_blocks(g), num_stages=moe.FUSED_STAGES,
         one_dot=moe.FUSED_ONE_DOT, interpret=CPU))
     for _ in range(2):  # each twice: the second of each runs with warm clocks and caches of the first
         if what == "both":

@@ -252,7 +252,12 @@ GATHER_IN_KERNEL = True
 
 
 # The width of a gate (and of an up) column tile in `fuse_gate_up`'s layout: half of the gate/up GEMM's 128 columns.
+# Read when the layout is made; the kernel takes its gate/up tile width from the stack. Down's output columns per
+# program: FUSED_DOWN_BN (read at trace time). 32 / 64 halve both programs' accumulators, for more resident blocks per
+# SM (the kernel reads DRAM at 90% of its peak with 3 blocks of 4 warps per SM, XLA's flat read at 96.5%:
+# benchmarks/results/2026-12-04_dg_l2_prefetch_h200.md); not yet timed.
 FUSED_TILE = 64
+FUSED_DOWN_BN = 128
 # Pipeline stages of the one-launch expert MLP: 3 took 373 us per 26B layer in isolation, 2 / 4 stages 377 / 375; in
 # the forward 2 / 4 stages were 0.15 / 0.06 ms slower (benchmarks/results/2026-12-04_dg_fused_expert_mlp_h200.md).
 # Read at trace time.
@@ -284,6 +289,14 @@ def fuse_gate_up(stack: jax.Array) -> jax.Array:
     return jax.jit(lambda s: jax.lax.map(lambda w: tile_gated(w, FUSED_TILE), s))(stack)
 
 
+def fused_blocks(stack: jax.Array):
+    """grouped_mlp's (gate/up, down) tiles for a gate/up stack in `fuse_gate_up`'s layout: gate/up as wide as the
+    layout's [gate | up] tile, down FUSED_DOWN_BN columns; 64 rows of K per step for both."""
+    from orl_jax_kernels.small_m_gemm.kernel import Blocks
+
+    return Blocks(bn=stack.shape[-1], bk=64, splits=1), Blocks(bn=FUSED_DOWN_BN, bk=64, splits=1)
+
+
 def fused_stack(w) -> bool:
     """Whether a layer's gate/up weight comes in `fuse_gate_up`'s layout (a 5-D stack)."""
     return isinstance(w, StackedWeight) and w.stack.ndim == 5
@@ -307,7 +320,8 @@ def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kerne
 
         offsets = group_offsets(sizes) if offsets is None else offsets
         y = grouped_mlp(x, tokens, gate_up.stack, as_stacked(down).stack, offsets, gate_up.index, ACTIVATIONS[act],
-                        num_stages=FUSED_STAGES, one_dot=FUSED_ONE_DOT, interpret=jax.default_backend() == "cpu")
+                        *fused_blocks(gate_up.stack), num_stages=FUSED_STAGES, one_dot=FUSED_ONE_DOT,
+                        interpret=jax.default_backend() == "cpu")
     else:
         xs, rows = (x, tokens) if GATHER_IN_KERNEL else (take(x, tokens), None)
         g, u = jnp.split(grouped_matmul(xs, gate_up, sizes, offsets, rows=rows), 2, axis=-1)  # [M, F] each
