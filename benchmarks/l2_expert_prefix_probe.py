@@ -37,20 +37,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_io import recorder  # noqa: E402
+from expert_case import CPU, experts, routed_case  # noqa: E402
 from timing import median_seconds  # noqa: E402
 from xplane_summary import kernel_events  # noqa: E402
 
-from orl_jax.model import moe  # noqa: E402
-from orl_jax.model.layers import ACTIVATIONS  # noqa: E402
-from orl_jax_kernels.grouped_gemm.kernel import group_offsets  # noqa: E402
-from orl_jax_kernels.grouped_gemm.mlp import grouped_mlp  # noqa: E402
-
-E, T, TOPK, D, F, LAYERS, STEPS = 128, 256, 8, 2816, 704, 4, 8
-MB = 1 << 20
-FLUSH_MB, OTHER_MB = 512, 100
-CPU = jax.default_backend() == "cpu"  # a smoke run: tiny shapes, interpret mode, no timing sense
-if CPU:
-    E, T, TOPK, D, F, FLUSH_MB, OTHER_MB, MB = 4, 16, 2, 128, 64, 4, 2, 1 << 14  # "MB": 16 KB
+LAYERS, STEPS = 4, 8
+# a CPU run is a smoke run (tiny shapes, interpret mode, no timing sense): its "MB" is 16 KB
+MB, FLUSH_MB, OTHER_MB = (1 << 14, 4, 2) if CPU else (1 << 20, 512, 100)
 
 
 def zero_of(s):
@@ -64,17 +57,8 @@ def main():
     ap.add_argument("--mb", default="1" if CPU else "16,32,48", help="prefix sizes in MB")
     args = ap.parse_args()
     record = recorder(args.out)
-    ks = jax.random.split(jax.random.key(0), 5)
-    experts = jax.lax.top_k(jax.random.normal(ks[0], (T, E)), TOPK)[1].reshape(-1)
-    order = jnp.argsort(experts, stable=True)
-    rows = (order // TOPK).astype(jnp.int32)
-    offsets = group_offsets(jnp.bincount(experts, length=E))
-    x = jax.random.normal(ks[1], (T, D), jnp.bfloat16)
-    tiles = moe.fuse_gate_up(jax.random.normal(ks[2], (LAYERS, E, D, 2 * F), jnp.bfloat16) * 0.02)
-    down = jax.random.normal(ks[3], (LAYERS, E, F, D), jnp.bfloat16) * 0.02
-    arrays = dict(x=x, rows=rows, offsets=offsets, tiles=tiles, down=down, flush=jnp.ones((FLUSH_MB * MB // 2,),
-                  jnp.bfloat16), other=jnp.ones((OTHER_MB * MB // 2,), jnp.bfloat16))
-    act = ACTIVATIONS["gelu_tanh"]
+    arrays = routed_case(LAYERS) | dict(flush=jnp.ones((FLUSH_MB * MB // 2,), jnp.bfloat16),
+                                        other=jnp.ones((OTHER_MB * MB // 2,), jnp.bfloat16))
 
     def variant(kind, mb, with_other):  # arrays as arguments: a closure would embed them as constants
         def steps(a):
@@ -88,9 +72,7 @@ def main():
                         s = jnp.sum(prefix.astype(jnp.float32) + zero_of(s))
                 if with_other:
                     s = jnp.sum(a["other"].astype(jnp.float32) + zero_of(s))
-                y = grouped_mlp(a["x"] + zero_of(s).astype(a["x"].dtype), a["rows"], a["tiles"], a["down"],
-                                a["offsets"], i, act, num_stages=moe.FUSED_STAGES, one_dot=moe.FUSED_ONE_DOT,
-                                interpret=CPU)
+                y = experts(a, i, a["x"] + zero_of(s).astype(a["x"].dtype))
                 return acc + jnp.sum(y[:8].astype(jnp.float32))
 
             return jax.lax.fori_loop(0, STEPS, step, jnp.float32(0))

@@ -26,45 +26,31 @@ from orl_jax import runtime  # noqa: E402
 
 runtime.configure(None)
 
+import argparse  # noqa: E402
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from bench_io import set_switches  # noqa: E402
-
-from orl_jax.model import moe  # noqa: E402
-from orl_jax.model.layers import ACTIVATIONS  # noqa: E402
-from orl_jax_kernels.grouped_gemm.kernel import group_offsets  # noqa: E402
-from orl_jax_kernels.grouped_gemm.mlp import grouped_mlp  # noqa: E402
-
-CPU = jax.default_backend() == "cpu"  # a smoke run: tiny shapes, interpret mode
-E, T, TOPK, D, F = (4, 16, 2, 128, 64) if CPU else (128, 256, 8, 2816, 704)
+from expert_case import D, E, F, experts, routed_case  # noqa: E402
 
 
 def main():
-    what = sys.argv[1] if len(sys.argv) > 1 else "both"  # flat | experts | both: "flat" launches little else
-    if what not in ("flat", "experts", "both"):
-        raise SystemExit(f"ncu_read_kernels.py [flat|experts|both] [MODULE.NAME=JSON ...], got {what!r}")
-    set_switches(sys.argv[2:])  # e.g. orl_jax.model.moe.FUSED_TILE=32 orl_jax.model.moe.FUSED_DOWN_BN=64
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", nargs="?", default="both", choices=("flat", "experts", "both"),
+                    help='"flat" launches little else for a name filter to catch')
+    ap.add_argument("switches", nargs="*", metavar="MODULE.NAME=JSON",
+                    help="e.g. orl_jax.model.moe.FUSED_TILE=32 orl_jax.model.moe.FUSED_DOWN_BN=64")
+    args = ap.parse_args()
+    set_switches(args.switches)
     flat = jnp.ones((E * 3 * F * D,), jnp.bfloat16)  # one layer's expert bytes
     total = jax.jit(lambda w: jnp.sum(w.astype(jnp.float32)))
-    if what == "flat":
-        for _ in range(2):
-            print("flat sum", float(total(flat)))
-        return
-    ks = jax.random.split(jax.random.key(0), 4)
-    experts = jax.lax.top_k(jax.random.normal(ks[0], (T, E)), TOPK)[1].reshape(-1)
-    order = jnp.argsort(experts, stable=True)
-    rows, offsets = (order // TOPK).astype(jnp.int32), group_offsets(jnp.bincount(experts, length=E))
-    x = jax.random.normal(ks[1], (T, D), jnp.bfloat16)
-    tiles = moe.fuse_gate_up(jax.random.normal(ks[2], (2, E, D, 2 * F), jnp.bfloat16) * 0.02)
-    down = jax.random.normal(ks[3], (2, E, F, D), jnp.bfloat16) * 0.02
-    experts_fn = jax.jit(lambda x, r, g, dn, o: grouped_mlp(
-        x, r, g, dn, o, jnp.int32(1), ACTIVATIONS["gelu_tanh"], *moe.fused_blocks(g), num_stages=moe.FUSED_STAGES,
-        one_dot=moe.FUSED_ONE_DOT, interpret=CPU))
+    a = routed_case(2) if args.what != "flat" else None
+    run = jax.jit(lambda a: jnp.sum(experts(a, jnp.int32(1)).astype(jnp.float32)))
     for _ in range(2):  # each twice: the second of each runs with warm clocks and caches of the first
-        if what == "both":
+        if args.what != "experts":
             print("flat sum", float(total(flat)))
-        print("experts", float(jnp.sum(experts_fn(x, rows, tiles, down, offsets).astype(jnp.float32))))
-
+        if a is not None:
+            print("experts", float(run(a)))
 
 if __name__ == "__main__":
     main()

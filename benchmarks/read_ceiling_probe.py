@@ -4,12 +4,10 @@
 Session 45's L2 probe (l2_expert_prefix_probe.py) timed XLA's sum over a flat 512 MiB bf16 buffer at 117 us in a
 trace (4.59 TB/s) on the machine where the one-launch expert kernel read its 1.52 GB layer in 347-348 us (4.37 TB/s);
 `timing.chip_rates` (an int32 sum over 2 GiB, wall clock) reads 4.0-4.2 TB/s on these machines. If the chip streams at
-~4.6 TB/s, the expert kernel leaves ~17 us per layer (0.5 ms per forward). This probe asks whether a Pallas (Triton)
-kernel can stream at that rate at all. Per layer of a 4-layer stack of one expert layer's bytes (1.52 GB each,
-[rows, 128] bf16: rows of 256 bytes, as the fused kernel's gate/up tiles lie), timed per layer with 20 programs per
-sync (wall clock):
+~4.6 TB/s, the expert kernel leaves ~17 us per layer (0.5 ms per forward). This probe asks what reads of these bytes
+reach. Per layer of a 4-layer stack, timed per layer with 20 programs per sync (wall clock):
 
-  xla_flat          XLA's sum over the layer (float32)
+  xla_flat          XLA's sum over one layer's gate/up bytes (float32)
   tma tn/tk/st      a Pallas Mosaic GPU product x [64, 2816] @ w [2816, 180224] (one layer's gate/up bytes, 1.01
                     GB) streamed by TMA into swizzled shared memory, st steps in flight, one wgmma in flight (the
                     tma_gemm kernel removed in session 32, git 9c8292e): what Hopper's copy engine reads per layer
@@ -36,18 +34,11 @@ runtime.configure(None)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from bench_io import recorder  # noqa: E402
+from expert_case import CPU, D, E, F, experts, routed_case  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from timing import chip_rates, median_seconds  # noqa: E402
 
-from orl_jax.model import moe  # noqa: E402
-from orl_jax.model.layers import ACTIVATIONS  # noqa: E402
-from orl_jax_kernels.grouped_gemm.kernel import group_offsets  # noqa: E402
-from orl_jax_kernels.grouped_gemm.mlp import grouped_mlp  # noqa: E402
-
-CPU = jax.default_backend() == "cpu"  # a smoke run: tiny shapes, interpret mode, no timing sense
-E, T, TOPK, D, F, LAYERS, CALLS = 128, 256, 8, 2816, 704, 4, 20
-if CPU:
-    E, T, TOPK, D, F, LAYERS, CALLS = 4, 16, 2, 128, 64, 2, 1
+LAYERS, CALLS = (2, 1) if CPU else (4, 20)  # a CPU run is a smoke run: tiny shapes, interpret mode, no timing sense
 
 
 ROWS = 64  # wgmma's M per warpgroup
@@ -130,20 +121,9 @@ def main():
     timed("xla_flat, again", lambda i, w: jnp.sum(w[i].astype(jnp.float32)), layer_bytes, w)
     del w
 
-    ks = jax.random.split(jax.random.key(0), 5)
-    experts = jax.lax.top_k(jax.random.normal(ks[0], (T, E)), TOPK)[1].reshape(-1)
-    order = jnp.argsort(experts, stable=True)
-    a = dict(x=jax.random.normal(ks[1], (T, D), jnp.bfloat16), rows=(order // TOPK).astype(jnp.int32),
-             offsets=group_offsets(jnp.bincount(experts, length=E)),
-             tiles=moe.fuse_gate_up(jax.random.normal(ks[2], (LAYERS, E, D, 2 * F), jnp.bfloat16) * 0.02),
-             down=jax.random.normal(ks[3], (LAYERS, E, F, D), jnp.bfloat16) * 0.02)
-    act = ACTIVATIONS["gelu_tanh"]
-    expert_bytes = (a["tiles"][0].nbytes + a["down"][0].nbytes)
-    timed("experts (grouped_mlp)", lambda i, a: grouped_mlp(a["x"], a["rows"], a["tiles"], a["down"], a["offsets"],
-                                                             jnp.int32(i), act, num_stages=moe.FUSED_STAGES,
-                                                             one_dot=moe.FUSED_ONE_DOT, interpret=CPU),
-          expert_bytes, a)
-
+    a = routed_case(LAYERS)
+    timed("experts (grouped_mlp)", lambda i, a: experts(a, jnp.int32(i)), a["tiles"][0].nbytes + a["down"][0].nbytes,
+          a)
 
 if __name__ == "__main__":
     main()

@@ -297,6 +297,17 @@ def fused_blocks(stack: jax.Array):
     return Blocks(bn=stack.shape[-1], bk=64, splits=1), Blocks(bn=FUSED_DOWN_BN, bk=64, splits=1)
 
 
+def fused_expert_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Array, offsets: jax.Array, layer,
+                     act: str) -> jax.Array:
+    """The one-launch expert MLP (kernels/grouped_gemm/mlp.grouped_mlp) with the model's settings (tiles, stages,
+    one_dot; interpret mode on a CPU): sorted rows of x[rows] through their experts -> [M, D]. gate_up: a stack in
+    `fuse_gate_up`'s layout, down the model's [L, E, F, D]; layer: the stacks' layer."""
+    from orl_jax_kernels.grouped_gemm.mlp import grouped_mlp
+
+    return grouped_mlp(x, rows, gate_up, down, offsets, layer, ACTIVATIONS[act], *fused_blocks(gate_up),
+                       num_stages=FUSED_STAGES, one_dot=FUSED_ONE_DOT, interpret=jax.default_backend() == "cpu")
+
+
 def fused_stack(w) -> bool:
     """Whether a layer's gate/up weight comes in `fuse_gate_up`'s layout (a 5-D stack)."""
     return isinstance(w, StackedWeight) and w.stack.ndim == 5
@@ -316,12 +327,9 @@ def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kerne
     take = in_bounds_take if offsets is not None else (lambda a, i: jnp.take(a, i, axis=0))  # noqa: E731
     if fused_stack(gate_up):  # the whole expert MLP in one launch
         from orl_jax_kernels.grouped_gemm.kernel import group_offsets
-        from orl_jax_kernels.grouped_gemm.mlp import grouped_mlp
 
         offsets = group_offsets(sizes) if offsets is None else offsets
-        y = grouped_mlp(x, tokens, gate_up.stack, as_stacked(down).stack, offsets, gate_up.index, ACTIVATIONS[act],
-                        *fused_blocks(gate_up.stack), num_stages=FUSED_STAGES, one_dot=FUSED_ONE_DOT,
-                        interpret=jax.default_backend() == "cpu")
+        y = fused_expert_mlp(x, tokens, gate_up.stack, as_stacked(down).stack, offsets, gate_up.index, act)
     else:
         xs, rows = (x, tokens) if GATHER_IN_KERNEL else (take(x, tokens), None)
         g, u = jnp.split(grouped_matmul(xs, gate_up, sizes, offsets, rows=rows), 2, axis=-1)  # [M, F] each
