@@ -48,7 +48,8 @@ ap.add_argument("--gemm-sweep", help="a JSON list [{'name':, 'table': [rows as i
                                     "'compiler_options': {XLA option: value, added to runtime.DG_COMPILER_OPTIONS}, "
                                     "'set': {'orl_jax.model.attention.JOIN_WIDE_PARTS': value, ...: trace-time "
                                     "switches, back to their defaults after the entry}, 'fused_experts': bool "
-                                    "(the expert gate/up stacks in moe.fuse_gate_up's layout: one launch per "
+                                    "(the expert gate/up stacks in moe.fuse_gate_up's layout, laid out afresh "
+                                    "where an entry's moe.FUSED_TILE differs: one launch per "
                                     "layer's experts; its logits are compared with the defaults')}, ...] (all but "
                                     "the name "
                                     "optional; missing ones take the flags'): only the "
@@ -459,9 +460,10 @@ if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the is
             rel_l2=float(jnp.linalg.norm(got - reference) / jnp.linalg.norm(reference)),
             argmax_agree=float(jnp.mean(jnp.argmax(got, -1) == jnp.argmax(reference, -1))), **fields)
 
-    fused_params = reference = None
+    from orl_jax.model import moe
+
+    fused_params = reference = fused_tile = None
     if any(e.get("fused_experts") for e in entries):  # a second copy of the gate/up stacks; the defaults' logits
-        fused_params = diffusion_gemma.fused_expert_params(params)
         reference = logits_of(params)
         # How far rounding alone moves these logits (random weights may amplify it layer by layer): the same forward
         # with the sliding layers' attention on the einsums (the same math, other roundings) against the defaults
@@ -475,9 +477,12 @@ if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the is
         variant = set_variant(entry.get("gather_in_kernel", not args.sorted_copy))
         options = entry.get("compiler_options", {})
         switches = entry.get("set", {})
-        p = fused_params if entry.get("fused_experts") else params
         with switched(switches):
             jax.clear_caches()  # every kernel wrapper and the forward trace again, under these tables and switches
+            if entry.get("fused_experts") and moe.FUSED_TILE != fused_tile:  # the layout of this entry's FUSED_TILE
+                p = fused_params = None  # the old copy goes first (the 26B's: 30 GB)
+                fused_params, fused_tile = diffusion_gemma.fused_expert_params(params), moe.FUSED_TILE
+            p = fused_params if entry.get("fused_experts") else params
             try:
                 if p is fused_params:
                     log_logit_gap("fused_experts_logits", p, gemm_variant=entry["name"])

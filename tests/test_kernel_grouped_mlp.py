@@ -105,20 +105,23 @@ def test_moe_fused_path_equals_the_dense_path():
         moe.fuse_gate_up(gate_up[..., :96])
 
 
-def test_moe_fused_path_with_narrower_tiles(monkeypatch):
+@pytest.mark.parametrize("bm", [64, 16])
+def test_moe_fused_path_with_narrower_tiles(bm, monkeypatch):
     """moe.FUSED_TILE (the layout's gate and up tile width) and moe.FUSED_DOWN_BN (down's columns per program) at half
-    the defaults: the kernel takes its gate/up tiles from the stack, and the values stay the dense path's."""
+    the defaults: the kernel takes its gate/up tiles from the stack, and the values stay the dense path's; also with
+    moe.FUSED_BM = 16 rows per tile, where each expert's 20 rows take two tiles."""
     from orl_jax.model import moe
     from orl_jax.model.streamed import StackedWeight
 
     ks = jax.random.split(jax.random.key(4), 4)
-    t, d, e, f, k = 24, 128, 4, 64, 2
+    t, d, e, f, k = 40, 128, 4, 64, 2
     x = jax.random.normal(ks[0], (t, d))
     gate_up, down = jax.random.normal(ks[1], (1, e, d, 2 * f)) * 0.1, jax.random.normal(ks[2], (1, e, f, d)) * 0.1
     experts = jnp.stack([jnp.arange(t, dtype=jnp.int32) % e, (jnp.arange(t, dtype=jnp.int32) + 1) % e], axis=1)
     weights = jax.nn.softmax(jax.random.normal(ks[3], (t, k)), axis=-1)
     monkeypatch.setattr(moe, "FUSED_TILE", 32)
     monkeypatch.setattr(moe, "FUSED_DOWN_BN", 64)
+    monkeypatch.setattr(moe, "FUSED_BM", bm)
     tiles = moe.fuse_gate_up(gate_up)
     assert tiles.shape == (1, e, f // 32, d, 64)
     gu, dn = moe.fused_blocks(tiles)
@@ -154,8 +157,9 @@ def test_diffusion_gemma_decoder_with_fused_expert_params():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("one_dot,tile,down_bn", [(False, 64, 128), (True, 64, 128), (True, 32, 64)])
-def test_compiled_on_gpu_at_the_26b_expert_shapes_every_layer(one_dot, tile, down_bn, monkeypatch):
+@pytest.mark.parametrize("one_dot,tile,down_bn,bm", [(False, 64, 128, 64), (True, 64, 128, 64), (True, 32, 64, 64),
+                                                    (True, 64, 128, 32), (True, 64, 128, 16)])
+def test_compiled_on_gpu_at_the_26b_expert_shapes_every_layer(one_dot, tile, down_bn, bm, monkeypatch):
     """On a GPU at DiffusionGemma 26B's expert shapes (2048 rows sorted by kernels/expert_sort, a 5-layer stack: 64-bit
     offsets), the MoE's fused path equals its two-GEMM path at every layer of a loop over the stack (the tickets and
     counters start afresh in every call)."""
@@ -165,6 +169,7 @@ def test_compiled_on_gpu_at_the_26b_expert_shapes_every_layer(one_dot, tile, dow
     monkeypatch.setattr(moe, "FUSED_ONE_DOT", one_dot)
     monkeypatch.setattr(moe, "FUSED_TILE", tile)
     monkeypatch.setattr(moe, "FUSED_DOWN_BN", down_bn)
+    monkeypatch.setattr(moe, "FUSED_BM", bm)  # 16: experts with more than 16 of the 2048 rows take several tiles
     ks = jax.random.split(jax.random.key(11), 5)
     t, d, e, f, k, n_layers = 256, 2816, 128, 704, 8, 5  # gate/up 5.1 GB
     x = jax.random.normal(ks[0], (t, d), jnp.bfloat16)

@@ -258,6 +258,12 @@ GATHER_IN_KERNEL = True
 # benchmarks/results/2026-12-04_dg_l2_prefetch_h200.md); not yet timed.
 FUSED_TILE = 64
 FUSED_DOWN_BN = 128
+# Rows per tile of both programs (FUSED_BM: a group of more rows runs its tiles one after another, rereading its
+# weight tile from L2) and warps per program (FUSED_WARPS) of the one-launch expert MLP. At canvas 256 an expert gets
+# 16 rows on average, so a 64-row tile is mostly masked; 32 halves the accumulators and the gathered x tiles. Read at
+# trace time; not yet timed.
+FUSED_BM = 64
+FUSED_WARPS = 4
 # Pipeline stages of the one-launch expert MLP: 3 took 373 us per 26B layer in isolation, 2 / 4 stages 377 / 375; in
 # the forward 2 / 4 stages were 0.15 / 0.06 ms slower (benchmarks/results/2026-12-04_dg_fused_expert_mlp_h200.md).
 # Read at trace time.
@@ -305,7 +311,8 @@ def fused_expert_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: ja
     from orl_jax_kernels.grouped_gemm.mlp import grouped_mlp
 
     return grouped_mlp(x, rows, gate_up, down, offsets, layer, ACTIVATIONS[act], *fused_blocks(gate_up),
-                       num_stages=FUSED_STAGES, one_dot=FUSED_ONE_DOT, interpret=jax.default_backend() == "cpu")
+                       bm=FUSED_BM, num_warps=FUSED_WARPS, num_stages=FUSED_STAGES, one_dot=FUSED_ONE_DOT,
+                       interpret=jax.default_backend() == "cpu")
 
 
 def fused_stack(w) -> bool:
