@@ -40,6 +40,9 @@ VARIANTS = {  # name -> switches
     "16 rows, 4 stages": {M + "FUSED_BM": 16, M + "FUSED_STAGES": 4},
     "tile 32, down 64, 32 rows": {M + "FUSED_TILE": 32, M + "FUSED_DOWN_BN": 64, M + "FUSED_BM": 32},
     "32 rows, 8 warps": {M + "FUSED_BM": 32, M + "FUSED_WARPS": 8},
+    "down tiled": {M + "FUSED_DOWN_TILED": True},
+    "down tiled, down 64": {M + "FUSED_DOWN_TILED": True, M + "FUSED_DOWN_BN": 64},
+    "down tiled, 4 stages": {M + "FUSED_DOWN_TILED": True, M + "FUSED_STAGES": 4},
 }
 
 

@@ -105,11 +105,12 @@ def test_moe_fused_path_equals_the_dense_path():
         moe.fuse_gate_up(gate_up[..., :96])
 
 
-@pytest.mark.parametrize("bm", [64, 16])
-def test_moe_fused_path_with_narrower_tiles(bm, monkeypatch):
+@pytest.mark.parametrize("bm,down_tiled", [(64, False), (16, False), (64, True)])
+def test_moe_fused_path_with_narrower_tiles(bm, down_tiled, monkeypatch):
     """moe.FUSED_TILE (the layout's gate and up tile width) and moe.FUSED_DOWN_BN (down's columns per program) at half
     the defaults: the kernel takes its gate/up tiles from the stack, and the values stay the dense path's; also with
-    moe.FUSED_BM = 16 rows per tile, where each expert's 20 rows take two tiles."""
+    moe.FUSED_BM = 16 rows per tile, where each expert's 20 rows take two tiles, and with down in `fuse_down`'s
+    contiguous column tiles (moe.FUSED_DOWN_TILED)."""
     from orl_jax.model import moe
     from orl_jax.model.streamed import StackedWeight
 
@@ -122,11 +123,13 @@ def test_moe_fused_path_with_narrower_tiles(bm, monkeypatch):
     monkeypatch.setattr(moe, "FUSED_TILE", 32)
     monkeypatch.setattr(moe, "FUSED_DOWN_BN", 64)
     monkeypatch.setattr(moe, "FUSED_BM", bm)
-    tiles = moe.fuse_gate_up(gate_up)
+    monkeypatch.setattr(moe, "FUSED_DOWN_TILED", down_tiled)
+    tiles, down_w = moe.fuse_gate_up(gate_up), moe.fuse_down(down)
+    assert down_w.shape == ((1, e, d // 64, f, 64) if down_tiled else down.shape)
     assert tiles.shape == (1, e, f // 32, d, 64)
-    gu, dn = moe.fused_blocks(tiles)
+    gu, dn = moe.fused_blocks(tiles, down_w)
     assert (gu.bn, dn.bn) == (64, 64)
-    got = moe.experts_mlp(x, weights, experts, StackedWeight(tiles, jnp.int32(0)), StackedWeight(down, jnp.int32(0)),
+    got = moe.experts_mlp(x, weights, experts, StackedWeight(tiles, jnp.int32(0)), StackedWeight(down_w, jnp.int32(0)),
                           "gelu_tanh", "pallas")
     want = moe.dense_experts_mlp(x, weights, experts, gate_up[0], down[0], "gelu_tanh")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
@@ -157,9 +160,10 @@ def test_diffusion_gemma_decoder_with_fused_expert_params():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("one_dot,tile,down_bn,bm", [(False, 64, 128, 64), (True, 64, 128, 64), (True, 32, 64, 64),
-                                                    (True, 64, 128, 32), (True, 64, 128, 16)])
-def test_compiled_on_gpu_at_the_26b_expert_shapes_every_layer(one_dot, tile, down_bn, bm, monkeypatch):
+@pytest.mark.parametrize("one_dot,tile,down_bn,bm,down_tiled", [
+    (False, 64, 128, 64, False), (True, 64, 128, 64, False), (True, 32, 64, 64, False), (True, 64, 128, 32, False),
+    (True, 64, 128, 16, False), (True, 64, 128, 64, True)])
+def test_compiled_on_gpu_at_the_26b_expert_shapes_every_layer(one_dot, tile, down_bn, bm, down_tiled, monkeypatch):
     """On a GPU at DiffusionGemma 26B's expert shapes (2048 rows sorted by kernels/expert_sort, a 5-layer stack: 64-bit
     offsets), the MoE's fused path equals its two-GEMM path at every layer of a loop over the stack (the tickets and
     counters start afresh in every call)."""
@@ -170,6 +174,7 @@ def test_compiled_on_gpu_at_the_26b_expert_shapes_every_layer(one_dot, tile, dow
     monkeypatch.setattr(moe, "FUSED_TILE", tile)
     monkeypatch.setattr(moe, "FUSED_DOWN_BN", down_bn)
     monkeypatch.setattr(moe, "FUSED_BM", bm)  # 16: experts with more than 16 of the 2048 rows take several tiles
+    monkeypatch.setattr(moe, "FUSED_DOWN_TILED", down_tiled)
     ks = jax.random.split(jax.random.key(11), 5)
     t, d, e, f, k, n_layers = 256, 2816, 128, 704, 8, 5  # gate/up 5.1 GB
     x = jax.random.normal(ks[0], (t, d), jnp.bfloat16)
@@ -177,7 +182,7 @@ def test_compiled_on_gpu_at_the_26b_expert_shapes_every_layer(one_dot, tile, dow
     down = jax.random.normal(ks[2], (n_layers, e, f, d), jnp.bfloat16) * 0.02
     experts = jax.lax.top_k(jax.random.normal(ks[3], (t, e)), k)[1].astype(jnp.int32)
     weights = jax.nn.softmax(jax.random.normal(ks[4], (t, k)), axis=-1)
-    tiles = moe.fuse_gate_up(gate_up)
+    tiles, down_w = moe.fuse_gate_up(gate_up), moe.fuse_down(down)
 
     def every_layer(g, down, x, weights, experts):  # arrays as arguments: a closure would embed them as constants
         return jax.lax.map(lambda i: moe.experts_mlp(x, weights, experts, StackedWeight(g, i), StackedWeight(down, i),
@@ -187,7 +192,7 @@ def test_compiled_on_gpu_at_the_26b_expert_shapes_every_layer(one_dot, tile, dow
     run = jax.jit(every_layer)
     want = np.asarray(run(gate_up, down, x, weights, experts), np.float32)
     for _ in range(2):  # twice: a counter left over from a call would show
-        got = np.asarray(run(tiles, down, x, weights, experts), np.float32)
+        got = np.asarray(run(tiles, down_w, x, weights, experts), np.float32)
         for i in range(n_layers):
             err = np.linalg.norm(got[i] - want[i]) / np.linalg.norm(want[i])
             assert err < 1e-2, (i, err)

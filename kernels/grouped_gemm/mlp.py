@@ -33,6 +33,15 @@ from orl_jax_kernels.pallas_args import layer_operand, triton_params
 from orl_jax_kernels.small_m_gemm.kernel import Blocks
 
 
+def tile_down(w: jax.Array, bn: int) -> jax.Array:
+    """[..., F, D] -> [..., D / bn, F, bn]: down's column tile j contiguous (grouped_mlp's optional down layout: a
+    down program reads one run of F x bn weights instead of F rows of bn)."""
+    *lead, f, d = w.shape
+    if d % bn:
+        raise ValueError(f"tile_down: D={d} is not a multiple of bn={bn}")
+    return jnp.moveaxis(w.reshape(*lead, f, d // bn, bn), -2, -3)
+
+
 def tile_gated(w: jax.Array, bw: int) -> jax.Array:
     """[..., E, K, 2F] (gate | up) -> [..., E, F / bw, K, 2 bw]: tile j holds gate columns [j bw, (j + 1) bw) then
     the same up columns, contiguous (grouped_mlp's gate/up layout: one program computes act(gate) * up itself)."""
@@ -66,7 +75,8 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, count_in, h_ref
     n_exp, f_tiles, d, bw2 = gu_ref.shape[1:]
     bw = bw2 // 2
     f = f_tiles * bw
-    d_tiles = dn_ref.shape[-1] // dn.bn
+    tiled_down = len(dn_ref.shape) == 5  # tile_down's layout [L, E, D / bn, F, bn]
+    d_tiles = dn_ref.shape[2] if tiled_down else dn_ref.shape[-1] // dn.bn
     layer = layer_ref[0]
     ticket = plt.atomic_add(count_ref, (jnp.int32(n_exp),), jnp.int32(1))  # count_ref[E]: the next work item
     is_gu = ticket < n_exp * f_tiles
@@ -123,8 +133,9 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, count_in, h_ref
             def chunk(c, acc):
                 k0 = pl.multiple_of(c * dn.bk, dn.bk)
                 hb = plt.load(h_ref.at[pl.ds(r0, bm), pl.ds(k0, dn.bk)], mask=live[:, None], other=0.0)
-                return acc + jnp.dot(hb, dn_ref[layer, e, pl.ds(k0, dn.bk), cols],
-                                     preferred_element_type=jnp.float32)
+                ks = pl.ds(k0, dn.bk)
+                w = dn_ref[layer, e, j, ks, :] if tiled_down else dn_ref[layer, e, ks, cols]
+                return acc + jnp.dot(hb, w, preferred_element_type=jnp.float32)
 
             acc = jax.lax.fori_loop(0, f // dn.bk, chunk, jnp.zeros((bm, dn.bn), jnp.float32))
             plt.store(o_ref.at[pl.ds(r0, bm), cols], acc.astype(o_ref.dtype), mask=live[:, None])
@@ -143,7 +154,8 @@ def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Arr
     x's dtype (M = rows.shape[0]; rows past offsets[-1] are 0).
 
     x [T, D]; rows [M] int32 (the token of each row, sorted by expert); gate_up [L, E, F / bw, D, 2 bw]
-    (tile_gated of a [gate | up] stack, bw = gu_blocks.bn / 2); down [L, E, F, D] (the model's layout);
+    (tile_gated of a [gate | up] stack, bw = gu_blocks.bn / 2); down [L, E, F, D] (the model's layout) or
+    tile_down's [L, E, D / bn, F, bn] (bn = dn_blocks.bn);
     offsets [E + 1] (the groups' first rows, then their end); layer: the stacks' layer. gu_blocks / dn_blocks: bk
     (rows of K per step) and bn of each GEMM; one num_warps / num_stages for the launch. one_dot: gate/up's [gate |
     up] tile as one 2 bw-wide product per K step, its halves split after the loop (`_halves`), instead of two bw-wide
@@ -151,12 +163,13 @@ def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Arr
     forward)."""
     _, d = x.shape
     layer_arr = layer_operand("grouped_mlp", True, layer, gate_up.shape)
-    if gate_up.ndim != 5 or down.ndim != 4:
+    if gate_up.ndim != 5 or down.ndim not in (4, 5):
         raise ValueError(f"grouped_mlp: gate_up {gate_up.shape} must be a tile_gated stack [L, E, F / bw, D, 2 bw] "
-                         f"and down {down.shape} a stack [L, E, F, D]")
+                         f"and down {down.shape} a stack [L, E, F, D] or tile_down's [L, E, D / bn, F, bn]")
     n_layers, e, f_tiles, d_w, bw2 = gate_up.shape
     f = f_tiles * bw2 // 2
-    if d_w != d or down.shape != (n_layers, e, f, d) or bw2 != gu_blocks.bn:
+    want_down = (n_layers, e, f, d) if down.ndim == 4 else (n_layers, e, d // dn_blocks.bn, f, dn_blocks.bn)
+    if d_w != d or down.shape != want_down or bw2 != gu_blocks.bn:
         raise ValueError(f"grouped_mlp: x {x.shape}, gate_up {gate_up.shape} (bn {gu_blocks.bn}) and down "
                          f"{down.shape} do not match")
     if d % gu_blocks.bk or f % dn_blocks.bk or d % dn_blocks.bn:
