@@ -43,6 +43,15 @@ VARIANTS = {  # name -> switches
     "down tiled": {M + "FUSED_DOWN_TILED": True},
     "down tiled, down 64": {M + "FUSED_DOWN_TILED": True, M + "FUSED_DOWN_BN": 64},
     "down tiled, 4 stages": {M + "FUSED_DOWN_TILED": True, M + "FUSED_STAGES": 4},
+    "gate/up bk 128": {M + "FUSED_GU_BK": 128},
+    "gate/up bk 128, 2 stages": {M + "FUSED_GU_BK": 128, M + "FUSED_STAGES": 2},
+    "gate/up bk 128, 32 rows, 2 stages": {M + "FUSED_GU_BK": 128, M + "FUSED_BM": 32, M + "FUSED_STAGES": 2},
+    "gate/up bk 32": {M + "FUSED_GU_BK": 32},
+    "gate/up bk 32, 4 stages": {M + "FUSED_GU_BK": 32, M + "FUSED_STAGES": 4},
+    "bk 32": {M + "FUSED_GU_BK": 32, M + "FUSED_DN_BK": 32},
+    "down bk 32": {M + "FUSED_DN_BK": 32},
+    "bk 32, 32 rows, 4 stages": {M + "FUSED_GU_BK": 32, M + "FUSED_DN_BK": 32, M + "FUSED_BM": 32,
+                                 M + "FUSED_STAGES": 4},
 }
 
 

@@ -264,6 +264,10 @@ FUSED_DOWN_BN = 128
 # trace time; not yet timed.
 FUSED_BM = 64
 FUSED_WARPS = 4
+# Rows of K per step of the gate/up and of the down programs (D and F must be multiples). Read at trace time; not yet
+# timed.
+FUSED_GU_BK = 64
+FUSED_DN_BK = 64
 # The down stack in kernels/grouped_gemm's `tile_down` layout [L, E, D / FUSED_DOWN_BN, F, FUSED_DOWN_BN] (fuse_down):
 # a down program reads one contiguous run instead of F rows of 256 bytes. Read when fuse_down runs; not yet timed.
 FUSED_DOWN_TILED = False
@@ -313,12 +317,12 @@ def fuse_down(stack: jax.Array) -> jax.Array:
 
 def fused_blocks(stack: jax.Array, down: jax.Array | None = None):
     """grouped_mlp's (gate/up, down) tiles for a gate/up stack in `fuse_gate_up`'s layout: gate/up as wide as the
-    layout's [gate | up] tile, down as wide as a `fuse_down` tile (else FUSED_DOWN_BN columns); 64 rows of K per step
-    for both."""
+    layout's [gate | up] tile, down as wide as a `fuse_down` tile (else FUSED_DOWN_BN columns); FUSED_GU_BK /
+    FUSED_DN_BK rows of K per step."""
     from orl_jax_kernels.small_m_gemm.kernel import Blocks
 
     down_bn = down.shape[-1] if down is not None and down.ndim == 5 else FUSED_DOWN_BN
-    return Blocks(bn=stack.shape[-1], bk=64, splits=1), Blocks(bn=down_bn, bk=64, splits=1)
+    return Blocks(bn=stack.shape[-1], bk=FUSED_GU_BK, splits=1), Blocks(bn=down_bn, bk=FUSED_DN_BK, splits=1)
 
 
 def fused_expert_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Array, offsets: jax.Array, layer,
