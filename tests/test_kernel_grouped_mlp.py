@@ -1,6 +1,8 @@
 """kernels/grouped_gemm/mlp.py (a whole expert MLP in one launch, work items by atomic ticket) against the two
 grouped GEMMs it replaces: interpret mode on CPU, Triton IR verified at DiffusionGemma's shapes."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,6 +53,22 @@ def test_matches_the_two_grouped_gemms_in_interpret_mode(dtype, one_dot):
     assert np.abs(np.asarray(other, np.float32) - np.asarray(want, np.float32)).max() > 0.01
 
 
+@pytest.mark.parametrize("spans", [(2, 2), (3, 3), (4, 1), (1, 3)])
+def test_items_of_several_column_tiles_match_single_tiles(spans):
+    """spans: a work item's column tiles in one loop over all their K-steps (3 of 4: items of 3 and 1 tiles); the
+    accumulator restarts per tile, so the result is the one-tile items' (fp32, a group over several row tiles)."""
+    sizes, offsets, x, rows, gu, dn, bm = _case(jnp.float32)
+    gu_b, dn_b = Blocks(bn=64, bk=64, splits=1), Blocks(bn=32, bk=64, splits=1)  # 4 column tiles each
+    tiles = tile_gated(gu, gu_b.bn // 2)
+    run = functools.partial(grouped_mlp, x, rows, tiles, dn, offsets, jnp.int32(1), ACT, gu_b, dn_b, bm=bm,
+                            one_dot=True, interpret=True)
+    want = run(spans=(1, 1))
+    assert float(jnp.abs(want).max()) > 0.1
+    np.testing.assert_allclose(np.asarray(run(spans=spans)), np.asarray(want), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="spans"):
+        grouped_mlp(x, rows, tiles, dn, offsets, jnp.int32(1), ACT, gu_b, dn_b, spans=(2, 1), interpret=True)
+
+
 def test_rejects_mismatched_inputs():
     sizes, offsets, x, rows, gu, dn, bm = _case(jnp.float32)
     tgu = tile_gated(gu, 64)
@@ -65,12 +83,12 @@ def test_rejects_mismatched_inputs():
         grouped_mlp(x, rows, tgu, dn, offsets[1:], jnp.int32(0), ACT, GU, DN, interpret=True)
 
 
-@pytest.mark.parametrize("one_dot", [False, True])
-def test_triton_ir_at_diffusion_gemma_shapes(one_dot):
+@pytest.mark.parametrize("one_dot,spans", [(False, (1, 1)), (True, (1, 1)), (True, (2, 2))])
+def test_triton_ir_at_diffusion_gemma_shapes(one_dot, spans):
     sd = jax.ShapeDtypeStruct
     verified_triton_modules(
         lambda x, r, gu, dn, o, i: grouped_mlp(x, r, gu, dn, o, i, ACT, GU, Blocks(bn=128, bk=64, splits=1),
-                                               one_dot=one_dot),
+                                               one_dot=one_dot, spans=spans),
         sd((256, 2816), jnp.bfloat16), sd((2048,), jnp.int32), sd((25, 128, 11, 2816, 128), jnp.bfloat16),
         sd((25, 128, 704, 2816), jnp.bfloat16), sd((129,), jnp.int32), sd((), jnp.int32))
 
@@ -160,10 +178,12 @@ def test_diffusion_gemma_decoder_with_fused_expert_params():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("one_dot,tile,down_bn,bm,down_tiled", [
-    (False, 64, 128, 64, False), (True, 64, 128, 64, False), (True, 32, 64, 64, False), (True, 64, 128, 32, False),
-    (True, 64, 128, 16, False), (True, 64, 128, 64, True)])
-def test_compiled_on_gpu_at_the_26b_expert_shapes_every_layer(one_dot, tile, down_bn, bm, down_tiled, monkeypatch):
+@pytest.mark.parametrize("one_dot,tile,down_bn,bm,down_tiled,spans", [
+    (False, 64, 128, 64, False, (1, 1)), (True, 64, 128, 64, False, (1, 1)), (True, 32, 64, 64, False, (1, 1)),
+    (True, 64, 128, 32, False, (1, 1)), (True, 64, 128, 16, False, (1, 1)), (True, 64, 128, 64, True, (1, 1)),
+    (True, 64, 128, 64, False, (2, 2)), (True, 64, 128, 16, False, (3, 4))])
+def test_compiled_on_gpu_at_the_26b_expert_shapes_every_layer(one_dot, tile, down_bn, bm, down_tiled, spans,
+                                                               monkeypatch):
     """On a GPU at DiffusionGemma 26B's expert shapes (2048 rows sorted by kernels/expert_sort, a 5-layer stack: 64-bit
     offsets), the MoE's fused path equals its two-GEMM path at every layer of a loop over the stack (the tickets and
     counters start afresh in every call)."""
@@ -175,6 +195,7 @@ def test_compiled_on_gpu_at_the_26b_expert_shapes_every_layer(one_dot, tile, dow
     monkeypatch.setattr(moe, "FUSED_DOWN_BN", down_bn)
     monkeypatch.setattr(moe, "FUSED_BM", bm)  # 16: experts with more than 16 of the 2048 rows take several tiles
     monkeypatch.setattr(moe, "FUSED_DOWN_TILED", down_tiled)
+    monkeypatch.setattr(moe, "FUSED_SPANS", spans)
     ks = jax.random.split(jax.random.key(11), 5)
     t, d, e, f, k, n_layers = 256, 2816, 128, 704, 8, 5  # gate/up 5.1 GB
     x = jax.random.normal(ks[0], (t, d), jnp.bfloat16)

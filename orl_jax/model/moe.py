@@ -268,6 +268,10 @@ FUSED_WARPS = 4
 # timed.
 FUSED_GU_BK = 64
 FUSED_DN_BK = 64
+# Column tiles per gate/up and per down work item of the one-launch expert MLP (mlp.grouped_mlp's spans: > 1 runs an
+# item's tiles as one loop over all their K-steps, the loads in flight across the tiles' boundaries). Read at trace
+# time; not yet timed.
+FUSED_SPANS = (1, 1)
 # The down stack in kernels/grouped_gemm's `tile_down` layout [L, E, D / FUSED_DOWN_BN, F, FUSED_DOWN_BN] (fuse_down):
 # a down program reads one contiguous run instead of F rows of 256 bytes. Read when fuse_down runs; not yet timed.
 FUSED_DOWN_TILED = False
@@ -334,7 +338,7 @@ def fused_expert_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: ja
 
     return grouped_mlp(x, rows, gate_up, down, offsets, layer, ACTIVATIONS[act], *fused_blocks(gate_up, down),
                        bm=FUSED_BM, num_warps=FUSED_WARPS, num_stages=FUSED_STAGES, one_dot=FUSED_ONE_DOT,
-                       interpret=jax.default_backend() == "cpu")
+                       spans=tuple(FUSED_SPANS), interpret=jax.default_backend() == "cpu")
 
 
 def fused_stack(w) -> bool:
