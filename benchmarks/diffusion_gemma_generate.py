@@ -49,9 +49,8 @@ ap.add_argument("--gemm-sweep", help="a JSON list [{'name':, 'table': [rows as i
                                     "'set': {'orl_jax.model.attention.JOIN_WIDE_PARTS': value, ...: trace-time "
                                     "switches, back to their defaults after the entry}, 'fused_experts': bool "
                                     "(the expert gate/up stacks in moe.fuse_gate_up's layout, laid out afresh "
-                                    "where an entry's moe.FUSED_TILE / FUSED_DOWN_TILED / FUSED_DOWN_BN "
-                                    "differ: one launch per layer's experts; its logits are compared with the "
-                                    "defaults')}, ...] (all but the name "
+                                    "where an entry's moe.FUSED_TILE differs: one launch per layer's experts; "
+                                    "its logits are compared with the defaults')}, ...] (all but the name "
                                     "optional; missing ones take the flags'): only the "
                                     "decoder forward (moe_impl pallas), timed once per entry in this process, each "
                                     "traced afresh (an empty table: the kernels' defaults). Example: "
@@ -462,7 +461,7 @@ if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the is
 
     from orl_jax.model import moe
 
-    fused_params = reference = fused_layout = None
+    fused_params = reference = fused_tile = None
     if any(e.get("fused_experts") for e in entries):  # a second copy of the gate/up stacks; the defaults' logits
         reference = logits_of(params)
         # How far rounding alone moves these logits (random weights may amplify it layer by layer): the same forward
@@ -479,10 +478,9 @@ if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the is
         switches = entry.get("set", {})
         with switched(switches):
             jax.clear_caches()  # every kernel wrapper and the forward trace again, under these tables and switches
-            layout = (moe.FUSED_TILE, moe.FUSED_DOWN_TILED, moe.FUSED_DOWN_BN)
-            if entry.get("fused_experts") and layout != fused_layout:  # the stacks laid out for this entry's switches
+            if entry.get("fused_experts") and moe.FUSED_TILE != fused_tile:  # the layout of this entry's FUSED_TILE
                 p = fused_params = None  # the old copy goes first (the 26B's: 30 GB)
-                fused_params, fused_layout = diffusion_gemma.fused_expert_params(params), layout
+                fused_params, fused_tile = diffusion_gemma.fused_expert_params(params), moe.FUSED_TILE
             p = fused_params if entry.get("fused_experts") else params
             try:
                 if p is fused_params:

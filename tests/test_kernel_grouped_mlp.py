@@ -1,8 +1,6 @@
 """kernels/grouped_gemm/mlp.py (a whole expert MLP in one launch, work items by atomic ticket) against the two
 grouped GEMMs it replaces: interpret mode on CPU, Triton IR verified at DiffusionGemma's shapes."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,22 +51,6 @@ def test_matches_the_two_grouped_gemms_in_interpret_mode(dtype, one_dot):
     assert np.abs(np.asarray(other, np.float32) - np.asarray(want, np.float32)).max() > 0.01
 
 
-@pytest.mark.parametrize("spans", [(2, 2), (3, 3), (4, 1), (1, 3)])
-def test_items_of_several_column_tiles_match_single_tiles(spans):
-    """spans: a work item's column tiles in one loop over all their K-steps (3 of 4: items of 3 and 1 tiles); the
-    accumulator restarts per tile, so the result is the one-tile items' (fp32, a group over several row tiles)."""
-    sizes, offsets, x, rows, gu, dn, bm = _case(jnp.float32)
-    gu_b, dn_b = Blocks(bn=64, bk=64, splits=1), Blocks(bn=32, bk=64, splits=1)  # 4 column tiles each
-    tiles = tile_gated(gu, gu_b.bn // 2)
-    run = functools.partial(grouped_mlp, x, rows, tiles, dn, offsets, jnp.int32(1), ACT, gu_b, dn_b, bm=bm,
-                            one_dot=True, interpret=True)
-    want = run(spans=(1, 1))
-    assert float(jnp.abs(want).max()) > 0.1
-    np.testing.assert_allclose(np.asarray(run(spans=spans)), np.asarray(want), rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match="spans"):
-        grouped_mlp(x, rows, tiles, dn, offsets, jnp.int32(1), ACT, gu_b, dn_b, spans=(2, 1), interpret=True)
-
-
 def test_rejects_mismatched_inputs():
     sizes, offsets, x, rows, gu, dn, bm = _case(jnp.float32)
     tgu = tile_gated(gu, 64)
@@ -83,12 +65,12 @@ def test_rejects_mismatched_inputs():
         grouped_mlp(x, rows, tgu, dn, offsets[1:], jnp.int32(0), ACT, GU, DN, interpret=True)
 
 
-@pytest.mark.parametrize("one_dot,spans", [(False, (1, 1)), (True, (1, 1)), (True, (2, 2))])
-def test_triton_ir_at_diffusion_gemma_shapes(one_dot, spans):
+@pytest.mark.parametrize("one_dot", [False, True])
+def test_triton_ir_at_diffusion_gemma_shapes(one_dot):
     sd = jax.ShapeDtypeStruct
     verified_triton_modules(
         lambda x, r, gu, dn, o, i: grouped_mlp(x, r, gu, dn, o, i, ACT, GU, Blocks(bn=128, bk=64, splits=1),
-                                               one_dot=one_dot, spans=spans),
+                                               one_dot=one_dot),
         sd((256, 2816), jnp.bfloat16), sd((2048,), jnp.int32), sd((25, 128, 11, 2816, 128), jnp.bfloat16),
         sd((25, 128, 704, 2816), jnp.bfloat16), sd((129,), jnp.int32), sd((), jnp.int32))
 
@@ -123,12 +105,11 @@ def test_moe_fused_path_equals_the_dense_path():
         moe.fuse_gate_up(gate_up[..., :96])
 
 
-@pytest.mark.parametrize("bm,down_tiled", [(64, False), (16, False), (64, True)])
-def test_moe_fused_path_with_narrower_tiles(bm, down_tiled, monkeypatch):
+@pytest.mark.parametrize("bm", [64, 16])
+def test_moe_fused_path_with_narrower_tiles(bm, monkeypatch):
     """moe.FUSED_TILE (the layout's gate and up tile width) and moe.FUSED_DOWN_BN (down's columns per program) at half
     the defaults: the kernel takes its gate/up tiles from the stack, and the values stay the dense path's; also with
-    moe.FUSED_BM = 16 rows per tile, where each expert's 20 rows take two tiles, and with down in `fuse_down`'s
-    contiguous column tiles (moe.FUSED_DOWN_TILED)."""
+    moe.FUSED_BM = 16 rows per tile, where each expert's 20 rows take two tiles."""
     from orl_jax.model import moe
     from orl_jax.model.streamed import StackedWeight
 
@@ -141,13 +122,11 @@ def test_moe_fused_path_with_narrower_tiles(bm, down_tiled, monkeypatch):
     monkeypatch.setattr(moe, "FUSED_TILE", 32)
     monkeypatch.setattr(moe, "FUSED_DOWN_BN", 64)
     monkeypatch.setattr(moe, "FUSED_BM", bm)
-    monkeypatch.setattr(moe, "FUSED_DOWN_TILED", down_tiled)
-    tiles, down_w = moe.fuse_gate_up(gate_up), moe.fuse_down(down)
-    assert down_w.shape == ((1, e, d // 64, f, 64) if down_tiled else down.shape)
+    tiles = moe.fuse_gate_up(gate_up)
     assert tiles.shape == (1, e, f // 32, d, 64)
-    gu, dn = moe.fused_blocks(tiles, down_w)
+    gu, dn = moe.fused_blocks(tiles)
     assert (gu.bn, dn.bn) == (64, 64)
-    got = moe.experts_mlp(x, weights, experts, StackedWeight(tiles, jnp.int32(0)), StackedWeight(down_w, jnp.int32(0)),
+    got = moe.experts_mlp(x, weights, experts, StackedWeight(tiles, jnp.int32(0)), StackedWeight(down, jnp.int32(0)),
                           "gelu_tanh", "pallas")
     want = moe.dense_experts_mlp(x, weights, experts, gate_up[0], down[0], "gelu_tanh")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
@@ -178,12 +157,10 @@ def test_diffusion_gemma_decoder_with_fused_expert_params():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("one_dot,tile,down_bn,bm,down_tiled,spans", [
-    (False, 64, 128, 64, False, (1, 1)), (True, 64, 128, 64, False, (1, 1)), (True, 32, 64, 64, False, (1, 1)),
-    (True, 64, 128, 32, False, (1, 1)), (True, 64, 128, 16, False, (1, 1)), (True, 64, 128, 64, True, (1, 1)),
-    (True, 64, 128, 64, False, (2, 2)), (True, 64, 128, 16, False, (3, 4))])
-def test_compiled_on_gpu_at_the_26b_expert_shapes_every_layer(one_dot, tile, down_bn, bm, down_tiled, spans,
-                                                               monkeypatch):
+@pytest.mark.parametrize("one_dot,tile,down_bn,bm,bk,stages", [
+    (False, 64, 128, 64, 64, 3), (True, 64, 128, 64, 64, 3), (True, 32, 64, 64, 64, 3), (True, 64, 128, 32, 32, 4),
+    (True, 64, 128, 16, 64, 3)])
+def test_compiled_on_gpu_at_the_26b_expert_shapes_every_layer(one_dot, tile, down_bn, bm, bk, stages, monkeypatch):
     """On a GPU at DiffusionGemma 26B's expert shapes (2048 rows sorted by kernels/expert_sort, a 5-layer stack: 64-bit
     offsets), the MoE's fused path equals its two-GEMM path at every layer of a loop over the stack (the tickets and
     counters start afresh in every call)."""
@@ -194,8 +171,9 @@ def test_compiled_on_gpu_at_the_26b_expert_shapes_every_layer(one_dot, tile, dow
     monkeypatch.setattr(moe, "FUSED_TILE", tile)
     monkeypatch.setattr(moe, "FUSED_DOWN_BN", down_bn)
     monkeypatch.setattr(moe, "FUSED_BM", bm)  # 16: experts with more than 16 of the 2048 rows take several tiles
-    monkeypatch.setattr(moe, "FUSED_DOWN_TILED", down_tiled)
-    monkeypatch.setattr(moe, "FUSED_SPANS", spans)
+    monkeypatch.setattr(moe, "FUSED_GU_BK", bk)
+    monkeypatch.setattr(moe, "FUSED_DN_BK", bk)
+    monkeypatch.setattr(moe, "FUSED_STAGES", stages)
     ks = jax.random.split(jax.random.key(11), 5)
     t, d, e, f, k, n_layers = 256, 2816, 128, 704, 8, 5  # gate/up 5.1 GB
     x = jax.random.normal(ks[0], (t, d), jnp.bfloat16)
@@ -203,7 +181,7 @@ def test_compiled_on_gpu_at_the_26b_expert_shapes_every_layer(one_dot, tile, dow
     down = jax.random.normal(ks[2], (n_layers, e, f, d), jnp.bfloat16) * 0.02
     experts = jax.lax.top_k(jax.random.normal(ks[3], (t, e)), k)[1].astype(jnp.int32)
     weights = jax.nn.softmax(jax.random.normal(ks[4], (t, k)), axis=-1)
-    tiles, down_w = moe.fuse_gate_up(gate_up), moe.fuse_down(down)
+    tiles = moe.fuse_gate_up(gate_up)
 
     def every_layer(g, down, x, weights, experts):  # arrays as arguments: a closure would embed them as constants
         return jax.lax.map(lambda i: moe.experts_mlp(x, weights, experts, StackedWeight(g, i), StackedWeight(down, i),
@@ -213,7 +191,7 @@ def test_compiled_on_gpu_at_the_26b_expert_shapes_every_layer(one_dot, tile, dow
     run = jax.jit(every_layer)
     want = np.asarray(run(gate_up, down, x, weights, experts), np.float32)
     for _ in range(2):  # twice: a counter left over from a call would show
-        got = np.asarray(run(tiles, down_w, x, weights, experts), np.float32)
+        got = np.asarray(run(tiles, down, x, weights, experts), np.float32)
         for i in range(n_layers):
             err = np.linalg.norm(got[i] - want[i]) / np.linalg.norm(want[i])
             assert err < 1e-2, (i, err)

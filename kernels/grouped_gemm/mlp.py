@@ -33,15 +33,6 @@ from orl_jax_kernels.pallas_args import layer_operand, triton_params
 from orl_jax_kernels.small_m_gemm.kernel import Blocks
 
 
-def tile_down(w: jax.Array, bn: int) -> jax.Array:
-    """[..., F, D] -> [..., D / bn, F, bn]: down's column tile j contiguous (grouped_mlp's optional down layout: a
-    down program reads one run of F x bn weights instead of F rows of bn)."""
-    *lead, f, d = w.shape
-    if d % bn:
-        raise ValueError(f"tile_down: D={d} is not a multiple of bn={bn}")
-    return jnp.moveaxis(w.reshape(*lead, f, d // bn, bn), -2, -3)
-
-
 def tile_gated(w: jax.Array, bw: int) -> jax.Array:
     """[..., E, K, 2F] (gate | up) -> [..., E, F / bw, K, 2 bw]: tile j holds gate columns [j bw, (j + 1) bw) then
     the same up columns, contiguous (grouped_mlp's gate/up layout: one program computes act(gate) * up itself)."""
@@ -66,7 +57,7 @@ def _halves(acc: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, count_in, h_ref, o_ref, count_ref, *,
-            bm: int, gu: Blocks, dn: Blocks, act, one_dot: bool, spans: tuple[int, int], interpret: bool):
+            bm: int, gu: Blocks, dn: Blocks, act, one_dot: bool, interpret: bool):
     del count_in  # aliased to count_ref
     from jax.experimental.pallas import triton as plt
 
@@ -75,61 +66,17 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, count_in, h_ref
     n_exp, f_tiles, d, bw2 = gu_ref.shape[1:]
     bw = bw2 // 2
     f = f_tiles * bw
-    tiled_down = len(dn_ref.shape) == 5  # tile_down's layout [L, E, D / bn, F, bn]
-    d_tiles = dn_ref.shape[2] if tiled_down else dn_ref.shape[-1] // dn.bn
+    d_tiles = dn_ref.shape[-1] // dn.bn
     layer = layer_ref[0]
-    gs, ds = spans  # column tiles per gate/up item and per down item
-    f_items, d_items = -(-f_tiles // gs), -(-d_tiles // ds)
     ticket = plt.atomic_add(count_ref, (jnp.int32(n_exp),), jnp.int32(1))  # count_ref[E]: the next work item
-    is_gu = ticket < n_exp * f_items
-    item = jnp.where(is_gu, ticket, ticket - n_exp * f_items)
-    e = jnp.where(is_gu, item // f_items, item // d_items)
-    j = jnp.where(is_gu, (item % f_items) * gs, (item % d_items) * ds)  # the item's first column tile
-    i32 = jnp.int32
-    span = jnp.minimum(jnp.where(is_gu, i32(gs), i32(ds)),  # the item's column tiles
-                       jnp.where(is_gu, i32(f_tiles), i32(d_tiles)) - j)
+    is_gu = ticket < n_exp * f_tiles
+    item = jnp.where(is_gu, ticket, ticket - n_exp * f_tiles)
+    e = jnp.where(is_gu, item // f_tiles, item // d_tiles)
+    j = jnp.where(is_gu, item % f_tiles, item % d_tiles)
     start, rows = off_ref[e], off_ref[e + 1] - off_ref[e]
     n_tiles = (rows + bm - 1) // bm
 
-    def spanned(t, n_k, bk, operand, weight, n, store):
-        """Row tile t of an item of `span` column tiles as one loop of span x n_k K-steps (the loads of the next
-        tile in flight while one ends): acc = operand(k0) @ weight(jj, k0) over each tile jj's K, store(jj, acc)."""
-        def step(s, acc):
-            jj, c = j + jax.lax.div(s, jnp.int32(n_k)), jax.lax.rem(s, jnp.int32(n_k))  # s >= 0: C division
-            k0 = pl.multiple_of(c * bk, bk)
-            acc = jnp.where(c == 0, 0.0, acc) + jnp.dot(operand(k0), weight(jj, k0),
-                                                        preferred_element_type=jnp.float32)
-
-            @pl.when(c == n_k - 1)
-            def _():
-                store(jj, acc)
-            return acc
-
-        jax.lax.fori_loop(0, span * n_k, step, jnp.zeros((bm, n), jnp.float32))
-
-    @pl.when(is_gu if gs > 1 else False)
-    def _():
-        def tile(t, carry):
-            r0 = start + t * bm
-            live = (t * bm + jnp.arange(bm)) < rows
-            ids = plt.load(rows_ref.at[pl.ds(r0, bm)], mask=live, other=0)
-
-            def store(jj, acc):
-                g, u = (a.astype(h_ref.dtype).astype(jnp.float32) for a in _halves(acc))
-                plt.store(h_ref.at[pl.ds(r0, bm), pl.ds(pl.multiple_of(jj * bw, bw), bw)],
-                          (act(g) * u).astype(h_ref.dtype), mask=live[:, None])
-
-            spanned(t, d // gu.bk, gu.bk,
-                    lambda k0: plt.load(x_ref.at[ids[:, None], (k0 + jnp.arange(gu.bk))[None, :]],
-                                        mask=live[:, None], other=0.0),
-                    lambda jj, k0: gu_ref[layer, e, jj, pl.ds(k0, gu.bk), :], bw2, store)
-            return carry
-
-        jax.lax.fori_loop(0, n_tiles, tile, 0)
-        barrier()  # every thread's stores before the release
-        plt.atomic_add(count_ref, (e,), span)
-
-    @pl.when(is_gu if gs == 1 else False)
+    @pl.when(is_gu)
     def _():
         def tile(t, carry):
             r0 = start + t * bm
@@ -167,31 +114,6 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, count_in, h_ref
                            lambda c: (plt.atomic_add(count_ref, (e,), c[2]), c[1] + 1, c[2]),
                            (plt.atomic_add(count_ref, (e,), zero), zero, zero))  # atomic reads of e's count
         barrier()  # every thread after the acquire
-
-    def down_weight(jj, k0):
-        ks = pl.ds(k0, dn.bk)
-        return dn_ref[layer, e, jj, ks, :] if tiled_down else dn_ref[layer, e, ks, pl.ds(
-            pl.multiple_of(jj * dn.bn, dn.bn), dn.bn)]
-
-    @pl.when(jnp.logical_not(is_gu) & (rows > 0) if ds > 1 else False)
-    def _():
-        def tile(t, carry):
-            r0 = start + t * bm
-            live = (t * bm + jnp.arange(bm)) < rows
-
-            def store(jj, acc):
-                plt.store(o_ref.at[pl.ds(r0, bm), pl.ds(pl.multiple_of(jj * dn.bn, dn.bn), dn.bn)],
-                          acc.astype(o_ref.dtype), mask=live[:, None])
-
-            spanned(t, f // dn.bk, dn.bk,
-                    lambda k0: plt.load(h_ref.at[pl.ds(r0, bm), pl.ds(k0, dn.bk)], mask=live[:, None], other=0.0),
-                    down_weight, dn.bn, store)
-            return carry
-
-        jax.lax.fori_loop(0, n_tiles, tile, 0)
-
-    @pl.when(jnp.logical_not(is_gu) & (rows > 0) if ds == 1 else False)
-    def _():
         cols = pl.ds(pl.multiple_of(j * dn.bn, dn.bn), dn.bn)
 
         def tile(t, carry):
@@ -201,9 +123,8 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, count_in, h_ref
             def chunk(c, acc):
                 k0 = pl.multiple_of(c * dn.bk, dn.bk)
                 hb = plt.load(h_ref.at[pl.ds(r0, bm), pl.ds(k0, dn.bk)], mask=live[:, None], other=0.0)
-                ks = pl.ds(k0, dn.bk)
-                w = dn_ref[layer, e, j, ks, :] if tiled_down else dn_ref[layer, e, ks, cols]
-                return acc + jnp.dot(hb, w, preferred_element_type=jnp.float32)
+                return acc + jnp.dot(hb, dn_ref[layer, e, pl.ds(k0, dn.bk), cols],
+                                     preferred_element_type=jnp.float32)
 
             acc = jax.lax.fori_loop(0, f // dn.bk, chunk, jnp.zeros((bm, dn.bn), jnp.float32))
             plt.store(o_ref.at[pl.ds(r0, bm), cols], acc.astype(o_ref.dtype), mask=live[:, None])
@@ -213,33 +134,29 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, count_in, h_ref
 
 
 @functools.partial(jax.jit, static_argnames=("act", "gu_blocks", "dn_blocks", "bm", "num_warps", "num_stages",
-                                             "one_dot", "spans", "interpret"))
+                                             "one_dot", "interpret"))
 def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Array, offsets: jax.Array,
                 layer: jax.Array, act, gu_blocks: Blocks = TILES,
                 dn_blocks: Blocks = TILES, bm: int = 64, num_warps: int = 4,
-                num_stages: int = 3, one_dot: bool = False, spans: tuple[int, int] = (1, 1),
-                interpret: bool = False) -> jax.Array:
+                num_stages: int = 3, one_dot: bool = False, interpret: bool = False) -> jax.Array:
     """Sorted row r of x[rows] through its expert's MLP: act(x_r @ gate_e) * (x_r @ up_e) @ down_e -> [M, D] in
     x's dtype (M = rows.shape[0]; rows past offsets[-1] are 0).
 
     x [T, D]; rows [M] int32 (the token of each row, sorted by expert); gate_up [L, E, F / bw, D, 2 bw]
-    (tile_gated of a [gate | up] stack, bw = gu_blocks.bn / 2); down [L, E, F, D] (the model's layout) or
-    tile_down's [L, E, D / bn, F, bn] (bn = dn_blocks.bn);
+    (tile_gated of a [gate | up] stack, bw = gu_blocks.bn / 2); down [L, E, F, D] (the model's layout);
     offsets [E + 1] (the groups' first rows, then their end); layer: the stacks' layer. gu_blocks / dn_blocks: bk
     (rows of K per step) and bn of each GEMM; one num_warps / num_stages for the launch. one_dot: gate/up's [gate |
     up] tile as one 2 bw-wide product per K step, its halves split after the loop (`_halves`), instead of two bw-wide
     products (the model's default, moe.FUSED_ONE_DOT: 0.3-1 us per 26B layer faster in isolation, 0.02-0.045 ms per
-    forward). spans: column tiles per gate/up and per down work item (> 1: one loop over all their K-steps, so
-    a program keeps its loads in flight from one tile to the next; gate/up's needs one_dot)."""
+    forward)."""
     _, d = x.shape
     layer_arr = layer_operand("grouped_mlp", True, layer, gate_up.shape)
-    if gate_up.ndim != 5 or down.ndim not in (4, 5):
+    if gate_up.ndim != 5 or down.ndim != 4:
         raise ValueError(f"grouped_mlp: gate_up {gate_up.shape} must be a tile_gated stack [L, E, F / bw, D, 2 bw] "
-                         f"and down {down.shape} a stack [L, E, F, D] or tile_down's [L, E, D / bn, F, bn]")
+                         f"and down {down.shape} a stack [L, E, F, D]")
     n_layers, e, f_tiles, d_w, bw2 = gate_up.shape
     f = f_tiles * bw2 // 2
-    want_down = (n_layers, e, f, d) if down.ndim == 4 else (n_layers, e, d // dn_blocks.bn, f, dn_blocks.bn)
-    if d_w != d or down.shape != want_down or bw2 != gu_blocks.bn:
+    if d_w != d or down.shape != (n_layers, e, f, d) or bw2 != gu_blocks.bn:
         raise ValueError(f"grouped_mlp: x {x.shape}, gate_up {gate_up.shape} (bn {gu_blocks.bn}) and down "
                          f"{down.shape} do not match")
     if d % gu_blocks.bk or f % dn_blocks.bk or d % dn_blocks.bn:
@@ -249,15 +166,12 @@ def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Arr
     m = rows.shape[0]
     spare = bm if interpret else 0  # interpret mode clamps windows that leave the array (kernel.py)
     rows_p = jnp.pad(rows, (0, spare))
-    if len(spans) != 2 or min(spans) < 1 or (spans[0] > 1 and not one_dot):
-        raise ValueError(f"grouped_mlp: spans {spans} must be two counts >= 1 (a gate/up span > 1 takes one_dot)")
-    items = e * (-(-f_tiles // spans[0]) + -(-(d // dn_blocks.bn) // spans[1]))
+    items = e * (f_tiles + d // dn_blocks.bn)
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, n=a.ndim: (0,) * n)  # noqa: E731
     count = jnp.zeros((e + 1,), jnp.int32)
     h_shape, o_shape = (m + spare, f), (m + spare, d)
     _, out, _ = pl.pallas_call(
-        functools.partial(_kernel, bm=bm, gu=gu_blocks, dn=dn_blocks, act=act, one_dot=one_dot, spans=spans,
-                          interpret=interpret),
+        functools.partial(_kernel, bm=bm, gu=gu_blocks, dn=dn_blocks, act=act, one_dot=one_dot, interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct(h_shape, x.dtype), jax.ShapeDtypeStruct(o_shape, x.dtype),
                    jax.ShapeDtypeStruct(count.shape, count.dtype)),
         grid=(items,),

@@ -73,7 +73,7 @@ from orl_jax.model.layers import (
     rope_inv_freq,
     soft_cap,
 )
-from orl_jax.model.moe import experts_mlp, fusable, fuse_down, fuse_gate_up, route
+from orl_jax.model.moe import experts_mlp, fusable, fuse_gate_up, route
 from orl_jax.model.streamed import StackedWeight, pack_vectors, unpack_vectors, vector_offsets
 from orl_jax.params import ParamSpec, ones
 
@@ -256,15 +256,13 @@ def _qk_kernel_offsets(cfg: DiffusionGemmaConfig, layout) -> tuple[int, ...] | N
 
 
 def fused_expert_params(params: dict) -> dict:
-    """params with both expert gate/up stacks in moe.fuse_gate_up's layout (and the down stacks in moe.fuse_down's,
-    unchanged unless moe.FUSED_DOWN_TILED), so that passes with moe_impl "pallas"
+    """params with both expert gate/up stacks in moe.fuse_gate_up's layout, so that passes with moe_impl "pallas"
     run each layer's experts in one launch (kernels/grouped_gemm/mlp.py) instead of two grouped GEMMs and XLA's
     activation: on an H200 the 26B's denoising forward took 14.96-15.01 ms against 15.17-15.20, alternating in one
     process on two machines (benchmarks/results/2026-12-04_dg_fused_expert_mlp_h200.md). A new copy of those stacks
     (the 26B: 30 GB; the old ones go when the caller drops them); inference only: training, export and the other
     moe_impls take the model's layout (moe.experts_mlp refuses it there)."""
-    return params | {t: params[t] | {"experts_gate_up": fuse_gate_up(params[t]["experts_gate_up"]),
-                                     "experts_down": fuse_down(params[t]["experts_down"])}
+    return params | {t: params[t] | {"experts_gate_up": fuse_gate_up(params[t]["experts_gate_up"])}
                      for t in ("sliding", "full")}
 
 

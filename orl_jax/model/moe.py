@@ -268,13 +268,6 @@ FUSED_WARPS = 4
 # timed.
 FUSED_GU_BK = 64
 FUSED_DN_BK = 64
-# Column tiles per gate/up and per down work item of the one-launch expert MLP (mlp.grouped_mlp's spans: > 1 runs an
-# item's tiles as one loop over all their K-steps, the loads in flight across the tiles' boundaries). Read at trace
-# time; not yet timed.
-FUSED_SPANS = (1, 1)
-# The down stack in kernels/grouped_gemm's `tile_down` layout [L, E, D / FUSED_DOWN_BN, F, FUSED_DOWN_BN] (fuse_down):
-# a down program reads one contiguous run instead of F rows of 256 bytes. Read when fuse_down runs; not yet timed.
-FUSED_DOWN_TILED = False
 # Pipeline stages of the one-launch expert MLP: 3 took 373 us per 26B layer in isolation, 2 / 4 stages 377 / 375; in
 # the forward 2 / 4 stages were 0.15 / 0.06 ms slower (benchmarks/results/2026-12-04_dg_fused_expert_mlp_h200.md).
 # Read at trace time.
@@ -306,39 +299,24 @@ def fuse_gate_up(stack: jax.Array) -> jax.Array:
     return jax.jit(lambda s: jax.lax.map(lambda w: tile_gated(w, FUSED_TILE), s))(stack)
 
 
-def fuse_down(stack: jax.Array) -> jax.Array:
-    """An expert down stack [L, E, F, D] in `tile_down`'s layout [L, E, D / FUSED_DOWN_BN, F, FUSED_DOWN_BN] where
-    FUSED_DOWN_TILED, else unchanged (the one-launch expert MLP takes either)."""
-    from orl_jax_kernels.grouped_gemm.mlp import tile_down
-
-    if not FUSED_DOWN_TILED:
-        return stack
-    if stack.ndim != 4 or stack.shape[-1] % FUSED_DOWN_BN:
-        raise ValueError(f"fuse_down: a down stack [L, E, F, D] with D a multiple of {FUSED_DOWN_BN}, got "
-                         f"{stack.shape}")
-    return jax.jit(lambda s: jax.lax.map(lambda w: tile_down(w, FUSED_DOWN_BN), s))(stack)
-
-
-def fused_blocks(stack: jax.Array, down: jax.Array | None = None):
+def fused_blocks(stack: jax.Array):
     """grouped_mlp's (gate/up, down) tiles for a gate/up stack in `fuse_gate_up`'s layout: gate/up as wide as the
-    layout's [gate | up] tile, down as wide as a `fuse_down` tile (else FUSED_DOWN_BN columns); FUSED_GU_BK /
-    FUSED_DN_BK rows of K per step."""
+    layout's [gate | up] tile, down FUSED_DOWN_BN columns; FUSED_GU_BK / FUSED_DN_BK rows of K per step."""
     from orl_jax_kernels.small_m_gemm.kernel import Blocks
 
-    down_bn = down.shape[-1] if down is not None and down.ndim == 5 else FUSED_DOWN_BN
-    return Blocks(bn=stack.shape[-1], bk=FUSED_GU_BK, splits=1), Blocks(bn=down_bn, bk=FUSED_DN_BK, splits=1)
+    return Blocks(bn=stack.shape[-1], bk=FUSED_GU_BK, splits=1), Blocks(bn=FUSED_DOWN_BN, bk=FUSED_DN_BK, splits=1)
 
 
 def fused_expert_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Array, offsets: jax.Array, layer,
                      act: str) -> jax.Array:
     """The one-launch expert MLP (kernels/grouped_gemm/mlp.grouped_mlp) with the model's settings (tiles, stages,
     one_dot; interpret mode on a CPU): sorted rows of x[rows] through their experts -> [M, D]. gate_up: a stack in
-    `fuse_gate_up`'s layout, down the model's [L, E, F, D] or `fuse_down`'s; layer: the stacks' layer."""
+    `fuse_gate_up`'s layout, down the model's [L, E, F, D]; layer: the stacks' layer."""
     from orl_jax_kernels.grouped_gemm.mlp import grouped_mlp
 
-    return grouped_mlp(x, rows, gate_up, down, offsets, layer, ACTIVATIONS[act], *fused_blocks(gate_up, down),
+    return grouped_mlp(x, rows, gate_up, down, offsets, layer, ACTIVATIONS[act], *fused_blocks(gate_up),
                        bm=FUSED_BM, num_warps=FUSED_WARPS, num_stages=FUSED_STAGES, one_dot=FUSED_ONE_DOT,
-                       spans=tuple(FUSED_SPANS), interpret=jax.default_backend() == "cpu")
+                       interpret=jax.default_backend() == "cpu")
 
 
 def fused_stack(w) -> bool:
