@@ -378,6 +378,14 @@ def generate_parts(c, kw):
     lengths = jnp.asarray([args.prompt], jnp.int32)
     pf = compile_dg(lambda p, t: diffusion_gemma.prefill(p, c, t, lengths, args.prompt + args.new)[1])
     log(what="part", part="prefill", ms=median_seconds(lambda: pf(params, jnp.asarray(prompt)), reps=5) * 1e3)
+    d = tempfile.mkdtemp()  # the prefill's kernels alone (one call), with what each fusion is
+    with jax.profiler.trace(d):
+        jax.block_until_ready(pf(params, jnp.asarray(prompt)))
+    prof = summarize(d, steps=1, top=40, hlo_text=pf.lower(params, jnp.asarray(prompt)).compile().as_text())
+    for row in prof.pop("top", []):
+        log(what="prefill_profile_kernel", **row)
+    prof.pop("gaps", None)
+    log(what="prefill_profile", **prof)
     V, L = c.vocab_size, args.new
     logits = 4 * jax.random.normal(jax.random.key(7), (1, L, V), jnp.float32)
     canvas = jnp.asarray(np.random.default_rng(1).integers(0, min(200000, V), (1, L)), jnp.int32)
