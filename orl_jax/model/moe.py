@@ -251,21 +251,19 @@ def _sorted_rows(experts: jax.Array, num_experts: int, kernel: bool, by_token: b
 GATHER_IN_KERNEL = True
 
 
-# The width of a gate (and of an up) column tile in `fuse_gate_up`'s layout: half of the gate/up GEMM's 128 columns.
-# Read when the layout is made; the kernel takes its gate/up tile width from the stack. Down's output columns per
-# program: FUSED_DOWN_BN (read at trace time). 32 / 64 halve both programs' accumulators, for more resident blocks per
-# SM (the kernel reads DRAM at 90% of its peak with 3 blocks of 4 warps per SM, XLA's flat read at 96.5%:
-# benchmarks/results/2026-12-04_dg_l2_prefetch_h200.md); not yet timed.
+# The one-launch expert MLP's tiles (benchmarks/expert_tile_probe.py times them alone on a 26B layer; record:
+# benchmarks/results/2026-12-04_dg_expert_tiles_h200.md). FUSED_TILE: the width of a gate (and of an up) column tile
+# in `fuse_gate_up`'s layout, read when the layout is made (the kernel takes it from the stack); FUSED_DOWN_BN: down's
+# output columns per program; FUSED_BM: rows per tile (a group of more rows runs its tiles one after another,
+# rereading its weight tile from L2); FUSED_WARPS: warps per program; FUSED_GU_BK / FUSED_DN_BK: rows of K per step
+# (D and F must be multiples). All but FUSED_TILE are read at trace time. None of the variants ran faster than these
+# defaults (362-372 us per layer): tile 32 with down 64 (session 45's candidate for more blocks per SM) 382-387 us,
+# 32 rows equal alone but +0.1 ms per forward, 16 rows 508-517 us, 8 warps 382 us, K step 128 365-446 us, and K step
+# 32 with 32 rows and 4 stages 1-4 us faster alone but +0.25 ms per forward (14.65-14.69 against 14.40-14.42 ms).
 FUSED_TILE = 64
 FUSED_DOWN_BN = 128
-# Rows per tile of both programs (FUSED_BM: a group of more rows runs its tiles one after another, rereading its
-# weight tile from L2) and warps per program (FUSED_WARPS) of the one-launch expert MLP. At canvas 256 an expert gets
-# 16 rows on average, so a 64-row tile is mostly masked; 32 halves the accumulators and the gathered x tiles. Read at
-# trace time; not yet timed.
 FUSED_BM = 64
 FUSED_WARPS = 4
-# Rows of K per step of the gate/up and of the down programs (D and F must be multiples). Read at trace time; not yet
-# timed.
 FUSED_GU_BK = 64
 FUSED_DN_BK = 64
 # Pipeline stages of the one-launch expert MLP: 3 took 373 us per 26B layer in isolation, 2 / 4 stages 377 / 375; in
