@@ -266,6 +266,9 @@ FUSED_BM = 64
 FUSED_WARPS = 4
 FUSED_GU_BK = 64
 FUSED_DN_BK = 64
+# Persistent programs of the one-launch expert MLP (mlp.grouped_mlp's programs: 0 = one program per work item). Read
+# at trace time; not yet timed.
+FUSED_PROGRAMS = 0
 # Pipeline stages of the one-launch expert MLP: 3 took 373 us per 26B layer in isolation, 2 / 4 stages 377 / 375; in
 # the forward 2 / 4 stages were 0.15 / 0.06 ms slower (benchmarks/results/2026-12-04_dg_fused_expert_mlp_h200.md).
 # Read at trace time.
@@ -314,7 +317,7 @@ def fused_expert_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: ja
 
     return grouped_mlp(x, rows, gate_up, down, offsets, layer, ACTIVATIONS[act], *fused_blocks(gate_up),
                        bm=FUSED_BM, num_warps=FUSED_WARPS, num_stages=FUSED_STAGES, one_dot=FUSED_ONE_DOT,
-                       interpret=jax.default_backend() == "cpu")
+                       programs=FUSED_PROGRAMS, interpret=jax.default_backend() == "cpu")
 
 
 def fused_stack(w) -> bool:
