@@ -47,11 +47,6 @@ VARIANTS = {  # name -> switches
     "gate/up bk 32, 4 stages": {M + "FUSED_GU_BK": 32, M + "FUSED_STAGES": 4},
     "bk 32": {M + "FUSED_GU_BK": 32, M + "FUSED_DN_BK": 32},
     "down bk 32": {M + "FUSED_DN_BK": 32},
-    "persistent 396": {M + "FUSED_PROGRAMS": 396},
-    "persistent 264": {M + "FUSED_PROGRAMS": 264},
-    "persistent 792": {M + "FUSED_PROGRAMS": 792},
-    "persistent 396, 32 rows, bk 32, 4 stages": {M + "FUSED_PROGRAMS": 396, M + "FUSED_BM": 32, M + "FUSED_GU_BK": 32,
-                                                 M + "FUSED_DN_BK": 32, M + "FUSED_STAGES": 4},
     "bk 32, 32 rows, 4 stages": {M + "FUSED_GU_BK": 32, M + "FUSED_DN_BK": 32, M + "FUSED_BM": 32,
                                  M + "FUSED_STAGES": 4},
 }

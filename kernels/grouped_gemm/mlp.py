@@ -57,7 +57,7 @@ def _halves(acc: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, count_in, h_ref, o_ref, count_ref, *,
-            bm: int, gu: Blocks, dn: Blocks, act, one_dot: bool, persistent: bool, interpret: bool):
+            bm: int, gu: Blocks, dn: Blocks, act, one_dot: bool, interpret: bool):
     del count_in  # aliased to count_ref
     from jax.experimental.pallas import triton as plt
 
@@ -68,97 +68,77 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, count_in, h_ref
     f = f_tiles * bw
     d_tiles = dn_ref.shape[-1] // dn.bn
     layer = layer_ref[0]
-    n_items = n_exp * (f_tiles + d_tiles)
+    ticket = plt.atomic_add(count_ref, (jnp.int32(n_exp),), jnp.int32(1))  # count_ref[E]: the next work item
+    is_gu = ticket < n_exp * f_tiles
+    item = jnp.where(is_gu, ticket, ticket - n_exp * f_tiles)
+    e = jnp.where(is_gu, item // f_tiles, item // d_tiles)
+    j = jnp.where(is_gu, item % f_tiles, item % d_tiles)
+    start, rows = off_ref[e], off_ref[e + 1] - off_ref[e]
+    n_tiles = (rows + bm - 1) // bm
 
-    def work(ticket):  # one work item: a gate/up tile or a down tile of one expert
-        is_gu = ticket < n_exp * f_tiles
-        item = jnp.where(is_gu, ticket, ticket - n_exp * f_tiles)
-        e = jnp.where(is_gu, item // f_tiles, item // d_tiles)
-        j = jnp.where(is_gu, item % f_tiles, item % d_tiles)
-        start, rows = off_ref[e], off_ref[e + 1] - off_ref[e]
-        n_tiles = (rows + bm - 1) // bm
+    @pl.when(is_gu)
+    def _():
+        def tile(t, carry):
+            r0 = start + t * bm
+            live = (t * bm + jnp.arange(bm)) < rows
+            ids = plt.load(rows_ref.at[pl.ds(r0, bm)], mask=live, other=0)
 
-        @pl.when(is_gu)
-        def _():
-            def tile(t, carry):
-                r0 = start + t * bm
-                live = (t * bm + jnp.arange(bm)) < rows
-                ids = plt.load(rows_ref.at[pl.ds(r0, bm)], mask=live, other=0)
-
-                def chunk(c, acc):
-                    k0 = pl.multiple_of(c * gu.bk, gu.bk)
-                    xb = plt.load(x_ref.at[ids[:, None], (k0 + jnp.arange(gu.bk))[None, :]], mask=live[:, None],
-                                  other=0.0)
-                    if one_dot:  # the tile's [gate | up] columns as one [bk, 2 bw] product
-                        return acc + jnp.dot(xb, gu_ref[layer, e, j, pl.ds(k0, gu.bk), :],
-                                             preferred_element_type=jnp.float32)
-                    wg, wu = (gu_ref[layer, e, j, pl.ds(k0, gu.bk), pl.ds(at, bw)] for at in (0, bw))
-                    return (acc[0] + jnp.dot(xb, wg, preferred_element_type=jnp.float32),
-                            acc[1] + jnp.dot(xb, wu, preferred_element_type=jnp.float32))
-
-                if one_dot:
-                    g, u = _halves(jax.lax.fori_loop(0, d // gu.bk, chunk, jnp.zeros((bm, 2 * bw), jnp.float32)))
-                else:
-                    g, u = jax.lax.fori_loop(0, d // gu.bk, chunk, (jnp.zeros((bm, bw), jnp.float32),) * 2)
-                g, u = (a.astype(h_ref.dtype).astype(jnp.float32) for a in (g, u))
-                plt.store(h_ref.at[pl.ds(r0, bm), pl.ds(pl.multiple_of(j * bw, bw), bw)],
-                          (act(g) * u).astype(h_ref.dtype), mask=live[:, None])
-                return carry
-
-            jax.lax.fori_loop(0, n_tiles, tile, 0)
-            barrier()  # every thread's stores before the release
-            plt.atomic_add(count_ref, (e,), jnp.int32(1))
-
-        @pl.when(jnp.logical_not(is_gu) & (rows > 0))
-        def _():
-            zero = jnp.int32(0)  # carried: a constant inside the body cannot be discharged in interpret mode
-            jax.lax.while_loop(lambda c: (c[0] < f_tiles) & (c[1] < MAX_SPIN),
-                               lambda c: (plt.atomic_add(count_ref, (e,), c[2]), c[1] + 1, c[2]),
-                               (plt.atomic_add(count_ref, (e,), zero), zero, zero))  # atomic reads of e's count
-            barrier()  # every thread after the acquire
-            cols = pl.ds(pl.multiple_of(j * dn.bn, dn.bn), dn.bn)
-
-            def tile(t, carry):
-                r0 = start + t * bm
-                live = (t * bm + jnp.arange(bm)) < rows
-
-                def chunk(c, acc):
-                    k0 = pl.multiple_of(c * dn.bk, dn.bk)
-                    hb = plt.load(h_ref.at[pl.ds(r0, bm), pl.ds(k0, dn.bk)], mask=live[:, None], other=0.0)
-                    return acc + jnp.dot(hb, dn_ref[layer, e, pl.ds(k0, dn.bk), cols],
+            def chunk(c, acc):
+                k0 = pl.multiple_of(c * gu.bk, gu.bk)
+                xb = plt.load(x_ref.at[ids[:, None], (k0 + jnp.arange(gu.bk))[None, :]], mask=live[:, None],
+                              other=0.0)
+                if one_dot:  # the tile's [gate | up] columns as one [bk, 2 bw] product
+                    return acc + jnp.dot(xb, gu_ref[layer, e, j, pl.ds(k0, gu.bk), :],
                                          preferred_element_type=jnp.float32)
+                wg, wu = (gu_ref[layer, e, j, pl.ds(k0, gu.bk), pl.ds(at, bw)] for at in (0, bw))
+                return (acc[0] + jnp.dot(xb, wg, preferred_element_type=jnp.float32),
+                        acc[1] + jnp.dot(xb, wu, preferred_element_type=jnp.float32))
 
-                acc = jax.lax.fori_loop(0, f // dn.bk, chunk, jnp.zeros((bm, dn.bn), jnp.float32))
-                plt.store(o_ref.at[pl.ds(r0, bm), cols], acc.astype(o_ref.dtype), mask=live[:, None])
-                return carry
+            if one_dot:
+                g, u = _halves(jax.lax.fori_loop(0, d // gu.bk, chunk, jnp.zeros((bm, 2 * bw), jnp.float32)))
+            else:
+                g, u = jax.lax.fori_loop(0, d // gu.bk, chunk, (jnp.zeros((bm, bw), jnp.float32),) * 2)
+            g, u = (a.astype(h_ref.dtype).astype(jnp.float32) for a in (g, u))
+            plt.store(h_ref.at[pl.ds(r0, bm), pl.ds(pl.multiple_of(j * bw, bw), bw)],
+                      (act(g) * u).astype(h_ref.dtype), mask=live[:, None])
+            return carry
 
-            jax.lax.fori_loop(0, n_tiles, tile, 0)
+        jax.lax.fori_loop(0, n_tiles, tile, 0)
+        barrier()  # every thread's stores before the release
+        plt.atomic_add(count_ref, (e,), jnp.int32(1))
 
+    @pl.when(jnp.logical_not(is_gu) & (rows > 0))
+    def _():
+        zero = jnp.int32(0)  # carried: a constant inside the body cannot be discharged in interpret mode
+        jax.lax.while_loop(lambda c: (c[0] < f_tiles) & (c[1] < MAX_SPIN),
+                           lambda c: (plt.atomic_add(count_ref, (e,), c[2]), c[1] + 1, c[2]),
+                           (plt.atomic_add(count_ref, (e,), zero), zero, zero))  # atomic reads of e's count
+        barrier()  # every thread after the acquire
+        cols = pl.ds(pl.multiple_of(j * dn.bn, dn.bn), dn.bn)
 
-    def next_ticket(at, one):  # count_ref[E] (at = E): the next work item
-        return plt.atomic_add(count_ref, (at,), one)
+        def tile(t, carry):
+            r0 = start + t * bm
+            live = (t * bm + jnp.arange(bm)) < rows
 
-    at, one = jnp.int32(n_exp), jnp.int32(1)
-    if not persistent:
-        work(next_ticket(at, one))
-        return
+            def chunk(c, acc):
+                k0 = pl.multiple_of(c * dn.bk, dn.bk)
+                hb = plt.load(h_ref.at[pl.ds(r0, bm), pl.ds(k0, dn.bk)], mask=live[:, None], other=0.0)
+                return acc + jnp.dot(hb, dn_ref[layer, e, pl.ds(k0, dn.bk), cols],
+                                     preferred_element_type=jnp.float32)
 
-    def loop(c):  # a persistent program: items until none is left. at and one are carried: constants inside the
-        ticket, at, one = c  # body cannot be discharged in interpret mode
-        work(ticket)
-        barrier()  # every thread done with the item before the next one's loads
-        return next_ticket(at, one), at, one
+            acc = jax.lax.fori_loop(0, f // dn.bk, chunk, jnp.zeros((bm, dn.bn), jnp.float32))
+            plt.store(o_ref.at[pl.ds(r0, bm), cols], acc.astype(o_ref.dtype), mask=live[:, None])
+            return carry
 
-    jax.lax.while_loop(lambda c: c[0] < n_items, loop, (next_ticket(at, one), at, one))
+        jax.lax.fori_loop(0, n_tiles, tile, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("act", "gu_blocks", "dn_blocks", "bm", "num_warps", "num_stages",
-                                             "one_dot", "programs", "interpret"))
+                                             "one_dot", "interpret"))
 def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Array, offsets: jax.Array,
                 layer: jax.Array, act, gu_blocks: Blocks = TILES,
                 dn_blocks: Blocks = TILES, bm: int = 64, num_warps: int = 4,
-                num_stages: int = 3, one_dot: bool = False, programs: int = 0,
-                interpret: bool = False) -> jax.Array:
+                num_stages: int = 3, one_dot: bool = False, interpret: bool = False) -> jax.Array:
     """Sorted row r of x[rows] through its expert's MLP: act(x_r @ gate_e) * (x_r @ up_e) @ down_e -> [M, D] in
     x's dtype (M = rows.shape[0]; rows past offsets[-1] are 0).
 
@@ -168,8 +148,7 @@ def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Arr
     (rows of K per step) and bn of each GEMM; one num_warps / num_stages for the launch. one_dot: gate/up's [gate |
     up] tile as one 2 bw-wide product per K step, its halves split after the loop (`_halves`), instead of two bw-wide
     products (the model's default, moe.FUSED_ONE_DOT: 0.3-1 us per 26B layer faster in isolation, 0.02-0.045 ms per
-    forward). programs: 0 launches one program per work item; > 0 launches that many persistent programs, each
-    taking tickets until none is left (deadlock-free as before: only running programs hold tickets)."""
+    forward)."""
     _, d = x.shape
     layer_arr = layer_operand("grouped_mlp", True, layer, gate_up.shape)
     if gate_up.ndim != 5 or down.ndim != 4:
@@ -187,18 +166,15 @@ def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Arr
     m = rows.shape[0]
     spare = bm if interpret else 0  # interpret mode clamps windows that leave the array (kernel.py)
     rows_p = jnp.pad(rows, (0, spare))
-    if programs < 0:
-        raise ValueError(f"grouped_mlp: programs must be >= 0, got {programs}")
     items = e * (f_tiles + d // dn_blocks.bn)
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, n=a.ndim: (0,) * n)  # noqa: E731
     count = jnp.zeros((e + 1,), jnp.int32)
     h_shape, o_shape = (m + spare, f), (m + spare, d)
     _, out, _ = pl.pallas_call(
-        functools.partial(_kernel, bm=bm, gu=gu_blocks, dn=dn_blocks, act=act, one_dot=one_dot,
-                          persistent=programs > 0, interpret=interpret),
+        functools.partial(_kernel, bm=bm, gu=gu_blocks, dn=dn_blocks, act=act, one_dot=one_dot, interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct(h_shape, x.dtype), jax.ShapeDtypeStruct(o_shape, x.dtype),
                    jax.ShapeDtypeStruct(count.shape, count.dtype)),
-        grid=(programs or items,),
+        grid=(items,),
         in_specs=[whole(a) for a in (layer_arr, offsets, rows_p, x, gate_up, down, count)],
         out_specs=[pl.BlockSpec(h_shape, lambda i: (0, 0)), pl.BlockSpec(o_shape, lambda i: (0, 0)),
                    whole(count)],

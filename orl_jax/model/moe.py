@@ -260,15 +260,14 @@ GATHER_IN_KERNEL = True
 # defaults (362-372 us per layer): tile 32 with down 64 (session 45's candidate for more blocks per SM) 382-387 us,
 # 32 rows equal alone but +0.1 ms per forward, 16 rows 508-517 us, 8 warps 382 us, K step 128 365-446 us, and K step
 # 32 with 32 rows and 4 stages 1-4 us faster alone but +0.25 ms per forward (14.65-14.69 against 14.40-14.42 ms).
+# Also refuted: down in contiguous column tiles, multi-tile work items, persistent programs (git d70a95a, fe81d91,
+# 9b6ec06).
 FUSED_TILE = 64
 FUSED_DOWN_BN = 128
 FUSED_BM = 64
 FUSED_WARPS = 4
 FUSED_GU_BK = 64
 FUSED_DN_BK = 64
-# Persistent programs of the one-launch expert MLP (mlp.grouped_mlp's programs: 0 = one program per work item). Read
-# at trace time; not yet timed.
-FUSED_PROGRAMS = 0
 # Pipeline stages of the one-launch expert MLP: 3 took 373 us per 26B layer in isolation, 2 / 4 stages 377 / 375; in
 # the forward 2 / 4 stages were 0.15 / 0.06 ms slower (benchmarks/results/2026-12-04_dg_fused_expert_mlp_h200.md).
 # Read at trace time.
@@ -317,7 +316,7 @@ def fused_expert_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: ja
 
     return grouped_mlp(x, rows, gate_up, down, offsets, layer, ACTIVATIONS[act], *fused_blocks(gate_up),
                        bm=FUSED_BM, num_warps=FUSED_WARPS, num_stages=FUSED_STAGES, one_dot=FUSED_ONE_DOT,
-                       programs=FUSED_PROGRAMS, interpret=jax.default_backend() == "cpu")
+                       interpret=jax.default_backend() == "cpu")
 
 
 def fused_stack(w) -> bool:
