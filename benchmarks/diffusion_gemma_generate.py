@@ -382,10 +382,12 @@ def generate_parts(c, kw):
     with jax.profiler.trace(d):
         jax.block_until_ready(pf(params, jnp.asarray(prompt)))
     prof = summarize(d, steps=1, top=40, hlo_text=pf.lower(params, jnp.asarray(prompt)).compile().as_text())
-    for row in prof.pop("top", []):
-        log(what="prefill_profile_kernel", **row)
-    prof.pop("gaps", None)
+    top, gaps = prof.pop("top", []), prof.pop("gaps", [])
     log(what="prefill_profile", **prof)
+    for row in top:
+        log(what="prefill_profile_kernel", **row)
+    for row in gaps:
+        log(what="prefill_profile_gap", **row)
     V, L = c.vocab_size, args.new
     logits = 4 * jax.random.normal(jax.random.key(7), (1, L, V), jnp.float32)
     canvas = jnp.asarray(np.random.default_rng(1).integers(0, min(200000, V), (1, L)), jnp.int32)

@@ -4,7 +4,8 @@ per SM (164 registers per thread, 72 KB of shared memory), XLA's flat read at 96
 tiles (moe.FUSED_TILE, FUSED_DOWN_BN) or fewer rows per tile (FUSED_BM: an expert gets 16 of the 2048 rows on average
 at canvas 256) hold more blocks per SM. Each variant is traced afresh (its layout made again when FUSED_TILE
 differs), checked against the defaults' output, and timed per layer of a 4-layer stack, 20 programs per sync (wall
-clock); the variants are timed in `--rounds` alternating rounds.
+clock); the variants are timed in `--rounds` alternating rounds. Session 46 ran them all: none was faster in the
+forward, and the two equal or faster alone were slower there (benchmarks/results/2026-12-04_dg_expert_tiles_h200.md).
 
   python benchmarks/expert_tile_probe.py --out $BENCH/expert_tiles.jsonl
 """
