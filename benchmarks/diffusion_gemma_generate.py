@@ -241,23 +241,13 @@ def one_forward(cfg, cache=None, options=None, p=None):
     mem = compiled.memory_analysis()
     sec = median_seconds(lambda: compiled(p, canvas, cache), reps=5, calls=5)
     if args.profile:
-        import tempfile
+        from xplane_summary import write_timeline
 
-        from xplane_summary import summarize, write_timeline
-
-        d = tempfile.mkdtemp()
-        with jax.profiler.trace(d):
-            jax.block_until_ready([compiled(p, canvas, cache) for _ in range(5)])
         hlo = compiled.as_text()
         with gzip.open(Path(args.out).with_suffix(f".{cfg.moe_impl}.hlo.txt.gz"), "wt") as fh:  # to read the copies
             fh.write(hlo)
-        prof = summarize(d, steps=5, top=args.profile_top, hlo_text=hlo)
-        top, gaps = prof.pop("top", []), prof.pop("gaps", [])
-        log(what="profile", moe_impl=cfg.moe_impl, **prof)
-        for row in top:
-            log(what="profile_kernel", moe_impl=cfg.moe_impl, **row)
-        for row in gaps:
-            log(what="profile_gap", moe_impl=cfg.moe_impl, **row)
+        d = traced("", lambda: [compiled(p, canvas, cache) for _ in range(5)], 5, hlo, args.profile_top,
+                   moe_impl=cfg.moe_impl)
         write_timeline(d, Path(args.out).with_suffix(f".{cfg.moe_impl}.timeline.jsonl.gz"))
     looped = looped_forward(cfg, cache, canvas, options, args.looped, p) if args.looped else None
     return sec * 1e3, getattr(mem, "temp_size_in_bytes", None), looped
@@ -343,21 +333,9 @@ def generate_ab(c, kw):
             log(what="generate_ab", side=side, set=args.generate_ab if side == "B" else [], round=r,
                 seconds=time.perf_counter() - t)
     if args.ab_trace:
-        import tempfile
-
-        from xplane_summary import summarize
-
         steps = int(jax.block_until_ready(prog_a(*a)).total_forwards)
         for side, prog in (("A", prog_a), ("B", prog_b)):
-            d = tempfile.mkdtemp()
-            with jax.profiler.trace(d):
-                jax.block_until_ready(prog(*a))
-            prof = summarize(d, steps=steps, top=40)
-            top = prof.pop("top", [])
-            prof.pop("gaps", None)
-            log(what="generate_ab_profile", side=side, **prof)
-            for row in top:
-                log(what="generate_ab_profile_kernel", side=side, **row)
+            traced("generate_ab_", lambda prog=prog: prog(*a), steps, side=side)
 
 
 def write_generate_hlo(c, kw):
@@ -368,26 +346,17 @@ def write_generate_hlo(c, kw):
 
 
 def generate_parts(c, kw):
-    """generate()'s time outside the decoder forwards, and a trace of one generate() call."""
-    import tempfile
-
-    from xplane_summary import summarize, write_timeline
+    """generate()'s time outside the decoder forwards, and traces of one prefill and of one generate() call."""
+    from xplane_summary import write_timeline
 
     from orl_jax.decode.residual import soft_embed
 
     lengths = jnp.asarray([args.prompt], jnp.int32)
     pf = compile_dg(lambda p, t: diffusion_gemma.prefill(p, c, t, lengths, args.prompt + args.new)[1])
     log(what="part", part="prefill", ms=median_seconds(lambda: pf(params, jnp.asarray(prompt)), reps=5) * 1e3)
-    d = tempfile.mkdtemp()  # the prefill's kernels alone (one call), with what each fusion is
-    with jax.profiler.trace(d):
-        jax.block_until_ready(pf(params, jnp.asarray(prompt)))
-    prof = summarize(d, steps=1, top=40, hlo_text=pf.lower(params, jnp.asarray(prompt)).compile().as_text())
-    top, gaps = prof.pop("top", []), prof.pop("gaps", [])
-    log(what="prefill_profile", **prof)
-    for row in top:
-        log(what="prefill_profile_kernel", **row)
-    for row in gaps:
-        log(what="prefill_profile_gap", **row)
+    # the prefill's kernels alone (one call), with what each fusion is
+    traced("prefill_", lambda: pf(params, jnp.asarray(prompt)), 1,
+           pf.lower(params, jnp.asarray(prompt)).compile().as_text())
     V, L = c.vocab_size, args.new
     logits = 4 * jax.random.normal(jax.random.key(7), (1, L, V), jnp.float32)
     canvas = jnp.asarray(np.random.default_rng(1).integers(0, min(200000, V), (1, L)), jnp.int32)
@@ -401,17 +370,29 @@ def generate_parts(c, kw):
     probs = jax.nn.softmax(logits, axis=-1)
     log(what="part", part="soft_embed", ms=looped_ms(lambda p, x: soft_embed(p, c, x), probs))
     out = jax.block_until_ready(generate(params, c, prompt, **kw))
+    d = traced("generate_", lambda: generate(params, c, prompt, **kw), int(out.total_forwards))
+    write_timeline(d, Path(args.out).with_suffix(".generate.timeline.jsonl.gz"))
+
+
+def traced(prefix: str, run, steps: int, hlo_text: str | None = None, top: int = 40, **fields) -> str:
+    """One call of run() under the profiler, summarized (xplane_summary.summarize over `steps` steps; hlo_text names
+    the top kernels' fusions) into `{prefix}profile`, `{prefix}profile_kernel` and `{prefix}profile_gap` rows, each
+    with `fields`; the trace's directory."""
+    import tempfile
+
+    from xplane_summary import summarize
+
     d = tempfile.mkdtemp()
     with jax.profiler.trace(d):
-        jax.block_until_ready(generate(params, c, prompt, **kw))
-    prof = summarize(d, steps=int(out.total_forwards), top=40)
-    top, gaps = prof.pop("top", []), prof.pop("gaps", [])
-    log(what="generate_profile", **prof)
-    for row in top:
-        log(what="generate_profile_kernel", **row)
+        jax.block_until_ready(run())
+    prof = summarize(d, steps=steps, top=top, hlo_text=hlo_text)
+    kernels, gaps = prof.pop("top", []), prof.pop("gaps", [])
+    log(what=f"{prefix}profile", **fields, **prof)
+    for row in kernels:
+        log(what=f"{prefix}profile_kernel", **fields, **row)
     for row in gaps:
-        log(what="generate_profile_gap", **row)
-    write_timeline(d, Path(args.out).with_suffix(".generate.timeline.jsonl.gz"))
+        log(what=f"{prefix}profile_gap", **fields, **row)
+    return d
 
 
 def expert_loads(c):

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from bench_io import recorder  # noqa: E402
 from kernel_registers import allocation  # noqa: E402
 
 from orl_jax.model.layers import ACTIVATIONS  # noqa: E402
@@ -73,16 +74,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="also append the rows to this JSON-lines file")
     args = ap.parse_args(argv)
+    record = recorder(args.out) if args.out else (lambda **row: print(json.dumps(row), flush=True))
     for name, gu, dn, warps, stages, one_dot in VARIANTS:
         got = allocation(triton_ir(gu, dn, warps, stages, one_dot), SimpleNamespace(num_warps=warps,
                                                                                      num_stages=stages))
         blocks = resident_blocks(got["registers"], got["shared"], warps)
-        row = dict(variant=name, gu_bn=gu.bn, bk=gu.bk, dn_bn=dn.bn, warps=warps, stages=stages, one_dot=one_dot,
-                   **got, blocks_per_sm=blocks, warps_per_sm=blocks * warps)
-        print(json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        record(variant=name, gu_bn=gu.bn, bk=gu.bk, dn_bn=dn.bn, warps=warps, stages=stages, one_dot=one_dot, **got,
+               blocks_per_sm=blocks, warps_per_sm=blocks * warps)
 
 
 if __name__ == "__main__":
