@@ -324,8 +324,10 @@ def generate_ab(c, kw):
     prog_a, a = generate_program(c, kw)
     with switched(parse_switches(args.generate_ab)):
         prog_b, _ = generate_program(c, kw)
-    for prog in (prog_a, prog_b):  # one untimed call each
-        jax.block_until_ready(prog(*a))
+    out_a, out_b = (jax.block_until_ready(prog(*a)) for prog in (prog_a, prog_b))  # one untimed call each
+    # the two sides' outputs: a switch that changes rounding may move a sampled token in the bf16 model
+    log(what="generate_ab_outputs", tokens_differ=int(np.sum(np.asarray(out_a.tokens) != np.asarray(out_b.tokens))),
+        forwards_a=int(out_a.total_forwards), forwards_b=int(out_b.total_forwards))
     for r in range(args.ab_rounds):
         for side, prog in (("A", prog_a), ("B", prog_b)) if r % 2 == 0 else (("B", prog_b), ("A", prog_a)):
             t = time.perf_counter()
@@ -360,6 +362,10 @@ def generate_parts(c, kw):
     V, L = c.vocab_size, args.new
     logits = 4 * jax.random.normal(jax.random.key(7), (1, L, V), jnp.float32)
     canvas = jnp.asarray(np.random.default_rng(1).integers(0, min(200000, V), (1, L)), jnp.int32)
+    # generate()'s first pass (engine.FUSED_FIRST_STEP): the prefill and the first forward, weights read once
+    pd = compile_dg(lambda p, t, x: diffusion_gemma.prefill_decode(p, c, t, lengths, args.prompt + args.new, x))
+    log(what="part", part="prefill_decode",
+        ms=median_seconds(lambda: pd(params, jnp.asarray(prompt), canvas), reps=5) * 1e3)
     _, state = sampler.init(jax.random.key(8), 1, L, c)
     active = jnp.ones((1,), bool)
     step = lambda p, x: sampler.step(x, canvas, state, jax.random.key(9), 3, active).probs  # noqa: E731

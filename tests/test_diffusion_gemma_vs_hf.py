@@ -88,6 +88,7 @@ _decode = jax.jit(dg.decode, static_argnums=(1,))
 _commit = jax.jit(dg.commit, static_argnums=(1,))
 _forward = jax.jit(dg.forward, static_argnums=(1,), static_argnames=("return_hidden",))
 _soft = jax.jit(dg.soft_embed, static_argnums=(1,))
+_real_prefill_decode = dg.prefill_decode
 
 
 def _tokens(shape, seed, high=240):  # below the tiny preset's image / boi / eoi ids
@@ -220,6 +221,47 @@ def test_decoder_matches_hf(dg_ours, dg_hf, self_cond):
             assert np.abs(ref[j]).max() > 1.0
             err = np.abs(ours[j][r] - ref[j]).max()
             assert err < 1e-4, (r, j, err)
+
+
+@pytest.mark.parametrize("self_cond", [False, True], ids=["no-sc", "sc"])
+def test_prefill_decode_is_prefill_then_decode(dg_ours, dg_hf, self_cond):
+    """The fused pass (generate()'s first step): the canvas logits equal HF's decoder after its encoder and our
+    decode after our prefill, and the cache it writes equals the prefill's; left-padded rows, prompt 11 / 6 over a
+    window of 4, a moe_impl that sorts rows by expert (so the prompt and canvas rows share each expert's GEMM)."""
+    cfg, params = dg_ours
+    cfg = cfg.replace(moe_impl="bucketed")
+    model, _ = dg_hf
+    L, lengths = cfg.block_length, [11, 6]
+    prompts = [_tokens((n,), 30 + n) for n in lengths]
+    padded = np.zeros((2, max(lengths)), np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, -len(p):] = p
+    canvas = _tokens((2, L), 40)
+    sc = np.random.default_rng(41).normal(0, 3, (2, L, cfg.vocab_size)).astype(np.float32) if self_cond else None
+    embeds = None
+    if self_cond:
+        z = _soft(params, cfg, jax.nn.softmax(jnp.asarray(sc), axis=-1))
+        embeds = dg.residual_embed(params, cfg, jnp.asarray(canvas), z, jnp.ones((2, L), jnp.float32))
+    args = (params, cfg, jnp.asarray(padded), jnp.asarray(lengths, jnp.int32), max(lengths) + L)
+    got, cache = jax.jit(dg.prefill_decode, static_argnums=(1, 4))(*args, jnp.asarray(canvas), embeds=embeds)
+    _, want_cache = _prefill(*args)
+    want = _decode(params, cfg, jnp.asarray(canvas), want_cache, embeds=embeds)
+    assert np.abs(np.asarray(want)).max() > 1.0
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+    for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(want_cache)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=0)
+    for r in range(2):
+        ref = _hf_row(model, prompts[r], [canvas[r]], [None if sc is None else sc[r]], [])[0]
+        assert np.abs(np.asarray(got)[r] - ref).max() < 1e-4, r
+
+
+def test_prefill_decode_refuses(dg_ours):
+    cfg, params = dg_ours
+    prompt = jnp.asarray(_tokens((2, 6), 1))
+    with pytest.raises(ValueError, match="cache_size=4"):
+        dg.prefill_decode(params, cfg, prompt, jnp.asarray([6, 6]), 4, jnp.asarray(_tokens((2, 8), 2)))
+    with pytest.raises(ValueError, match="canvas has 1 rows"):
+        dg.prefill_decode(params, cfg, prompt, jnp.asarray([6, 6]), 14, jnp.asarray(_tokens((1, 8), 2)))
 
 
 def test_bf16_logits_round_the_head_product_before_the_soft_cap(dg_ours):
@@ -564,16 +606,25 @@ def _hf_generate(model, prompts, key, eos, rng: str = UniformSampler.rng):
             pad_token_id=0)
 
 
-@pytest.mark.parametrize("rng,seed", [("inverse_cdf", KEY_CDF), ("threefry", 3)])
-def test_generate_matches_transformers(sharp, rng, seed):
+@pytest.mark.parametrize("rng,seed,fused", [("inverse_cdf", KEY_CDF, True), ("threefry", 3, True),
+                                            ("inverse_cdf", KEY_CDF, False)])
+def test_generate_matches_transformers(sharp, rng, seed, fused, monkeypatch):
     """3 blocks of 8 tokens, 2 rows: every token, the per-row forward counts (through tokens_per_forward) and the
     early per-row stops equal transformers' generate() run with the engine's random draws. generate() defaults to
-    self-conditioning for DiffusionGemma, as transformers always does."""
+    self-conditioning for DiffusionGemma, as transformers always does. fused: the prompt's prefill and the first
+    step in one pass (engine.FUSED_FIRST_STEP, the default; traced once per generate()), else separate passes."""
+    from orl_jax.decode import engine
+
     model, cfg, params = sharp
     prompts = np.stack([_tokens((7,), 60), _tokens((7,), 61)])
     sampler = UniformSampler(**GEN, rng=rng)
+    monkeypatch.setattr(engine, "FUSED_FIRST_STEP", fused)
+    calls = []
+    monkeypatch.setattr(dg, "prefill_decode", lambda *a, **k: calls.append(1) or _real_prefill_decode(*a, **k))
+    jax.clear_caches()  # the switch is read at trace time
     out = generate(params, cfg, prompts, key=jax.random.key(seed), max_new_tokens=24, sampler=sampler,
                    pad_token_id=0, eos_token_id=())
+    assert len(calls) == int(fused)
     ref = _hf_generate(model, prompts, jax.random.key(seed), eos=None, rng=rng)
     np.testing.assert_array_equal(np.asarray(out.tokens), ref.sequences[:, 7:].numpy())
     np.testing.assert_allclose(np.asarray(out.tpf_hf), ref.tokens_per_forward.numpy(), rtol=1e-6)

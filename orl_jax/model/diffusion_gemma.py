@@ -56,6 +56,7 @@ from orl_jax.diffusion_gemma_config import FULL, SLIDING, DiffusionGemmaConfig
 from orl_jax.model import qwen3
 from orl_jax.model.attention import (
     attention,
+    block_segments,
     causal_segments,
     full_segments,
     kernel_masks,
@@ -239,7 +240,11 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     moe = moe.reshape(b, l, d)  # [B, L, D]
     mlp = fused_gated_mlp(mlp_in, w["gate_up"], w["down"], ACT)
     ffw = rms_norm_fp32(mlp, w["post_mlp_norm"], eps) + rms_norm_fp32(moe, w["post_moe_norm"], eps)
-    x = (x + rms_norm_fp32(ffw, w["post_ffw_norm"], eps)) * w[scalar][0]
+    if isinstance(scalar, str):
+        scale = w[scalar][0]
+    else:  # the fused prefill + first step: encoder rows, then decoder rows (scalar: [1, L, 1], True = decoder)
+        scale = jnp.where(scalar, w["layer_scalar"][0], w["encoder_layer_scalar"][0])
+    x = (x + rms_norm_fp32(ffw, w["post_ffw_norm"], eps)) * scale
     return x, k, v
 
 
@@ -291,17 +296,24 @@ def _rope(cfg: DiffusionGemmaConfig, positions):
 
 def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: jax.Array, vis: dict,
              cache: HybridKVCache | None = None, *, encoder: bool, collect_kv: bool = False, remat: bool = False,
-             in_place: bool = False):
+             in_place: bool = False, decoder_from: int | None = None):
     """Run all layers. x [B, L, D]; positions [B, L]; vis: {SLIDING, FULL} -> visibility among the current tokens
     [B, L, L], and with a cache also {"cache_" + type} -> visibility of the cache slots [B, L, S]. in_place: a
     cache-free pass that is never differentiated (the prefill) reads the weights in place as cached passes do.
+    decoder_from (with encoder=True): tokens from this index on are decoder tokens, scaled by the decoder's
+    layer_scalar (the fused prefill + first step, `prefill_decode`); only the tokens before it have their K/V
+    collected.
 
-    Returns (hidden after the final norm [B, L, D], sliding (k, v) [G*k, B, L, K, H], full (k, v) [G, B, L, K, H]);
-    the K/V are None unless collect_kv. The cache itself is not written here.
+    Returns (hidden after the final norm [B, L, D], sliding (k, v) [G*k, B, L', K, H], full (k, v) [G, B, L', K, H],
+    L' = decoder_from or L); the K/V are None unless collect_kv. The cache itself is not written here.
     """
     G, k = cfg.num_groups, cfg.sliding_per_group
     rope_s, rope_f = _rope(cfg, positions)
     scalar = "encoder_layer_scalar" if encoder else "layer_scalar"
+    kv_len = x.shape[1]
+    if decoder_from is not None:
+        kv_len = decoder_from
+        scalar = (jnp.arange(x.shape[1]) >= decoder_from)[None, :, None]
     # The groups are unrolled; each runs its k sliding layers as a loop, then its full layer (weights at static
     # index g). Passes with a cache (inference) loop with a while_loop whose counter is the sliding layer's index
     # into the whole stacks: XLA feeds each matrix to its GEMM in place only when its offset is the loop's own
@@ -336,14 +348,13 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
         if not looped:
             def body(x, xs):
                 x, kk, vv = sliding_layer(x, xs[1], xs[0])
-                return x, ((kk, vv) if collect_kv else None)
+                return x, ((kk[:, :kv_len], vv[:, :kv_len]) if collect_kv else None)
 
             body = jax.checkpoint(body, prevent_cse=False) if remat else body
             xs = ({n: a[lo:lo + k] for n, a in sliding_w.items()}, jnp.arange(lo, lo + k, dtype=jnp.int32))
             return jax.lax.scan(body, x, xs)
 
-        b, l, _ = x.shape
-        kv_shape = (k, b, l, cfg.num_kv_heads, cfg.head_dim)
+        kv_shape = (k, x.shape[0], kv_len, cfg.num_kv_heads, cfg.head_dim)
         kv = (jnp.zeros(kv_shape, x.dtype), jnp.zeros(kv_shape, x.dtype)) if collect_kv else None
 
         def step(carry):
@@ -358,7 +369,7 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
                 w["packed_vectors"] = (sliding_v, i, norm_offsets)
             x, kk, vv = sliding_layer(x, i, w, ck, cv)
             if collect_kv:
-                kv = (kv[0].at[i - lo].set(kk), kv[1].at[i - lo].set(vv))
+                kv = (kv[0].at[i - lo].set(kk[:, :kv_len]), kv[1].at[i - lo].set(vv[:, :kv_len]))
             return i + 1, x, kv
 
         _, x, kv = jax.lax.while_loop(lambda c: c[0] < lo + k, step, (jnp.int32(lo), x, kv))
@@ -381,7 +392,7 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
         x, kv = sliding_group(x, g * k)
         x, kf, vf = full_layer(x, g)
         kv_s.append(kv)
-        kv_f.append((kf, vf))
+        kv_f.append((kf[:, :kv_len], vf[:, :kv_len]))
     h = rms_norm_fp32(x, params["final_norm"], cfg.rms_norm_eps)
     if not collect_kv:
         return h, None, None
@@ -426,6 +437,16 @@ def _decoder_vis(cfg: DiffusionGemmaConfig, b: int, l: int, cache: HybridKVCache
             "cache_" + SLIDING: m & window_mask(q, slots, cfg.sliding_window)}
 
 
+def _prefill_decode_vis(cfg: DiffusionGemmaConfig, b: int, p: int, l: int, start: jax.Array) -> dict:
+    """`prefill_decode`'s visibility over [prompt | canvas]: the prompt causal (`_encoder_vis`), the canvas one
+    segment after it (`_decoder_vis`: all valid prompt tokens, the whole canvas). Each canvas token's window is the
+    first canvas token's (slot p): the last W - 1 prompt slots, as the decoder's cache mask."""
+    seg = block_segments(b, p + l, p, l)  # prompt token i: i; canvas tokens: p
+    valid = jnp.arange(p + l)[None] >= start[:, None]  # [B, P + L]: pad keys are invisible
+    full = self_mask(seg, valid)
+    return {FULL: full, SLIDING: full & window_mask(seg, jnp.arange(p + l), cfg.sliding_window)}
+
+
 # --- the three passes of block diffusion -------------------------------------------------------------------------
 
 def init_cache(cfg: DiffusionGemmaConfig, batch: int, size: int) -> HybridKVCache:
@@ -452,6 +473,38 @@ def prefill(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, lengths:
     h, kv_s, kv_f = backbone(params, cfg, token_embed(params, cfg, tokens), positions,
                              _encoder_vis(cfg, b, p, valid), encoder=True, collect_kv=True, in_place=True)
     return logits(params, cfg, h[:, -1:])[:, 0], cache.write(kv_s, kv_f)
+
+
+def prefill_decode(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, lengths: jax.Array, cache_size: int,
+                   canvas: jax.Array, *, embeds: jax.Array | None = None):
+    """`prefill` of the prompts tokens [B, P] and the first `decode` of canvas [B, L] after them as one pass over
+    P + L tokens: the prompt rows are the encoder's (causal, the window on sliding layers, the encoder's
+    layer_scalar, their K/V written to the cache), the canvas rows the decoder's (every valid prompt token and the
+    whole canvas visible, sliding layers the last W - 1 prompt tokens; the decoder's layer_scalar). The same
+    arithmetic as the two passes, but each layer's weights are read once: the 26B's expert stacks, most of a
+    forward's time, are read once for both passes instead of twice. embeds [B, L, D]: the canvas rows' input (as
+    `decode`'s; default `embed`, no self-conditioning, a block's first step).
+
+    Returns (float32 logits of the canvas [B, L, V], cache with slots [0, P) written), what `decode` after
+    `prefill` returns, up to rounding (each GEMM sees P + L rows).
+    """
+    check_tokens(tokens, cfg, prompt=True)
+    check_tokens(canvas, cfg, "canvas")
+    b, p = tokens.shape
+    l = canvas.shape[1]
+    if cache_size < p:
+        raise ValueError(f"cache_size={cache_size} is smaller than the padded prompt length {p}")
+    if canvas.shape[0] != b:
+        raise ValueError(f"canvas has {canvas.shape[0]} rows, tokens {b}")
+    cache = init_cache(cfg, b, cache_size)
+    start = (p - lengths).astype(jnp.int32)
+    cache = HybridKVCache(sliding=cache.sliding.replace(start=start), full=cache.full.replace(start=start))
+    positions = jnp.maximum(cache.positions(p + l), 0)  # the canvas at slots p .. p + l - 1, as after the prefill
+    x_canvas = embed(params, cfg, canvas) if embeds is None else embeds.astype(cfg.jnp_dtype)
+    x = jnp.concatenate([token_embed(params, cfg, tokens), x_canvas], axis=1)
+    h, kv_s, kv_f = backbone(params, cfg, x, positions, _prefill_decode_vis(cfg, b, p, l, start), encoder=True,
+                             collect_kv=True, in_place=True, decoder_from=p)
+    return logits(params, cfg, h[:, p:]), cache.write(kv_s, kv_f)
 
 
 def decode(params: dict, cfg: DiffusionGemmaConfig, canvas: jax.Array, cache: HybridKVCache, *,

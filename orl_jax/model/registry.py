@@ -11,6 +11,10 @@ interface (a module with these functions), so a new architecture plugs into gene
                                                        weighted per position by w [B, L]
   soft_embed(params, cfg, probs, scale=None)        -> z [B, L, D]: the residual a step hands to the next
                                                        (p = probs * scale[..., None] when scale [B, L] is given)
+and optionally
+  prefill_decode(params, cfg, tokens, lengths, cache_size, canvas, *, embeds)
+                                                    -> (logits [B, L, V], KVCache): prefill and the first decode
+                                                       in one pass (generate() then runs the first step with it)
 """
 
 from __future__ import annotations
