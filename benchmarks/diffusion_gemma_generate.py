@@ -96,6 +96,9 @@ ap.add_argument("--generate-ab", action="append", default=[], metavar="MODULE.NA
                      "(repeatable, as --set) and time the two compiled programs alternately, --ab-rounds each: "
                      "an A/B of generate() in one process, free of the run-to-run spread of separate ones")
 ap.add_argument("--ab-rounds", type=int, default=8, help="--generate-ab: timed calls of each program")
+ap.add_argument("--ab-max-steps", type=int, action="append", default=[], metavar="N",
+                help="--generate-ab: then the same A/B with generate(max_steps=N) (repeatable): the difference of two "
+                     "step counts is the steps' time alone, untraced; the rest is the time before and after the loop")
 ap.add_argument("--ab-trace", action="store_true",
                 help="--generate-ab: then trace one call of each program (per step: span, busy time, the top kernels "
                      "with their time alone on the GPU)")
@@ -107,6 +110,8 @@ if unknown := sorted(set(IMPLS) - {"bucketed", "pallas", "dense"}):
     ap.error(f"--moe-impl: unknown {unknown}")
 if args.looped < 0:
     ap.error(f"--looped must be >= 0, got {args.looped}")
+if any(n < 1 for n in args.ab_max_steps):
+    ap.error(f"--ab-max-steps must be >= 1, got {args.ab_max_steps}")
 if args.ab_rounds < 1:
     ap.error(f"--ab-rounds must be >= 1, got {args.ab_rounds}")
 if args.capacity_factor is not None and args.capacity_factor < 1:
@@ -327,13 +332,13 @@ def generate_ab(c, kw):
     out_a, out_b = (jax.block_until_ready(prog(*a)) for prog in (prog_a, prog_b))  # one untimed call each
     # the two sides' outputs: a switch that changes rounding may move a sampled token in the bf16 model
     log(what="generate_ab_outputs", tokens_differ=int(np.sum(np.asarray(out_a.tokens) != np.asarray(out_b.tokens))),
-        forwards_a=int(out_a.total_forwards), forwards_b=int(out_b.total_forwards))
+        forwards_a=int(out_a.total_forwards), forwards_b=int(out_b.total_forwards), max_steps=kw.get("max_steps"))
     for r in range(args.ab_rounds):
         for side, prog in (("A", prog_a), ("B", prog_b)) if r % 2 == 0 else (("B", prog_b), ("A", prog_a)):
             t = time.perf_counter()
             jax.block_until_ready(prog(*a))
             log(what="generate_ab", side=side, set=args.generate_ab if side == "B" else [], round=r,
-                seconds=time.perf_counter() - t)
+                seconds=time.perf_counter() - t, max_steps=kw.get("max_steps"))
     if args.ab_trace:
         steps = int(jax.block_until_ready(prog_a(*a)).total_forwards)
         for side, prog in (("A", prog_a), ("B", prog_b)):
@@ -366,6 +371,18 @@ def generate_parts(c, kw):
     pd = compile_dg(lambda p, t, x: diffusion_gemma.prefill_decode(p, c, t, lengths, args.prompt + args.new, x))
     log(what="part", part="prefill_decode",
         ms=median_seconds(lambda: pd(params, jnp.asarray(prompt), canvas), reps=5) * 1e3)
+    # its logits and cache against the two passes', beside how far other roundings of the same math move them
+    got, got_cache = pd(params, jnp.asarray(prompt), canvas)
+    cache = pf(params, jnp.asarray(prompt))
+    dec = lambda: compile_dg(lambda p, x, k: diffusion_gemma.decode(p, c, x, k))(params, canvas, cache)  # noqa: E731
+    want = dec()
+    log(what="prefill_decode_logits", **logit_gap(got, want),
+        cache_max_abs_diff=max(float(jnp.max(jnp.abs(a - b))) for a, b in
+                               zip(jax.tree.leaves(got_cache), jax.tree.leaves(cache))))
+    with switched({"orl_jax.model.attention.EINSUM_HEAD_DIMS": [c.head_dim]}):
+        jax.clear_caches()
+        log(what="rounding_logits", **logit_gap(dec(), want))
+    jax.clear_caches()
     _, state = sampler.init(jax.random.key(8), 1, L, c)
     active = jnp.ones((1,), bool)
     step = lambda p, x: sampler.step(x, canvas, state, jax.random.key(9), 3, active).probs  # noqa: E731
@@ -378,6 +395,13 @@ def generate_parts(c, kw):
     out = jax.block_until_ready(generate(params, c, prompt, **kw))
     d = traced("generate_", lambda: generate(params, c, prompt, **kw), int(out.total_forwards))
     write_timeline(d, Path(args.out).with_suffix(".generate.timeline.jsonl.gz"))
+
+
+def logit_gap(got, reference) -> dict:
+    """How far logits [.., V] are from the reference's: max |diff|, relative L2, the share of equal argmaxes."""
+    return dict(max_abs_diff=float(jnp.max(jnp.abs(got - reference))),
+                rel_l2=float(jnp.linalg.norm(got - reference) / jnp.linalg.norm(reference)),
+                argmax_agree=float(jnp.mean(jnp.argmax(got, -1) == jnp.argmax(reference, -1))))
 
 
 def traced(prefix: str, run, steps: int, hlo_text: str | None = None, top: int = 40, **fields) -> str:
@@ -451,10 +475,7 @@ if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the is
         return jax.jit(lambda p, toks, c: diffusion_gemma.decode(p, swept, toks, c))(p, bench_canvas(swept), cache)
 
     def log_logit_gap(what, p, **fields):  # p's decoder logits against the defaults' (`reference`)
-        got = logits_of(p)
-        log(what=what, max_abs_diff=float(jnp.max(jnp.abs(got - reference))),
-            rel_l2=float(jnp.linalg.norm(got - reference) / jnp.linalg.norm(reference)),
-            argmax_agree=float(jnp.mean(jnp.argmax(got, -1) == jnp.argmax(reference, -1))), **fields)
+        log(what=what, **logit_gap(logits_of(p), reference), **fields)
 
     from orl_jax.model import moe
 
@@ -513,6 +534,7 @@ for impl in IMPLS:
     if args.generate_hlo:
         write_generate_hlo(c, kw)
     if args.generate_ab:
-        generate_ab(c, kw)
+        for steps in [None] + args.ab_max_steps:  # fewer steps: what a step costs apart from the rest
+            generate_ab(c, kw if steps is None else kw | {"max_steps": steps})
     if args.parts:
         generate_parts(c, kw)
