@@ -30,7 +30,8 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--out", default="dg_bench.jsonl")
 ap.add_argument("--preset", default="diffusiongemma-26b-a4b")
 ap.add_argument("--prompt", type=int, default=512)
-ap.add_argument("--new", type=int, default=256)
+ap.add_argument("--new", type=int, default=256, help="the canvas: block length and timed forwards' tokens")
+ap.add_argument("--blocks", type=int, default=1, help="generate() runs BLOCKS blocks of --new tokens")
 ap.add_argument("--rng", choices=["threefry", "rbg", "inverse_cdf"], default="inverse_cdf",
                 help="the sampler's draw (samplers.categorical)")
 ap.add_argument("--expert", type=int, default=1, help="expert-parallel over the first N devices (mesh tensor=N)")
@@ -110,6 +111,8 @@ if unknown := sorted(set(IMPLS) - {"bucketed", "pallas", "dense"}):
     ap.error(f"--moe-impl: unknown {unknown}")
 if args.looped < 0:
     ap.error(f"--looped must be >= 0, got {args.looped}")
+if args.blocks < 1:
+    ap.error(f"--blocks must be >= 1, got {args.blocks}")
 if any(n < 1 for n in args.ab_max_steps):
     ap.error(f"--ab-max-steps must be >= 1, got {args.ab_max_steps}")
 if args.ab_rounds < 1:
@@ -521,14 +524,16 @@ for impl in IMPLS:
     log(what="decode_forward", moe_impl=impl, ms=ms, ms_looped=looped, looped_forwards=args.looped or None,
         temp_gb=None if temp is None else temp / 1e9,
         moe_only_ms=moe_only(impl))
-    kw = dict(key=jax.random.key(0), max_new_tokens=args.new, sampler=sampler, eos_token_id=(), mesh=MESH)
+    kw = dict(key=jax.random.key(0), max_new_tokens=args.new * args.blocks, block_length=args.new, sampler=sampler,
+              eos_token_id=(), mesh=MESH)
     t = time.perf_counter()
     out = jax.block_until_ready(generate(params, c, prompt, **kw))
     first = time.perf_counter() - t
     sec = median_seconds(lambda: generate(params, c, prompt, **kw), reps=3)
     fwd, com = int(out.total_forwards), int(out.commits)
-    log(what="generate", moe_impl=impl, first_call_s=first, seconds=sec, new_tokens=args.new, denoise_forwards=fwd,
-        commits=com, ms_per_forward_incl_prefill=sec * 1e3 / max(fwd + com, 1), tokens_per_s=args.new / sec,
+    log(what="generate", moe_impl=impl, first_call_s=first, seconds=sec, new_tokens=args.new * args.blocks,
+        denoise_forwards=fwd, commits=com, ms_per_forward_incl_prefill=sec * 1e3 / max(fwd + com, 1),
+        tokens_per_s=args.new * args.blocks / sec,
         tokens_sha=digest(out.tokens),
         tpf_hf=float(np.asarray(out.tpf_hf)[0]) if getattr(out, "tpf_hf", None) is not None else None)
     if args.generate_hlo:

@@ -88,7 +88,7 @@ _decode = jax.jit(dg.decode, static_argnums=(1,))
 _commit = jax.jit(dg.commit, static_argnums=(1,))
 _forward = jax.jit(dg.forward, static_argnums=(1,), static_argnames=("return_hidden",))
 _soft = jax.jit(dg.soft_embed, static_argnums=(1,))
-_real_prefill_decode = dg.prefill_decode
+_real_prefill_decode, _real_commit_decode = dg.prefill_decode, dg.commit_decode
 
 
 def _tokens(shape, seed, high=240):  # below the tiny preset's image / boi / eoi ids
@@ -252,6 +252,37 @@ def test_prefill_decode_is_prefill_then_decode(dg_ours, dg_hf, self_cond):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=0)
     for r in range(2):
         ref = _hf_row(model, prompts[r], [canvas[r]], [None if sc is None else sc[r]], [])[0]
+        assert np.abs(np.asarray(got)[r] - ref).max() < 1e-4, r
+
+
+@pytest.mark.parametrize("moe_impl,attention", [("bucketed", "orl_jax"), ("pallas", "pallas")])
+def test_commit_decode_is_commit_then_decode(dg_ours, dg_hf, moe_impl, attention):
+    """The fused pass at a block boundary: the next canvas's logits equal HF's decoder after its encoder took the
+    block, and our decode after commit; the cache equals commit's. Left-padded rows, prompt 11 / 6, block and canvas
+    8 over a window of 4 (the canvas's window reaches into the block), self-conditioning input."""
+    cfg, params = dg_ours
+    cfg = cfg.replace(moe_impl=moe_impl, cached_attention_impl=attention)
+    model, _ = dg_hf
+    L, lengths = cfg.block_length, [11, 6]
+    prompts = [_tokens((n,), 50 + n) for n in lengths]
+    padded = np.zeros((2, max(lengths)), np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, -len(p):] = p
+    block, canvas = _tokens((2, L), 60), _tokens((2, L), 61)
+    sc = np.random.default_rng(62).normal(0, 3, (2, L, cfg.vocab_size)).astype(np.float32)
+    z = _soft(params, cfg, jax.nn.softmax(jnp.asarray(sc), axis=-1))
+    embeds = dg.residual_embed(params, cfg, jnp.asarray(canvas), z, jnp.ones((2, L), jnp.float32))
+    _, cache = _prefill(params, cfg, jnp.asarray(padded), jnp.asarray(lengths, jnp.int32), max(lengths) + 2 * L)
+    got, got_cache = jax.jit(dg.commit_decode, static_argnums=(1,))(params, cfg, jnp.asarray(block), cache,
+                                                                     jnp.asarray(canvas), embeds=embeds)
+    want_cache = _commit(params, cfg, jnp.asarray(block), cache)
+    want = _decode(params, cfg, jnp.asarray(canvas), want_cache, embeds=embeds)
+    assert np.abs(np.asarray(want)).max() > 1.0
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=0)
+    for r in range(2):
+        ref = _hf_row(model, prompts[r], [canvas[r], canvas[r]], [None, sc[r]], [block[r]])[1]
         assert np.abs(np.asarray(got)[r] - ref).max() < 1e-4, r
 
 
@@ -611,20 +642,24 @@ def _hf_generate(model, prompts, key, eos, rng: str = UniformSampler.rng):
 def test_generate_matches_transformers(sharp, rng, seed, fused, monkeypatch):
     """3 blocks of 8 tokens, 2 rows: every token, the per-row forward counts (through tokens_per_forward) and the
     early per-row stops equal transformers' generate() run with the engine's random draws. generate() defaults to
-    self-conditioning for DiffusionGemma, as transformers always does. fused: the prompt's prefill and the first
-    step in one pass (engine.FUSED_FIRST_STEP, the default; traced once per generate()), else separate passes."""
+    self-conditioning for DiffusionGemma, as transformers always does. fused (the defaults): the prompt's prefill
+    and the first step in one pass, and each commit with the next block's first step (engine.FUSED_FIRST_STEP,
+    FUSED_COMMIT; each fused pass traced once per generate()), else separate passes."""
     from orl_jax.decode import engine
 
     model, cfg, params = sharp
     prompts = np.stack([_tokens((7,), 60), _tokens((7,), 61)])
     sampler = UniformSampler(**GEN, rng=rng)
     monkeypatch.setattr(engine, "FUSED_FIRST_STEP", fused)
+    monkeypatch.setattr(engine, "FUSED_COMMIT", fused)
     calls = []
-    monkeypatch.setattr(dg, "prefill_decode", lambda *a, **k: calls.append(1) or _real_prefill_decode(*a, **k))
-    jax.clear_caches()  # the switch is read at trace time
+    for name, real in (("prefill_decode", _real_prefill_decode), ("commit_decode", _real_commit_decode)):
+        monkeypatch.setattr(dg, name, lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k))
+    jax.clear_caches()  # the switches are read at trace time
     out = generate(params, cfg, prompts, key=jax.random.key(seed), max_new_tokens=24, sampler=sampler,
                    pad_token_id=0, eos_token_id=())
-    assert len(calls) == int(fused)
+    assert sorted(calls) == (["commit_decode", "prefill_decode"] if fused else [])
+    assert int(out.commits) == 2
     ref = _hf_generate(model, prompts, jax.random.key(seed), eos=None, rng=rng)
     np.testing.assert_array_equal(np.asarray(out.tokens), ref.sequences[:, 7:].numpy())
     np.testing.assert_allclose(np.asarray(out.tpf_hf), ref.tokens_per_forward.numpy(), rtol=1e-6)

@@ -41,6 +41,11 @@ MIN_BUCKET = 16
 # separate prefill, then every forward inside the loop (a benchmark switch; the same tokens up to rounding). Read
 # at trace time.
 FUSED_FIRST_STEP = True
+# ... and `commit_decode` (DiffusionGemma): a finished block's commit forward and the next block's first denoising
+# forward as one pass, taken by the step after the block finished (its forward then runs under a lax.cond: the fused
+# pass or the plain one). False: the commit under its own lax.cond in the step that finished the block. Read at trace
+# time.
+FUSED_COMMIT = True
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,8 @@ def _generate_loop(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: Deco
     z0, a0 = jnp.zeros((b, L, d), cfg.jnp_dtype), jnp.zeros((b, L), jnp.float32)
     # the prompt's prefill and the first denoising forward in one pass (each layer's weights read once)
     fused = FUSED_FIRST_STEP and hasattr(model, "prefill_decode") and not shift
+    # a finished block's commit and the next block's first forward in one pass
+    fused_commits = FUSED_COMMIT and nb > 1 and hasattr(model, "commit_decode") and not shift
     first_logits = prev_h = None
     if fused:
         x0 = dcfg.residual.embed(params, cfg, canvas, z0, a0)
@@ -148,17 +155,24 @@ def _generate_loop(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: Deco
         block_done=jnp.zeros((b,), bool), seq_done=jnp.zeros((b,), bool), key=key,
         forwards=jnp.zeros((b,), jnp.int32), total_forwards=jnp.zeros((), jnp.int32),
         commits=jnp.zeros((), jnp.int32), steps_per_block=jnp.zeros((nb,), jnp.int32), capture=capture,
-        prev_h=prev_h)
+        prev_h=prev_h, pending=jnp.zeros((), bool) if fused_commits else None)
 
     def cond(s: DecodeState):
         return (s.block < nb) & ~jnp.all(s.seq_done)
 
-    def forward(s: DecodeState):  # one denoising forward over the canvas -> logits [B, L, V]
+    def forward(s: DecodeState):  # one denoising forward over the canvas -> (logits [B, L, V], cache)
         x = dcfg.residual.embed(params, cfg, s.canvas, s.z, s.a)
-        shifted = {"prev_hidden": s.prev_h} if shift else {}
-        return model.decode(params, cfg, s.canvas, s.cache, embeds=x, **shifted)
+        if fused_commits:  # a block finished last step: its commit and this forward in one pass
+            def commit_then(c):
+                block = jax.lax.dynamic_slice_in_dim(s.tokens, (s.block - 1) * L, L, axis=1)
+                return model.commit_decode(params, cfg, block, c, s.canvas, embeds=x)
 
-    def advance(s: DecodeState, logits) -> DecodeState:  # the step's decisions from its forward's logits
+            return jax.lax.cond(s.pending, commit_then, lambda c: (model.decode(params, cfg, s.canvas, c, embeds=x), c),
+                                s.cache)
+        shifted = {"prev_hidden": s.prev_h} if shift else {}
+        return model.decode(params, cfg, s.canvas, s.cache, embeds=x, **shifted), s.cache
+
+    def advance(s: DecodeState, logits, cache) -> DecodeState:  # the step's decisions from its forward's output
         key, k_step, k_init = jax.random.split(s.key, 3)
         active = ~(s.block_done | s.seq_done)
         out = sampler.step(logits, s.canvas, s.sampler, k_step, s.step, active)
@@ -185,9 +199,9 @@ def _generate_loop(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: Deco
         def commit(c, h):  # with the shift, the block's last hidden state starts the next block
             return model.commit(params, cfg, final, c, True) if shift else (model.commit(params, cfg, final, c), h)
 
-        cache, prev_h = s.cache, s.prev_h
-        if nb > 1:  # one block never commits: no commit forward traced
-            cache, prev_h = jax.lax.cond(need_commit, commit, lambda c, h: (c, h), s.cache, s.prev_h)
+        prev_h = s.prev_h
+        if nb > 1 and not fused_commits:  # one block never commits: no commit forward traced
+            cache, prev_h = jax.lax.cond(need_commit, commit, lambda c, h: (c, h), cache, s.prev_h)
         if dcfg.stream:
             jax.lax.cond(finish, lambda: jax.debug.callback(_emit, final, s.block, ordered=True), lambda: None)
 
@@ -210,11 +224,12 @@ def _generate_loop(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: Deco
             steps_per_block=jnp.where(finish, s.steps_per_block.at[s.block].set(step), s.steps_per_block),
             capture=cap,
             prev_h=prev_h,
+            pending=need_commit if fused_commits else None,
         )
 
     if fused:  # the loop's first iteration, its forward done above (cond holds: block 0, no row done)
-        state = advance(state, first_logits)
-    s = jax.lax.while_loop(cond, lambda s: advance(s, forward(s)), state)
+        state = advance(state, first_logits, state.cache)
+    s = jax.lax.while_loop(cond, lambda s: advance(s, *forward(s)), state)
     lengths_out = _valid_lengths(s.tokens, dcfg)
     tpf = lengths_out / jnp.maximum(s.forwards + s.commits, 1)
     # transformers' tokens_per_forward (DiffusionGemma generate): non-pad new tokens / denoising forwards

@@ -437,14 +437,22 @@ def _decoder_vis(cfg: DiffusionGemmaConfig, b: int, l: int, cache: HybridKVCache
             "cache_" + SLIDING: m & window_mask(q, slots, cfg.sliding_window)}
 
 
-def _prefill_decode_vis(cfg: DiffusionGemmaConfig, b: int, p: int, l: int, start: jax.Array) -> dict:
-    """`prefill_decode`'s visibility over [prompt | canvas]: the prompt causal (`_encoder_vis`), the canvas one
-    segment after it (`_decoder_vis`: all valid prompt tokens, the whole canvas). Each canvas token's window is the
-    first canvas token's (slot p): the last W - 1 prompt slots, as the decoder's cache mask."""
-    seg = block_segments(b, p + l, p, l)  # prompt token i: i; canvas tokens: p
-    valid = jnp.arange(p + l)[None] >= start[:, None]  # [B, P + L]: pad keys are invisible
+def _fused_vis(cfg: DiffusionGemmaConfig, b: int, n_enc: int, n_dec: int, valid=None, cache=None) -> dict:
+    """Visibility of a fused pass over [encoder tokens | canvas] (`prefill_decode`, `commit_decode`): the encoder
+    tokens causal (`_encoder_vis`), the canvas one segment after them (`_decoder_vis`: every committed token and the
+    whole canvas). Each canvas token's window is the first canvas token's (slot n_enc after the cache): the last
+    W - 1 committed slots, as the decoder's cache mask. valid [B, n_enc + n_dec]: key validity (left padding);
+    cache: its parts too, each row's window anchored at cache slot length + its segment start."""
+    n = n_enc + n_dec
+    seg = block_segments(b, n, n_enc, n_dec)  # encoder token i: i; canvas tokens: n_enc
     full = self_mask(seg, valid)
-    return {FULL: full, SLIDING: full & window_mask(seg, jnp.arange(p + l), cfg.sliding_window)}
+    vis = {FULL: full, SLIDING: full & window_mask(seg, jnp.arange(n), cfg.sliding_window)}
+    if cache is not None:
+        slots = jnp.arange(cache.size, dtype=jnp.int32)
+        m = (slots[None] >= cache.start[:, None]) & (slots[None] < cache.length)  # [B, S]
+        vis["cache_" + FULL] = jnp.broadcast_to(m[:, None, :], (b, n, cache.size))
+        vis["cache_" + SLIDING] = vis["cache_" + FULL] & window_mask(cache.length + seg, slots, cfg.sliding_window)
+    return vis
 
 
 # --- the three passes of block diffusion -------------------------------------------------------------------------
@@ -502,9 +510,29 @@ def prefill_decode(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, l
     positions = jnp.maximum(cache.positions(p + l), 0)  # the canvas at slots p .. p + l - 1, as after the prefill
     x_canvas = embed(params, cfg, canvas) if embeds is None else embeds.astype(cfg.jnp_dtype)
     x = jnp.concatenate([token_embed(params, cfg, tokens), x_canvas], axis=1)
-    h, kv_s, kv_f = backbone(params, cfg, x, positions, _prefill_decode_vis(cfg, b, p, l, start), encoder=True,
+    valid = jnp.arange(p + l)[None] >= start[:, None]  # [B, P + L]: pad keys are invisible
+    h, kv_s, kv_f = backbone(params, cfg, x, positions, _fused_vis(cfg, b, p, l, valid), encoder=True,
                              collect_kv=True, in_place=True, decoder_from=p)
     return logits(params, cfg, h[:, p:]), cache.write(kv_s, kv_f)
+
+
+def commit_decode(params: dict, cfg: DiffusionGemmaConfig, block: jax.Array, cache: HybridKVCache,
+                  canvas: jax.Array, *, embeds: jax.Array | None = None):
+    """`commit` of the finished block [B, Lb] and the next block's first `decode` of canvas [B, L] after it as one
+    pass over Lb + L tokens (as `prefill_decode` after a prompt: the block rows the encoder's, the canvas rows the
+    decoder's, each layer's weights read once). Returns (float32 logits of the canvas [B, L, V], cache with the
+    block's K/V written), what `decode` after `commit` returns, up to rounding."""
+    check_tokens(block, cfg, "block")
+    check_tokens(canvas, cfg, "canvas")
+    b, lb = block.shape
+    l = canvas.shape[1]
+    if canvas.shape[0] != b:
+        raise ValueError(f"canvas has {canvas.shape[0]} rows, block {b}")
+    x_canvas = embed(params, cfg, canvas) if embeds is None else embeds.astype(cfg.jnp_dtype)
+    x = jnp.concatenate([token_embed(params, cfg, block), x_canvas], axis=1)
+    h, kv_s, kv_f = backbone(params, cfg, x, cache.positions(lb + l), _fused_vis(cfg, b, lb, l, cache=cache), cache,
+                             encoder=True, collect_kv=True, decoder_from=lb)
+    return logits(params, cfg, h[:, lb:]), cache.write(kv_s, kv_f)
 
 
 def decode(params: dict, cfg: DiffusionGemmaConfig, canvas: jax.Array, cache: HybridKVCache, *,

@@ -1,0 +1,68 @@
+"""generate()'s fused passes (prefill + first step, commit + next block's first step) on a GPU, through the kernels
+they take there: the Pallas MoE with fused experts, the cached-attention kernel, the q/k norm kernel. A small
+DiffusionGemma (head dims and expert sizes the kernels take) in float32 with full-precision products: each fused pass
+against its two passes. In bf16 a random model's logits move by 16-55% (relative L2) between two implementations of
+the same math (another attention or MoE path), too much for a test to tell a wrong mask from rounding. The CPU
+tests (test_diffusion_gemma_vs_hf.py) hold both passes to transformers in float32."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from orl_jax import params as P
+from orl_jax.diffusion_gemma_config import DG_PRESETS
+from orl_jax.model import diffusion_gemma as dg
+
+pytestmark = pytest.mark.gpu
+
+CFG = DG_PRESETS["tiny-dg"].replace(
+    vocab_size=4096, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=128, global_head_dim=256,
+    intermediate_size=512, num_experts=16, top_k_experts=4, moe_intermediate_size=128, sliding_window=64,
+    block_length=64, dtype="float32", moe_impl="pallas", cached_attention_impl="pallas",
+    image_token_id=None, boi_token_id=None, eoi_token_id=None)
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(autouse=True)
+def _full_precision():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def setup():
+    params = dg.inference_params(P.init(dg.param_specs(CFG), jax.random.key(0)), CFG)
+    rng = np.random.default_rng(0)
+    prompt = jnp.asarray(rng.integers(3, 4000, (2, 96)), jnp.int32)
+    lengths = jnp.asarray([96, 70], jnp.int32)
+    canvas, block = (jnp.asarray(rng.integers(3, 4000, (2, 64)), jnp.int32) for _ in range(2))
+    return params, prompt, lengths, canvas, block
+
+
+def test_prefill_decode_on_gpu(setup):
+    params, prompt, lengths, canvas, _ = setup
+    got, got_cache = jax.jit(dg.prefill_decode, static_argnums=(1, 4))(params, CFG, prompt, lengths, 224, canvas)
+    _, cache = jax.jit(dg.prefill, static_argnums=(1, 4))(params, CFG, prompt, lengths, 224)
+    want = jax.jit(dg.decode, static_argnums=(1,))(params, CFG, canvas, cache)
+    assert _rel(got, want) < 1e-3 and float(jnp.std(want)) > 0.1
+    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(cache)):
+        assert _rel(a, b) < 1e-3
+
+
+def test_commit_decode_on_gpu(setup):
+    params, prompt, lengths, canvas, block = setup
+    _, cache = jax.jit(dg.prefill, static_argnums=(1, 4))(params, CFG, prompt, lengths, 224)
+    got, got_cache = jax.jit(dg.commit_decode, static_argnums=(1,))(params, CFG, block, cache, canvas)
+    committed = jax.jit(dg.commit, static_argnums=(1,))(params, CFG, block, cache)
+    want = jax.jit(dg.decode, static_argnums=(1,))(params, CFG, canvas, committed)
+    assert _rel(got, want) < 1e-3 and float(jnp.std(want)) > 0.1
+    assert int(got_cache.length) == int(committed.length) == 160
+    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(committed)):
+        assert _rel(a, b) < 1e-3
