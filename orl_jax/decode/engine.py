@@ -165,10 +165,15 @@ def _generate_loop(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: Deco
         if fused_commits:  # a block finished last step: its commit and this forward in one pass
             def commit_then(c):
                 block = jax.lax.dynamic_slice_in_dim(s.tokens, (s.block - 1) * L, L, axis=1)
-                return model.commit_decode(params, cfg, block, c, s.canvas, embeds=x)
+                return model.commit_decode(params, cfg, block, c, s.canvas, embeds=x, capped=False)
 
-            return jax.lax.cond(s.pending, commit_then, lambda c: (model.decode(params, cfg, s.canvas, c, embeds=x), c),
-                                s.cache)
+            def plain(c):
+                return model.decode(params, cfg, s.canvas, c, embeds=x, capped=False), c
+
+            # the branches hand out the head's product (bf16 at the 26B: 134 MB), soft-capped here, inside the
+            # sampler's passes, as the plain path does; float32 logits out of the cond were written whole
+            raw, cache = jax.lax.cond(s.pending, commit_then, plain, s.cache)
+            return model.cap_logits(cfg, raw), cache
         shifted = {"prev_hidden": s.prev_h} if shift else {}
         return model.decode(params, cfg, s.canvas, s.cache, embeds=x, **shifted), s.cache
 

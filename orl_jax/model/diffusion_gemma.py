@@ -400,14 +400,20 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     return h, cat(kv_s, jnp.concatenate), cat(kv_f, jnp.stack)
 
 
-def logits(params: dict, cfg: DiffusionGemmaConfig, h: jax.Array) -> jax.Array:
-    """[B, L, D] -> soft-capped float32 logits [B, L, V]. The head's product (float32 sums) is rounded to the model
+def logits(params: dict, cfg: DiffusionGemmaConfig, h: jax.Array, capped: bool = True) -> jax.Array:
+    """[B, L, D] -> soft-capped float32 logits [B, L, V] (capped=False: the head's product, `cap_logits` of it are
+    the logits). The head's product (float32 sums) is rounded to the model
     dtype before the float32 soft-cap, as transformers' DiffusionGemmaForBlockDiffusion rounds its lm_head output.
     The GEMM writes that dtype itself (one rounding in its epilogue, as a bf16 lm_head in PyTorch does): the 26B's
     [256, 262144] product is then 134 MB instead of 268 of float32 sums converted after it; in the forward
     15.600 / 15.603 against 15.617 / 15.617 ms (benchmarks/results/2026-12-01_dg_graph_loops_h200.md, call 4)."""
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     z = jnp.einsum("bld,vd->blv", h, head.astype(h.dtype), preferred_element_type=h.dtype)
+    return cap_logits(cfg, z) if capped else z
+
+
+def cap_logits(cfg: DiffusionGemmaConfig, z: jax.Array) -> jax.Array:
+    """The head's product [..., V] -> float32 soft-capped logits."""
     return soft_cap(z.astype(jnp.float32), cfg.final_logit_softcapping)
 
 
@@ -517,11 +523,12 @@ def prefill_decode(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, l
 
 
 def commit_decode(params: dict, cfg: DiffusionGemmaConfig, block: jax.Array, cache: HybridKVCache,
-                  canvas: jax.Array, *, embeds: jax.Array | None = None):
+                  canvas: jax.Array, *, embeds: jax.Array | None = None, capped: bool = True):
     """`commit` of the finished block [B, Lb] and the next block's first `decode` of canvas [B, L] after it as one
     pass over Lb + L tokens (as `prefill_decode` after a prompt: the block rows the encoder's, the canvas rows the
     decoder's, each layer's weights read once). Returns (float32 logits of the canvas [B, L, V], cache with the
-    block's K/V written), what `decode` after `commit` returns, up to rounding."""
+    block's K/V written), what `decode` after `commit` returns, up to rounding. capped=False: the head's product in
+    place of the logits (`logits`)."""
     check_tokens(block, cfg, "block")
     check_tokens(canvas, cfg, "canvas")
     b, lb = block.shape
@@ -532,11 +539,12 @@ def commit_decode(params: dict, cfg: DiffusionGemmaConfig, block: jax.Array, cac
     x = jnp.concatenate([token_embed(params, cfg, block), x_canvas], axis=1)
     h, kv_s, kv_f = backbone(params, cfg, x, cache.positions(lb + l), _fused_vis(cfg, b, lb, l, cache=cache), cache,
                              encoder=True, collect_kv=True, decoder_from=lb)
-    return logits(params, cfg, h[:, lb:]), cache.write(kv_s, kv_f)
+    return logits(params, cfg, h[:, lb:], capped), cache.write(kv_s, kv_f)
 
 
 def decode(params: dict, cfg: DiffusionGemmaConfig, canvas: jax.Array, cache: HybridKVCache, *,
-           residual: jax.Array | None = None, embeds: jax.Array | None = None, return_hidden: bool = False):
+           residual: jax.Array | None = None, embeds: jax.Array | None = None, return_hidden: bool = False,
+           capped: bool = True):
     """One denoising forward over the canvas [B, L] -> float32 logits [B, L, V]; the cache is only read.
 
     residual [B, L, D]: the self-conditioning input z (soft_embed of the previous step); None = no
@@ -552,7 +560,7 @@ def decode(params: dict, cfg: DiffusionGemmaConfig, canvas: jax.Array, cache: Hy
     else:
         x = embed(params, cfg, canvas)
     h, _, _ = backbone(params, cfg, x, cache.positions(l), _decoder_vis(cfg, b, l, cache), cache, encoder=False)
-    out = logits(params, cfg, h)
+    out = logits(params, cfg, h, capped)
     return (out, h) if return_hidden else out
 
 
