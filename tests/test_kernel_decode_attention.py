@@ -316,6 +316,27 @@ def test_large_head_dims_get_blocks_that_fit_shared_memory(monkeypatch):
     assert kernel.smem_bytes(Blocks(bl=128, bs=128, group_heads=True), 128, 4) > kernel.SMEM_LIMIT
 
 
+def test_float32_passes_get_blocks_that_fit_or_take_the_einsums(monkeypatch):
+    """Elements of 4 bytes double a program's shared memory: float32 blocks are chosen for it (a tuned table's bf16
+    entry is skipped), and where none fits the attention takes the einsums. The H200 refused bf16-sized blocks for
+    a float32 pass of 128 queries at head dim 256 (303,616 bytes asked), a fused commit + first step's shape."""
+    from orl_jax.model import attention as attn
+    from orl_jax_kernels.decode_attention import kernel
+
+    bf16 = kernel.blocks_for(128, 224, 256, 4)
+    assert kernel.fits(bf16, 256, 4) and not kernel.fits(bf16, 256, 4, itemsize=4)
+    f32 = kernel.blocks_for(128, 224, 256, 4, itemsize=4)
+    assert kernel.fits(f32, 256, 4, itemsize=4) and kernel.supported(128, 224, 256, f32, 4)
+    monkeypatch.setitem(kernel.TUNED, (128, 224, 256, 4), bf16)
+    assert kernel.blocks_for(128, 224, 256, 4) == bf16 and kernel.blocks_for(128, 224, 256, 4, itemsize=4) == f32
+    monkeypatch.setattr(kernel, "SMEM_LIMIT", 1024)  # nothing fits: the einsum path
+    kc = jnp.zeros((1, 224, 1, 256), jnp.float32)
+    assert attn._kernel_plan(kc, kc, 128, 256, 4) is None
+    assert attn._kernel_plan(kc.astype(jnp.bfloat16), kc.astype(jnp.bfloat16), 128, 256, 4) is None
+    monkeypatch.setattr(kernel, "SMEM_LIMIT", 200 * 1024)
+    assert attn._kernel_plan(kc, kc, 128, 256, 4)[0] == f32
+
+
 @pytest.mark.parametrize("l, s, kv, h", [(256, 768, 2, 512), (256, 768, 8, 256), (512, 1024, 8, 256)])
 def test_diffusion_gemma_layer_shapes_lower_to_verified_triton(l, s, kv, h):
     """The 26B layers at their library blocks, scale 1.0: the full-attention layer at canvas 256 over 768 slots

@@ -115,28 +115,34 @@ def set_tuned(rows, replace: bool = True) -> dict[tuple[int, int, int, int], Blo
 SMEM_LIMIT = 200 * 1024  # of the H200's 227 KB per block; the estimate below undercounts by ~6%
 
 
-def smem_bytes(blocks: Blocks, h: int, g: int) -> int:
-    """Shared memory of a program, estimated: its query rows and num_stages buffers of one K and one V chunk, bf16
-    (the H200 refused 128 queries x 4 grouped heads with 128-key chunks at h 128: 278,528 bytes asked; this
-    gives 262,144)."""
+def smem_bytes(blocks: Blocks, h: int, g: int, itemsize: int = 2) -> int:
+    """Shared memory of a program, estimated: its query rows and num_stages buffers of one K and one V chunk, of
+    itemsize bytes per element (bf16: 2; the H200 refused 128 queries x 4 grouped heads with 128-key chunks at h
+    128: 278,528 bytes asked; this gives 262,144)."""
     rows = blocks.bl * (g if blocks.group_heads else 1)
-    return 2 * h * (rows + blocks.num_stages * 2 * blocks.bs)
+    return itemsize * h * (rows + blocks.num_stages * 2 * blocks.bs)
 
 
-def blocks_for(l: int, s: int, h: int = 128, g: int = 1) -> Blocks:
-    """The blocks for l queries over s cache slots (head dim h, g query heads per kv head): the tuned table's entry,
-    else the measured rule (SHORT_PASS up to 64 queries; above, WIDE_HEADS for heads >= 256 wide, else LONG_PASS)
-    where the kernel supports it, made to fit shared memory at large head dims (heads ungrouped, then shorter key
-    chunks: DiffusionGemma's 512-wide full-attention heads), else the dataclass defaults."""
-    if (l, s, h, g) in TUNED:
+def blocks_for(l: int, s: int, h: int = 128, g: int = 1, itemsize: int = 2) -> Blocks:
+    """The blocks for l queries over s cache slots (head dim h, g query heads per kv head, elements of itemsize
+    bytes): the tuned table's entry (bf16), else the measured rule (SHORT_PASS up to 64 queries; above, WIDE_HEADS
+    for heads >= 256 wide, else LONG_PASS) where the kernel supports it, made to fit shared memory at large head dims
+    or elements (heads ungrouped, then shorter key chunks: DiffusionGemma's 512-wide full-attention heads), else the
+    dataclass defaults (`fits` tells whether those fit)."""
+    if (l, s, h, g) in TUNED and itemsize == 2:
         return TUNED[(l, s, h, g)]
     rule = SHORT_PASS if l <= 64 else LONG_PASS
     ungrouped = dataclasses.replace(rule, group_heads=False)
     wide = [WIDE_HEADS] if l > 64 and h >= 256 else []
     for b in (*wide, rule, ungrouped, dataclasses.replace(ungrouped, bs=32), dataclasses.replace(ungrouped, bs=16)):
-        if supported(l, s, h, b, g) and smem_bytes(b, h, g) <= SMEM_LIMIT:
+        if supported(l, s, h, b, g) and fits(b, h, g, itemsize):
             return b
     return Blocks()
+
+
+def fits(blocks: Blocks, h: int, g: int, itemsize: int = 2) -> bool:
+    """Whether a program's shared memory (smem_bytes) is within SMEM_LIMIT."""
+    return smem_bytes(blocks, h, g, itemsize) <= SMEM_LIMIT
 
 
 def preferred(l: int, s: int, h: int, g: int) -> bool:

@@ -160,11 +160,12 @@ def _kernel_plan(kc, vc, l: int, h: int, g: int):
     head), and the cache as the kernel takes it: (blocks, k, v, layer), the whole stacks and the layer index when the
     blocks read the cache in place, else the layer loop's slices and None. None where the kernel does not take the
     shape or is not preferred there."""
-    from orl_jax_kernels.decode_attention.kernel import blocks_for, preferred, supported
+    from orl_jax_kernels.decode_attention.kernel import blocks_for, fits, preferred, supported
 
-    s = kc.shape[-3]
-    blocks = blocks_for(l, s, h, g)
-    if not (supported(l, s, h, blocks, g) and preferred(l, s, h, g)):
+    s, itemsize = kc.shape[-3], jnp.dtype(kc.dtype).itemsize
+    blocks = blocks_for(l, s, h, g, itemsize)
+    # no blocks within shared memory (float32 passes of > 64 queries at wide heads): the einsums
+    if not (supported(l, s, h, blocks, g) and preferred(l, s, h, g) and fits(blocks, h, g, itemsize)):
         return None
     if blocks.cache_in_place and isinstance(kc, StackedWeight):
         return blocks, kc.stack, vc.stack, kc.index

@@ -11,10 +11,14 @@ interface (a module with these functions), so a new architecture plugs into gene
                                                        weighted per position by w [B, L]
   soft_embed(params, cfg, probs, scale=None)        -> z [B, L, D]: the residual a step hands to the next
                                                        (p = probs * scale[..., None] when scale [B, L] is given)
-and optionally
+and optionally (generate() takes them where they exist)
   prefill_decode(params, cfg, tokens, lengths, cache_size, canvas, *, embeds)
                                                     -> (logits [B, L, V], KVCache): prefill and the first decode
-                                                       in one pass (generate() then runs the first step with it)
+                                                       in one pass (the first step)
+  commit_decode(params, cfg, block, cache, canvas, *, embeds, capped)
+                                                    -> (logits [B, L, V], KVCache): commit and the next block's
+                                                       first decode in one pass (capped=False: the head's product,
+                                                       cap_logits(cfg, z) of it are the logits; decode takes it too)
 """
 
 from __future__ import annotations
