@@ -29,6 +29,10 @@ Sliding window: in the encoder, query slot q sees key slot j iff q - W < j <= q 
 the decoder every canvas token sees the last W - 1 committed tokens plus the whole canvas: what HF's decoder sees
 through the sliding layers of its DynamicCache, which keep the last W - 1 tokens, under no mask.
 
+Fused passes (what generate() runs): `prefill_decode` and `commit_decode` run an encoder pass (the prompt; a
+finished block) and the next canvas's first decoder pass as one pass over both token sets, each row with its own
+mode's visibility and layer_scalar, so each layer's weights are read once for both (the 26B's experts: ~11 ms).
+
 Layer stacking: two stacks, params["sliding"] [G * k, ...] and params["full"] [G, ...] (G = 5 groups of 5 + 1),
 run in HF's layer order: the G groups unrolled, each a loop over its k sliding layers, then its full layer. Why:
 the two types differ in parameter and cache shapes, so one stack per type is the natural layout (and the
@@ -242,7 +246,7 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     ffw = rms_norm_fp32(mlp, w["post_mlp_norm"], eps) + rms_norm_fp32(moe, w["post_moe_norm"], eps)
     if isinstance(scalar, str):
         scale = w[scalar][0]
-    else:  # the fused prefill + first step: encoder rows, then decoder rows (scalar: [1, L, 1], True = decoder)
+    else:  # a fused pass: encoder rows, then decoder rows (scalar: [1, L, 1], True = decoder)
         scale = jnp.where(scalar, w["layer_scalar"][0], w["encoder_layer_scalar"][0])
     x = (x + rms_norm_fp32(ffw, w["post_ffw_norm"], eps)) * scale
     return x, k, v
@@ -301,7 +305,7 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     [B, L, L], and with a cache also {"cache_" + type} -> visibility of the cache slots [B, L, S]. in_place: a
     cache-free pass that is never differentiated (the prefill) reads the weights in place as cached passes do.
     decoder_from (with encoder=True): tokens from this index on are decoder tokens, scaled by the decoder's
-    layer_scalar (the fused prefill + first step, `prefill_decode`); only the tokens before it have their K/V
+    layer_scalar (the fused passes `prefill_decode`, `commit_decode`); only the tokens before it have their K/V
     collected.
 
     Returns (hidden after the final norm [B, L, D], sliding (k, v) [G*k, B, L', K, H], full (k, v) [G, B, L', K, H],
