@@ -4,8 +4,10 @@ One loop iteration = one denoising forward over the active block's canvas (readi
 prefix) + the sampler's decision. When every active row has finished the block (or the step cap is reached),
 the same iteration finalizes the block, writes it to the output, marks rows that produced EOS, and — if another
 block will follow — runs the commit forward that writes the block's K/V into the cache (under `lax.cond`, so
-only when needed). Nothing returns to the host until the loop ends; prompts are left-padded to a bucket length
-so a new prompt length inside a bucket reuses the compiled program.
+only when needed). Models with fused passes (DiffusionGemma) run the prefill together with the first step's forward
+(that step runs before the loop, through the same body), and each commit together with the next step's forward
+(FUSED_FIRST_STEP, FUSED_COMMIT). Nothing returns to the host until the loop ends; prompts are left-padded to a
+bucket length so a new prompt length inside a bucket reuses the compiled program.
 
 Capture mode (static flag, a separate compiled program; the plain path carries no buffers) also records every
 step's input canvas, the residual (z, a) it consumed, the step's normalized entropies and resolved positions:
