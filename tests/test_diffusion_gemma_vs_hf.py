@@ -666,6 +666,35 @@ def test_generate_matches_transformers(sharp, rng, seed, fused, monkeypatch):
     assert np.asarray(out.forwards).min() < 3 * GEN["max_denoising_steps"]  # some row stopped early
 
 
+def test_fused_passes_keep_capture_and_streaming(dg_ours, monkeypatch):
+    """What the ORL trainer and a streamer read is the same with and without the fused passes: the capture records
+    (float32: up to rounding) and the streamed blocks, also when a block ends in the first step, which runs before
+    the loop (max_steps=1)."""
+    from orl_jax.decode import engine
+
+    cfg, params = dg_ours
+    prompts = [_tokens((5,), 70).tolist(), _tokens((7,), 71).tolist()]
+    runs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(engine, "FUSED_FIRST_STEP", fused)
+        monkeypatch.setattr(engine, "FUSED_COMMIT", fused)
+        jax.clear_caches()
+        for steps in (1, 3):
+            seen = []
+            out = generate(params, cfg, prompts, key=jax.random.key(5), max_new_tokens=16, eos_token_id=(),
+                           sampler=UniformSampler(max_denoising_steps=steps), capture=steps == 3,
+                           streamer=lambda t, i, seen=seen: seen.append((i, t)))
+            assert [i for i, _ in seen] == [0, 1]
+            for i, t in seen:
+                np.testing.assert_array_equal(t, np.asarray(out.tokens)[:, 8 * i:8 * i + 8])
+            runs[fused, steps] = out
+    for steps in (1, 3):
+        np.testing.assert_array_equal(np.asarray(runs[True, steps].tokens), np.asarray(runs[False, steps].tokens))
+    a, b = runs[True, 3].capture, runs[False, 3].capture
+    for k in a:
+        np.testing.assert_allclose(np.asarray(a[k], np.float32), np.asarray(b[k], np.float32), atol=1e-5, rtol=0)
+
+
 def test_generate_eos_matches_transformers(sharp):
     """One row with an EOS in its second block: padding after the EOS, the early end and tokens_per_forward."""
     model, cfg, params = sharp
