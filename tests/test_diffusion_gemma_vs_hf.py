@@ -95,6 +95,15 @@ def _tokens(shape, seed, high=240):  # below the tiny preset's image / boi / eoi
     return np.random.default_rng(seed).integers(3, high, size=shape).astype(np.int32)
 
 
+def _left_padded(lengths, seed):
+    """Prompts of these lengths (prompt i from seed + its length) and them left-padded with 0 into one array."""
+    prompts = [_tokens((n,), seed + n) for n in lengths]
+    padded = np.zeros((len(lengths), max(lengths)), np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, -len(p):] = p
+    return prompts, padded
+
+
 def _torch(a, dtype=torch.long):
     return torch.as_tensor(np.asarray(a)).to(dtype)
 
@@ -198,10 +207,7 @@ def test_decoder_matches_hf(dg_ours, dg_hf, self_cond):
     cfg, params = dg_ours
     model, _ = dg_hf
     L, lengths = cfg.block_length, [11, 6]
-    prompts = [_tokens((n,), 10 + n) for n in lengths]
-    padded = np.zeros((2, max(lengths)), np.int32)
-    for i, p in enumerate(prompts):
-        padded[i, -len(p):] = p
+    prompts, padded = _left_padded(lengths, 10)
     canvases = [_tokens((2, L), 20), _tokens((2, L), 21)]
     block = _tokens((2, L), 22)
     rng = np.random.default_rng(23)
@@ -232,10 +238,7 @@ def test_prefill_decode_is_prefill_then_decode(dg_ours, dg_hf, self_cond):
     cfg = cfg.replace(moe_impl="bucketed")
     model, _ = dg_hf
     L, lengths = cfg.block_length, [11, 6]
-    prompts = [_tokens((n,), 30 + n) for n in lengths]
-    padded = np.zeros((2, max(lengths)), np.int32)
-    for i, p in enumerate(prompts):
-        padded[i, -len(p):] = p
+    prompts, padded = _left_padded(lengths, 30)
     canvas = _tokens((2, L), 40)
     sc = np.random.default_rng(41).normal(0, 3, (2, L, cfg.vocab_size)).astype(np.float32) if self_cond else None
     embeds = None
@@ -264,10 +267,7 @@ def test_commit_decode_is_commit_then_decode(dg_ours, dg_hf, moe_impl, attention
     cfg = cfg.replace(moe_impl=moe_impl, cached_attention_impl=attention)
     model, _ = dg_hf
     L, lengths = cfg.block_length, [11, 6]
-    prompts = [_tokens((n,), 50 + n) for n in lengths]
-    padded = np.zeros((2, max(lengths)), np.int32)
-    for i, p in enumerate(prompts):
-        padded[i, -len(p):] = p
+    prompts, padded = _left_padded(lengths, 50)
     block, canvas = _tokens((2, L), 60), _tokens((2, L), 61)
     sc = np.random.default_rng(62).normal(0, 3, (2, L, cfg.vocab_size)).astype(np.float32)
     z = _soft(params, cfg, jax.nn.softmax(jnp.asarray(sc), axis=-1))

@@ -157,7 +157,7 @@ def _generate_loop(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: Deco
         block_done=jnp.zeros((b,), bool), seq_done=jnp.zeros((b,), bool), key=key,
         forwards=jnp.zeros((b,), jnp.int32), total_forwards=jnp.zeros((), jnp.int32),
         commits=jnp.zeros((), jnp.int32), steps_per_block=jnp.zeros((nb,), jnp.int32), capture=capture,
-        prev_h=prev_h, pending=jnp.zeros((), bool) if fused_commits else None)
+        prev_h=prev_h)
 
     def cond(s: DecodeState):
         return (s.block < nb) & ~jnp.all(s.seq_done)
@@ -165,6 +165,10 @@ def _generate_loop(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: Deco
     def forward(s: DecodeState):  # one denoising forward over the canvas -> (logits [B, L, V], cache)
         x = dcfg.residual.embed(params, cfg, s.canvas, s.z, s.a)
         if fused_commits:  # a block finished last step: its commit and this forward in one pass
+            # The loop runs on after a finished block only when the block needed its commit (another block follows,
+            # some row is not done), so a new block's first step in the loop is exactly a step with a commit owed.
+            pending = (s.step == 0) & (s.block > 0)
+
             def commit_then(c):
                 block = jax.lax.dynamic_slice_in_dim(s.tokens, (s.block - 1) * L, L, axis=1)
                 return model.commit_decode(params, cfg, block, c, s.canvas, embeds=x, capped=False)
@@ -174,7 +178,7 @@ def _generate_loop(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: Deco
 
             # the branches hand out the head's product (bf16 at the 26B: 134 MB), soft-capped here, inside the
             # sampler's passes, as the plain path does; float32 logits out of the cond were written whole
-            raw, cache = jax.lax.cond(s.pending, commit_then, plain, s.cache)
+            raw, cache = jax.lax.cond(pending, commit_then, plain, s.cache)
             return model.cap_logits(cfg, raw), cache
         shifted = {"prev_hidden": s.prev_h} if shift else {}
         return model.decode(params, cfg, s.canvas, s.cache, embeds=x, **shifted), s.cache
@@ -231,7 +235,6 @@ def _generate_loop(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: Deco
             steps_per_block=jnp.where(finish, s.steps_per_block.at[s.block].set(step), s.steps_per_block),
             capture=cap,
             prev_h=prev_h,
-            pending=need_commit if fused_commits else None,
         )
 
     if fused:  # the loop's first iteration, its forward done above (cond holds: block 0, no row done)

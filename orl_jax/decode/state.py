@@ -27,8 +27,6 @@ class DecodeState:
     steps_per_block: jax.Array  # [blocks] int32
     capture: dict | None = None  # capture mode only: per-step records, see engine.py
     prev_h: jax.Array | None = None  # [B, D] logit_shift models: the last committed token's hidden state
-    pending: jax.Array | None = None  # [] bool, fused commits (engine.FUSED_COMMIT): the block in tokens before
-    # `block` is finished and not yet committed; the next forward commits it
 
 
 @struct.dataclass

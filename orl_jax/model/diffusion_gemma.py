@@ -343,16 +343,20 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     take = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False, allow_negative_indices=False)  # noqa
     norm_offsets = _qk_kernel_offsets(cfg, sliding_layout) if cache is not None else None
 
+    def layer(x, w, rope, kind, part):  # -> (x, k, v), the K/V of the first kv_len tokens
+        x, kk, vv = _layer(cfg, x, w, rope, vis[kind], part, scalar)
+        return x, kk[:, :kv_len], vv[:, :kv_len]
+
     def sliding_layer(x, i, w, ck=None, cv=None):
         w = w | {n: StackedWeight(params["sliding"][n], i) for n in stacks}
         part = None if ck is None else (ck, cv, vis["cache_" + SLIDING])
-        return _layer(cfg, x, w, rope_s, vis[SLIDING], part, scalar)
+        return layer(x, w, rope_s, SLIDING, part)
 
     def sliding_group(x, lo):  # sliding layers lo .. lo + k - 1 -> (x, (k, v) [k, B, L, K, H] or None)
         if not looped:
             def body(x, xs):
                 x, kk, vv = sliding_layer(x, xs[1], xs[0])
-                return x, ((kk[:, :kv_len], vv[:, :kv_len]) if collect_kv else None)
+                return x, ((kk, vv) if collect_kv else None)
 
             body = jax.checkpoint(body, prevent_cse=False) if remat else body
             xs = ({n: a[lo:lo + k] for n, a in sliding_w.items()}, jnp.arange(lo, lo + k, dtype=jnp.int32))
@@ -373,7 +377,7 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
                 w["packed_vectors"] = (sliding_v, i, norm_offsets)
             x, kk, vv = sliding_layer(x, i, w, ck, cv)
             if collect_kv:
-                kv = (kv[0].at[i - lo].set(kk[:, :kv_len]), kv[1].at[i - lo].set(vv[:, :kv_len]))
+                kv = (kv[0].at[i - lo].set(kk), kv[1].at[i - lo].set(vv))
             return i + 1, x, kv
 
         _, x, kv = jax.lax.while_loop(lambda c: c[0] < lo + k, step, (jnp.int32(lo), x, kv))
@@ -387,7 +391,7 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
         if cache is not None:
             ck, cv = (StackedWeight(c, jnp.int32(g), c[g]) for c in (cache.full.k, cache.full.v))
             part = (ck, cv, vis["cache_" + FULL])
-        return _layer(cfg, x, w, rope_f, vis[FULL], part, scalar)
+        return layer(x, w, rope_f, FULL, part)
 
     if remat:
         full_layer = jax.checkpoint(full_layer, prevent_cse=False, static_argnums=(1,))
@@ -396,7 +400,7 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
         x, kv = sliding_group(x, g * k)
         x, kf, vf = full_layer(x, g)
         kv_s.append(kv)
-        kv_f.append((kf[:, :kv_len], vf[:, :kv_len]))
+        kv_f.append((kf, vf))
     h = rms_norm_fp32(x, params["final_norm"], cfg.rms_norm_eps)
     if not collect_kv:
         return h, None, None
