@@ -96,6 +96,10 @@ ap.add_argument("--generate-ab", action="append", default=[], metavar="MODULE.NA
                 help="also compile the whole generate() program a second time with these trace-time switches set "
                      "(repeatable, as --set) and time the two compiled programs alternately, --ab-rounds each: "
                      "an A/B of generate() in one process, free of the run-to-run spread of separate ones")
+ap.add_argument("--ab-compiler-options", type=json.loads, metavar="JSON",
+                help="--generate-ab's B side (or alone, the A/B's only difference): XLA compiler options added to "
+                     "runtime.DG_COMPILER_OPTIONS for B's generate() program, e.g. '{\"xla_gpu_command_buffer_"
+                     "update_mode\": \"NEVER_UPDATE\"}'; its outputs are compared with A's")
 ap.add_argument("--ab-rounds", type=int, default=8, help="--generate-ab: timed calls of each program")
 ap.add_argument("--ab-max-steps", type=int, action="append", default=[], metavar="N",
                 help="--generate-ab: then the same A/B with generate(max_steps=N) (repeatable): the difference of two "
@@ -320,10 +324,16 @@ def generate_call(c, kw):
     return run, *seen[0]
 
 
-def generate_program(c, kw):
-    """generate()'s program for (c, kw) compiled afresh under the switches now set, and its positional arguments."""
+def generate_program(c, kw, options=None):
+    """generate()'s program for (c, kw) compiled afresh under the switches now set (and XLA compiler `options` on
+    top of runtime.DG_COMPILER_OPTIONS), and its positional arguments."""
+    from orl_jax.decode import engine
+
     jax.clear_caches()
     run, a, k = generate_call(c, kw)
+    if options:
+        run = jax.jit(engine._generate_loop, static_argnames=("cfg", "dcfg"),
+                      compiler_options=runtime.DG_COMPILER_OPTIONS | options)
     return run.lower(*a, **k).compile(), a
 
 
@@ -331,21 +341,31 @@ def generate_ab(c, kw):
     """generate()'s program under the defaults (A) and under --generate-ab's switches (B), timed alternately."""
     prog_a, a = generate_program(c, kw)
     with switched(parse_switches(args.generate_ab)):
-        prog_b, _ = generate_program(c, kw)
+        prog_b, _ = generate_program(c, kw, args.ab_compiler_options)
     out_a, out_b = (jax.block_until_ready(prog(*a)) for prog in (prog_a, prog_b))  # one untimed call each
     # the two sides' outputs: a switch that changes rounding may move a sampled token in the bf16 model
     log(what="generate_ab_outputs", tokens_differ=int(np.sum(np.asarray(out_a.tokens) != np.asarray(out_b.tokens))),
         forwards_a=int(out_a.total_forwards), forwards_b=int(out_b.total_forwards), max_steps=kw.get("max_steps"))
+    last = {}
     for r in range(args.ab_rounds):
         for side, prog in (("A", prog_a), ("B", prog_b)) if r % 2 == 0 else (("B", prog_b), ("A", prog_a)):
             t = time.perf_counter()
-            jax.block_until_ready(prog(*a))
+            last[side] = jax.block_until_ready(prog(*a))
             log(what="generate_ab", side=side, set=args.generate_ab if side == "B" else [], round=r,
+                compiler_options=args.ab_compiler_options if side == "B" else None,
                 seconds=time.perf_counter() - t, max_steps=kw.get("max_steps"))
+    # again after the rounds: a program whose command buffers kept a stale address would show it here
+    log(what="generate_ab_outputs", after_rounds=True, max_steps=kw.get("max_steps"),
+        tokens_differ=int(np.sum(np.asarray(last["A"].tokens) != np.asarray(last["B"].tokens))),
+        b_equals_b_first=bool(np.array_equal(np.asarray(last["B"].tokens), np.asarray(out_b.tokens))))
     if args.ab_trace:
         steps = int(jax.block_until_ready(prog_a(*a)).total_forwards)
+        from xplane_summary import host_during_gaps
+
         for side, prog in (("A", prog_a), ("B", prog_b)):
-            traced("generate_ab_", lambda prog=prog: prog(*a), steps, side=side)
+            d = traced("generate_ab_", lambda prog=prog: prog(*a), steps, side=side, max_steps=kw.get("max_steps"))
+            for row in host_during_gaps(d):
+                log(what="generate_ab_idle_gap", side=side, max_steps=kw.get("max_steps"), **row)
 
 
 def write_generate_hlo(c, kw):
@@ -538,7 +558,7 @@ for impl in IMPLS:
         tpf_hf=float(np.asarray(out.tpf_hf)[0]) if getattr(out, "tpf_hf", None) is not None else None)
     if args.generate_hlo:
         write_generate_hlo(c, kw)
-    if args.generate_ab:
+    if args.generate_ab or args.ab_compiler_options:
         for steps in [None] + args.ab_max_steps:  # fewer steps: what a step costs apart from the rest
             generate_ab(c, kw if steps is None else kw | {"max_steps": steps})
     if args.parts:

@@ -36,6 +36,40 @@ def kernel_events(trace_dir: str, plane_prefix: str = "/device:GPU", with_stream
     return events
 
 
+def host_during_gaps(trace_dir: str, min_gap_us: float = 200, top: int = 8,
+                     plane_prefix: str = "/device:GPU") -> list[dict]:
+    """The device's idle gaps of at least `min_gap_us` (the first one: from the trace's first host event to the
+    first kernel), each with the host events that overlap it (TraceMe names of XLA's runtime: thunk execution,
+    command-buffer record / update / launch, transfers), grouped by thread and name with their overlapping ms, the
+    `top` largest. With one program call per trace: the host costs the GPU waits for (issue #4: a `generate()`
+    trace's 2.6-2.7 ms idle before its first kernel and 2.1-2.2 ms before the loop's first step)."""
+    ev = sorted((s, s + d) for _, _, s, d in kernel_events(trace_dir, plane_prefix))
+    if not ev:  # no device plane (a CPU run)
+        return []
+    paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
+    host = [(line.name[:40], e.name[:80], int(e.start_ns), int(e.start_ns) + int(e.duration_ns))
+            for plane in ProfileData.from_file(paths[-1]).planes if plane.name.startswith("/host")
+            for line in plane.lines for e in line.events]
+    gaps, end = [(min(h[2] for h in host), ev[0][0])] if host else [], ev[0][1]
+    for s, e in ev[1:]:
+        if s > end:
+            gaps.append((end, s))
+        end = max(end, e)
+    rows = []
+    for g0, g1 in gaps:
+        if g1 - g0 < min_gap_us * 1e3:
+            continue
+        by = collections.defaultdict(lambda: [0, 0])
+        for thread, name, s, e in host:
+            if s < g1 and e > g0:
+                by[(thread, name)][0] += 1
+                by[(thread, name)][1] += min(e, g1) - max(s, g0)
+        rows.append({"gap_start_ms": (g0 - ev[0][0]) / 1e6, "gap_ms": (g1 - g0) / 1e6,
+                     "host": [{"thread": t, "event": n, "count": c, "ms": ns / 1e6}
+                              for (t, n), (c, ns) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]]})
+    return rows
+
+
 def write_timeline(trace_dir: str, path: str | os.PathLike, plane_prefix: str = "/device:GPU") -> None:
     """Every kernel event of the trace as gzipped JSON lines {kernel, op, stream, start_us (from the first),
     us}, in start order: to read a step's critical path and its idle gaps offline."""
