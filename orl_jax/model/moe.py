@@ -277,6 +277,10 @@ FUSED_STAGES = 3
 # 14.435 / 14.440 against 14.480 / 14.464 ms, alternating in one process (benchmarks/dg_fused_one_dot_sweep.json;
 # benchmarks/results/2026-12-04_dg_one_dot_ffw_tail_h200.md). Read at trace time.
 FUSED_ONE_DOT = True
+# Every product of the one-launch expert MLP transposed (mlp.grouped_mlp's swap): the weight tile on the tensor cores'
+# 64-row side, FUSED_BM rows on the narrow side, so rows per tile can drop below 64 and keep wgmma. Read at trace
+# time.
+FUSED_SWAP = False
 
 
 def fusable(d: int, f: int) -> bool:
@@ -316,7 +320,7 @@ def fused_expert_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: ja
 
     return grouped_mlp(x, rows, gate_up, down, offsets, layer, ACTIVATIONS[act], *fused_blocks(gate_up),
                        bm=FUSED_BM, num_warps=FUSED_WARPS, num_stages=FUSED_STAGES, one_dot=FUSED_ONE_DOT,
-                       interpret=jax.default_backend() == "cpu")
+                       swap=FUSED_SWAP, interpret=jax.default_backend() == "cpu")
 
 
 def fused_stack(w) -> bool:
