@@ -50,20 +50,16 @@ VARIANTS = [
     ("64-wide tiles", Blocks(bn=64, bk=64, splits=1), Blocks(bn=64, bk=64, splits=1), 4, 3, True),
     ("64-wide tiles, 4 stages", Blocks(bn=64, bk=64, splits=1), Blocks(bn=64, bk=64, splits=1), 4, 4, True),
 ]
-# grouped_mlp's transposed products (swap) at rows per tile (bm) and stages: (name, bm, stages)
-SWAPPED = [("swapped, 64 rows", 64, 3), ("swapped, 32 rows", 32, 3), ("swapped, 32 rows, 4 stages", 32, 4),
-           ("swapped, 16 rows", 16, 3), ("swapped, 16 rows, 4 stages", 16, 4), ("swapped, 16 rows, 5 stages", 16, 5)]
 
 
-def triton_ir(gu: Blocks, dn: Blocks, warps: int, stages: int, one_dot: bool, bm: int = 64, swap: bool = False) -> str:
+def triton_ir(gu: Blocks, dn: Blocks, warps: int, stages: int, one_dot: bool) -> str:
     sd = jax.ShapeDtypeStruct
     args = (sd((256, 2816), jnp.bfloat16), sd((2048,), jnp.int32),
             sd((25, 128, 704 * 2 // gu.bn, 2816, gu.bn), jnp.bfloat16), sd((25, 128, 704, 2816), jnp.bfloat16),
             sd((129,), jnp.int32), sd((), jnp.int32))
     with triton_modules() as modules:
         fn = lambda x, r, g, d, o, i: grouped_mlp(x, r, g, d, o, i, ACTIVATIONS["gelu_tanh"], gu, dn,  # noqa: E731
-                                                  bm=bm, num_warps=warps, num_stages=stages, one_dot=one_dot,
-                                                  swap=swap)
+                                                  num_warps=warps, num_stages=stages, one_dot=one_dot)
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     return modules[0].operation.get_asm(enable_debug_info=False)
 
@@ -79,15 +75,12 @@ def main(argv=None):
     ap.add_argument("--out", help="also append the rows to this JSON-lines file")
     args = ap.parse_args(argv)
     record = recorder(args.out) if args.out else (lambda **row: print(json.dumps(row), flush=True))
-    tile = Blocks(bn=128, bk=64, splits=1)
-    rows = [(*v, 64, False) for v in VARIANTS] + [(name, tile, tile, 4, stages, True, bm, True)
-                                                  for name, bm, stages in SWAPPED]
-    for name, gu, dn, warps, stages, one_dot, bm, swap in rows:
-        got = allocation(triton_ir(gu, dn, warps, stages, one_dot, bm, swap), SimpleNamespace(num_warps=warps,
-                                                                                               num_stages=stages))
+    for name, gu, dn, warps, stages, one_dot in VARIANTS:
+        got = allocation(triton_ir(gu, dn, warps, stages, one_dot), SimpleNamespace(num_warps=warps,
+                                                                                     num_stages=stages))
         blocks = resident_blocks(got["registers"], got["shared"], warps)
-        record(variant=name, gu_bn=gu.bn, bk=gu.bk, dn_bn=dn.bn, warps=warps, stages=stages, one_dot=one_dot, bm=bm,
-               swap=swap, **got, blocks_per_sm=blocks, warps_per_sm=blocks * warps)
+        record(variant=name, gu_bn=gu.bn, bk=gu.bk, dn_bn=dn.bn, warps=warps, stages=stages, one_dot=one_dot, **got,
+               blocks_per_sm=blocks, warps_per_sm=blocks * warps)
 
 
 if __name__ == "__main__":

@@ -50,13 +50,6 @@ VARIANTS = {  # name -> switches
     "down bk 32": {M + "FUSED_DN_BK": 32},
     "bk 32, 32 rows, 4 stages": {M + "FUSED_GU_BK": 32, M + "FUSED_DN_BK": 32, M + "FUSED_BM": 32,
                                  M + "FUSED_STAGES": 4},
-    # the products transposed (mlp.grouped_mlp's swap): weight columns on wgmma's 64-row side, rows on its narrow one
-    "swapped": {M + "FUSED_SWAP": True},
-    "swapped, 32 rows": {M + "FUSED_SWAP": True, M + "FUSED_BM": 32},
-    "swapped, 32 rows, 4 stages": {M + "FUSED_SWAP": True, M + "FUSED_BM": 32, M + "FUSED_STAGES": 4},
-    "swapped, 16 rows": {M + "FUSED_SWAP": True, M + "FUSED_BM": 16},
-    "swapped, 16 rows, 4 stages": {M + "FUSED_SWAP": True, M + "FUSED_BM": 16, M + "FUSED_STAGES": 4},
-    "swapped, 32 rows, 8 warps": {M + "FUSED_SWAP": True, M + "FUSED_BM": 32, M + "FUSED_WARPS": 8},
 }
 
 

@@ -28,17 +28,15 @@ def _case(dtype, key=0):
     return sizes, offsets, x, rows, gu, dn, bm
 
 
-@pytest.mark.parametrize("dtype,one_dot,swap", [(jnp.float32, False, False), (jnp.bfloat16, False, False),
-                                                (jnp.float32, True, False), (jnp.bfloat16, True, False),
-                                                (jnp.float32, True, True), (jnp.bfloat16, True, True)])
-def test_matches_the_two_grouped_gemms_in_interpret_mode(dtype, one_dot, swap):
+@pytest.mark.parametrize("dtype,one_dot", [(jnp.float32, False), (jnp.bfloat16, False), (jnp.float32, True),
+                                           (jnp.bfloat16, True)])
+def test_matches_the_two_grouped_gemms_in_interpret_mode(dtype, one_dot):
     sizes, offsets, x, rows, gu, dn, bm = _case(dtype)
     layer = jnp.int32(1)
     tiles = tile_gated(gu, GU.bn // 2)
     assert tiles.shape == (2, 5, 2, 128, 128)  # tile j: gate columns [64 j, 64 j + 64), then the same up columns
     np.testing.assert_array_equal(np.asarray(tiles[1, 2, 1, :, 64:]), np.asarray(gu[1, 2, :, 128 + 64:]))
-    got = grouped_mlp(x, rows, tiles, dn, offsets, layer, ACT, GU, DN, bm=bm, one_dot=one_dot, swap=swap,
-                      interpret=True)
+    got = grouped_mlp(x, rows, tiles, dn, offsets, layer, ACT, GU, DN, bm=bm, one_dot=one_dot, interpret=True)
     # the two grouped GEMMs, the activation between them on the rounded products
     g, u = jnp.split(grouped_matmul(x, gu, sizes, layer, GU, interpret=True, offsets=offsets, rows=rows, bm=bm), 2, -1)
     h = (ACT(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(dtype)
@@ -65,16 +63,14 @@ def test_rejects_mismatched_inputs():
                     interpret=True)
     with pytest.raises(ValueError, match="offsets"):
         grouped_mlp(x, rows, tgu, dn, offsets[1:], jnp.int32(0), ACT, GU, DN, interpret=True)
-    with pytest.raises(ValueError, match="swap needs bm"):
-        grouped_mlp(x, rows, tgu, dn, offsets, jnp.int32(0), ACT, GU, DN, bm=8, swap=True, interpret=True)
 
 
-@pytest.mark.parametrize("one_dot,swap,bm", [(False, False, 64), (True, False, 64), (True, True, 32)])
-def test_triton_ir_at_diffusion_gemma_shapes(one_dot, swap, bm):
+@pytest.mark.parametrize("one_dot", [False, True])
+def test_triton_ir_at_diffusion_gemma_shapes(one_dot):
     sd = jax.ShapeDtypeStruct
     verified_triton_modules(
         lambda x, r, gu, dn, o, i: grouped_mlp(x, r, gu, dn, o, i, ACT, GU, Blocks(bn=128, bk=64, splits=1),
-                                               bm=bm, one_dot=one_dot, swap=swap),
+                                               one_dot=one_dot),
         sd((256, 2816), jnp.bfloat16), sd((2048,), jnp.int32), sd((25, 128, 11, 2816, 128), jnp.bfloat16),
         sd((25, 128, 704, 2816), jnp.bfloat16), sd((129,), jnp.int32), sd((), jnp.int32))
 
@@ -161,12 +157,10 @@ def test_diffusion_gemma_decoder_with_fused_expert_params():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("one_dot,tile,down_bn,bm,bk,stages,swap", [
-    (False, 64, 128, 64, 64, 3, False), (True, 64, 128, 64, 64, 3, False), (True, 32, 64, 64, 64, 3, False),
-    (True, 64, 128, 32, 32, 4, False), (True, 64, 128, 16, 64, 3, False), (True, 64, 128, 32, 64, 3, True),
-    (True, 64, 128, 16, 64, 4, True)])
-def test_compiled_on_gpu_at_the_26b_expert_shapes_every_layer(one_dot, tile, down_bn, bm, bk, stages, swap,
-                                                              monkeypatch):
+@pytest.mark.parametrize("one_dot,tile,down_bn,bm,bk,stages", [
+    (False, 64, 128, 64, 64, 3), (True, 64, 128, 64, 64, 3), (True, 32, 64, 64, 64, 3), (True, 64, 128, 32, 32, 4),
+    (True, 64, 128, 16, 64, 3)])
+def test_compiled_on_gpu_at_the_26b_expert_shapes_every_layer(one_dot, tile, down_bn, bm, bk, stages, monkeypatch):
     """On a GPU at DiffusionGemma 26B's expert shapes (2048 rows sorted by kernels/expert_sort, a 5-layer stack: 64-bit
     offsets), the MoE's fused path equals its two-GEMM path at every layer of a loop over the stack (the tickets and
     counters start afresh in every call)."""
@@ -180,7 +174,6 @@ def test_compiled_on_gpu_at_the_26b_expert_shapes_every_layer(one_dot, tile, dow
     monkeypatch.setattr(moe, "FUSED_GU_BK", bk)
     monkeypatch.setattr(moe, "FUSED_DN_BK", bk)
     monkeypatch.setattr(moe, "FUSED_STAGES", stages)
-    monkeypatch.setattr(moe, "FUSED_SWAP", swap)
     ks = jax.random.split(jax.random.key(11), 5)
     t, d, e, f, k, n_layers = 256, 2816, 128, 704, 8, 5  # gate/up 5.1 GB
     x = jax.random.normal(ks[0], (t, d), jnp.bfloat16)

@@ -47,23 +47,17 @@ TILES = Blocks(bn=128, bk=64, splits=1)  # default tiles of both GEMMs (Diffusio
 MAX_SPIN = 1 << 22  # a safety net, never reached when the tickets hold: a wrong wait finishes (wrongly), not hangs
 
 
-def _halves(acc: jax.Array, axis: int = 1) -> tuple[jax.Array, jax.Array]:
-    """[bm, 2 bw] (axis 1; axis 0: [2 bw, bm]) -> its two halves along `axis`. Pallas' Triton lowering has no slice
-    of a value; a reshape and a masked sum over the new axis lower (exact: each sum has one nonzero term)."""
-    shape = acc.shape[:axis] + (2, acc.shape[axis] // 2) + acc.shape[axis + 1:]
-    a = acc.reshape(shape)
-    half = jax.lax.broadcasted_iota(jnp.int32, a.shape, axis)
-    return tuple(jnp.sum(jnp.where(half == h, a, 0.0), axis=axis) for h in (0, 1))
-
-
-def _swapped_dot(w: jax.Array, xb: jax.Array) -> jax.Array:
-    """w [bk, n] and rows xb [bm, bk] -> (xb @ w)^T [n, bm] in float32: the weight tile is the product's M side
-    (wgmma's 64-row unit filled by weight columns), the rows its N side (8-256 wide)."""
-    return jax.lax.dot_general(w, xb, (((0,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+def _halves(acc: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[bm, 2 bw] -> its two [bm, bw] halves. Pallas' Triton lowering has no slice of a value; a reshape and a masked
+    sum over the new axis lower (exact: each sum has one nonzero term)."""
+    bm, n = acc.shape
+    a = acc.reshape(bm, 2, n // 2)
+    half = jax.lax.broadcasted_iota(jnp.int32, a.shape, 1)
+    return tuple(jnp.sum(jnp.where(half == h, a, 0.0), axis=1) for h in (0, 1))
 
 
 def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, count_in, h_ref, o_ref, count_ref, *,
-            bm: int, gu: Blocks, dn: Blocks, act, one_dot: bool, swap: bool, interpret: bool):
+            bm: int, gu: Blocks, dn: Blocks, act, one_dot: bool, interpret: bool):
     del count_in  # aliased to count_ref
     from jax.experimental.pallas import triton as plt
 
@@ -93,8 +87,6 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, count_in, h_ref
                 k0 = pl.multiple_of(c * gu.bk, gu.bk)
                 xb = plt.load(x_ref.at[ids[:, None], (k0 + jnp.arange(gu.bk))[None, :]], mask=live[:, None],
                               other=0.0)
-                if swap:  # [2 bw, bm]: the tile's [gate | up] columns as the product's rows
-                    return acc + _swapped_dot(gu_ref[layer, e, j, pl.ds(k0, gu.bk), :], xb)
                 if one_dot:  # the tile's [gate | up] columns as one [bk, 2 bw] product
                     return acc + jnp.dot(xb, gu_ref[layer, e, j, pl.ds(k0, gu.bk), :],
                                          preferred_element_type=jnp.float32)
@@ -102,16 +94,13 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, count_in, h_ref
                 return (acc[0] + jnp.dot(xb, wg, preferred_element_type=jnp.float32),
                         acc[1] + jnp.dot(xb, wu, preferred_element_type=jnp.float32))
 
-            if swap:
-                g, u = _halves(jax.lax.fori_loop(0, d // gu.bk, chunk, jnp.zeros((2 * bw, bm), jnp.float32)), 0)
-            elif one_dot:
+            if one_dot:
                 g, u = _halves(jax.lax.fori_loop(0, d // gu.bk, chunk, jnp.zeros((bm, 2 * bw), jnp.float32)))
             else:
                 g, u = jax.lax.fori_loop(0, d // gu.bk, chunk, (jnp.zeros((bm, bw), jnp.float32),) * 2)
             g, u = (a.astype(h_ref.dtype).astype(jnp.float32) for a in (g, u))
-            h = (act(g) * u).astype(h_ref.dtype)
-            plt.store(h_ref.at[pl.ds(r0, bm), pl.ds(pl.multiple_of(j * bw, bw), bw)], h.T if swap else h,
-                      mask=live[:, None])
+            plt.store(h_ref.at[pl.ds(r0, bm), pl.ds(pl.multiple_of(j * bw, bw), bw)],
+                      (act(g) * u).astype(h_ref.dtype), mask=live[:, None])
             return carry
 
         jax.lax.fori_loop(0, n_tiles, tile, 0)
@@ -134,24 +123,22 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, count_in, h_ref
             def chunk(c, acc):
                 k0 = pl.multiple_of(c * dn.bk, dn.bk)
                 hb = plt.load(h_ref.at[pl.ds(r0, bm), pl.ds(k0, dn.bk)], mask=live[:, None], other=0.0)
-                w = dn_ref[layer, e, pl.ds(k0, dn.bk), cols]
-                return acc + (_swapped_dot(w, hb) if swap else jnp.dot(hb, w, preferred_element_type=jnp.float32))
+                return acc + jnp.dot(hb, dn_ref[layer, e, pl.ds(k0, dn.bk), cols],
+                                     preferred_element_type=jnp.float32)
 
-            acc = jax.lax.fori_loop(0, f // dn.bk, chunk,
-                                    jnp.zeros((dn.bn, bm) if swap else (bm, dn.bn), jnp.float32))
-            plt.store(o_ref.at[pl.ds(r0, bm), cols], (acc.T if swap else acc).astype(o_ref.dtype),
-                      mask=live[:, None])
+            acc = jax.lax.fori_loop(0, f // dn.bk, chunk, jnp.zeros((bm, dn.bn), jnp.float32))
+            plt.store(o_ref.at[pl.ds(r0, bm), cols], acc.astype(o_ref.dtype), mask=live[:, None])
             return carry
 
         jax.lax.fori_loop(0, n_tiles, tile, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("act", "gu_blocks", "dn_blocks", "bm", "num_warps", "num_stages",
-                                             "one_dot", "swap", "interpret"))
+                                             "one_dot", "interpret"))
 def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Array, offsets: jax.Array,
                 layer: jax.Array, act, gu_blocks: Blocks = TILES,
                 dn_blocks: Blocks = TILES, bm: int = 64, num_warps: int = 4,
-                num_stages: int = 3, one_dot: bool = False, swap: bool = False, interpret: bool = False) -> jax.Array:
+                num_stages: int = 3, one_dot: bool = False, interpret: bool = False) -> jax.Array:
     """Sorted row r of x[rows] through its expert's MLP: act(x_r @ gate_e) * (x_r @ up_e) @ down_e -> [M, D] in
     x's dtype (M = rows.shape[0]; rows past offsets[-1] are 0).
 
@@ -161,10 +148,7 @@ def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Arr
     (rows of K per step) and bn of each GEMM; one num_warps / num_stages for the launch. one_dot: gate/up's [gate |
     up] tile as one 2 bw-wide product per K step, its halves split after the loop (`_halves`), instead of two bw-wide
     products (the model's default, moe.FUSED_ONE_DOT: 0.3-1 us per 26B layer faster in isolation, 0.02-0.045 ms per
-    forward). swap: every product transposed, (x @ w)^T = w^T x^T, so that the weight tile's columns fill the tensor
-    cores' 64-row side and bm rows (>= 16, a multiple of 8) their narrow side: with bm below 64 the products then
-    keep wgmma (session 17: 32-row tiles without it +1.6 ms per forward) and a [64, 2 bw] accumulator's registers
-    shrink to [2 bw, bm]'s; one_dot is implied."""
+    forward)."""
     _, d = x.shape
     layer_arr = layer_operand("grouped_mlp", True, layer, gate_up.shape)
     if gate_up.ndim != 5 or down.ndim != 4:
@@ -179,8 +163,6 @@ def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Arr
         raise ValueError(f"grouped_mlp: blocks {gu_blocks} / {dn_blocks} do not divide D={d}, F={f}")
     if offsets.shape != (e + 1,) or rows.ndim != 1 or rows.dtype != jnp.int32:
         raise ValueError(f"grouped_mlp: offsets {offsets.shape} (want ({e + 1},)) / rows {rows.dtype}{rows.shape}")
-    if swap and (bm < 16 or bm & (bm - 1)):
-        raise ValueError(f"grouped_mlp: swap needs bm a power of two >= 16 (the products' narrow side), got {bm}")
     m = rows.shape[0]
     spare = bm if interpret else 0  # interpret mode clamps windows that leave the array (kernel.py)
     rows_p = jnp.pad(rows, (0, spare))
@@ -189,8 +171,7 @@ def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Arr
     count = jnp.zeros((e + 1,), jnp.int32)
     h_shape, o_shape = (m + spare, f), (m + spare, d)
     _, out, _ = pl.pallas_call(
-        functools.partial(_kernel, bm=bm, gu=gu_blocks, dn=dn_blocks, act=act, one_dot=one_dot, swap=swap,
-                          interpret=interpret),
+        functools.partial(_kernel, bm=bm, gu=gu_blocks, dn=dn_blocks, act=act, one_dot=one_dot, interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct(h_shape, x.dtype), jax.ShapeDtypeStruct(o_shape, x.dtype),
                    jax.ShapeDtypeStruct(count.shape, count.dtype)),
         grid=(items,),

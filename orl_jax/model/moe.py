@@ -261,7 +261,8 @@ GATHER_IN_KERNEL = True
 # 32 rows equal alone but +0.1 ms per forward, 16 rows 508-517 us, 8 warps 382 us, K step 128 365-446 us, and K step
 # 32 with 32 rows and 4 stages 1-4 us faster alone but +0.25 ms per forward (14.65-14.69 against 14.40-14.42 ms).
 # Also refuted: down in contiguous column tiles, multi-tile work items, persistent programs (git d70a95a, fe81d91,
-# 9b6ec06).
+# 9b6ec06), and every product transposed so that 32 or 16 rows keep wgmma (git d75c791: 32 rows equal alone, +0.08 ms
+# per forward; 16 rows 507-514 us, +4 ms; benchmarks/results/2026-12-04_dg_swapped_products_h200.md).
 FUSED_TILE = 64
 FUSED_DOWN_BN = 128
 FUSED_BM = 64
@@ -277,10 +278,6 @@ FUSED_STAGES = 3
 # 14.435 / 14.440 against 14.480 / 14.464 ms, alternating in one process (benchmarks/dg_fused_one_dot_sweep.json;
 # benchmarks/results/2026-12-04_dg_one_dot_ffw_tail_h200.md). Read at trace time.
 FUSED_ONE_DOT = True
-# Every product of the one-launch expert MLP transposed (mlp.grouped_mlp's swap): the weight tile on the tensor cores'
-# 64-row side, FUSED_BM rows on the narrow side, so rows per tile can drop below 64 and keep wgmma. Read at trace
-# time.
-FUSED_SWAP = False
 
 
 def fusable(d: int, f: int) -> bool:
@@ -320,7 +317,7 @@ def fused_expert_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: ja
 
     return grouped_mlp(x, rows, gate_up, down, offsets, layer, ACTIVATIONS[act], *fused_blocks(gate_up),
                        bm=FUSED_BM, num_warps=FUSED_WARPS, num_stages=FUSED_STAGES, one_dot=FUSED_ONE_DOT,
-                       swap=FUSED_SWAP, interpret=jax.default_backend() == "cpu")
+                       interpret=jax.default_backend() == "cpu")
 
 
 def fused_stack(w) -> bool:
