@@ -229,6 +229,26 @@ def test_decoder_matches_hf(dg_ours, dg_hf, self_cond):
             assert err < 1e-4, (r, j, err)
 
 
+def _self_cond_input(params, cfg, canvas, seed):
+    """Random previous-step logits sc [2, L, V] for a canvas [2, L], and the decoder input with self-conditioning on
+    their softmax's soft embedding."""
+    b, length = canvas.shape
+    sc = np.random.default_rng(seed).normal(0, 3, (b, length, cfg.vocab_size)).astype(np.float32)
+    z = _soft(params, cfg, jax.nn.softmax(jnp.asarray(sc), axis=-1))
+    return sc, dg.residual_embed(params, cfg, jnp.asarray(canvas), z, jnp.ones((b, length), jnp.float32))
+
+
+def _check_fused_pass(got, got_cache, want, want_cache, hf_rows):
+    """A fused pass's logits and cache against our two passes' (2e-5), and each row's logits against transformers'
+    (1e-4)."""
+    assert np.abs(np.asarray(want)).max() > 1.0
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=0)
+    for r, ref in enumerate(hf_rows):
+        assert np.abs(np.asarray(got)[r] - ref).max() < 1e-4, r
+
+
 @pytest.mark.parametrize("self_cond", [False, True], ids=["no-sc", "sc"])
 def test_prefill_decode_is_prefill_then_decode(dg_ours, dg_hf, self_cond):
     """The fused pass (generate()'s first step): the canvas logits equal HF's decoder after its encoder and our
@@ -240,22 +260,13 @@ def test_prefill_decode_is_prefill_then_decode(dg_ours, dg_hf, self_cond):
     L, lengths = cfg.block_length, [11, 6]
     prompts, padded = _left_padded(lengths, 30)
     canvas = _tokens((2, L), 40)
-    sc = np.random.default_rng(41).normal(0, 3, (2, L, cfg.vocab_size)).astype(np.float32) if self_cond else None
-    embeds = None
-    if self_cond:
-        z = _soft(params, cfg, jax.nn.softmax(jnp.asarray(sc), axis=-1))
-        embeds = dg.residual_embed(params, cfg, jnp.asarray(canvas), z, jnp.ones((2, L), jnp.float32))
+    sc, embeds = _self_cond_input(params, cfg, canvas, 41) if self_cond else (None, None)
     args = (params, cfg, jnp.asarray(padded), jnp.asarray(lengths, jnp.int32), max(lengths) + L)
     got, cache = jax.jit(dg.prefill_decode, static_argnums=(1, 4))(*args, jnp.asarray(canvas), embeds=embeds)
     _, want_cache = _prefill(*args)
     want = _decode(params, cfg, jnp.asarray(canvas), want_cache, embeds=embeds)
-    assert np.abs(np.asarray(want)).max() > 1.0
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
-    for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(want_cache)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=0)
-    for r in range(2):
-        ref = _hf_row(model, prompts[r], [canvas[r]], [None if sc is None else sc[r]], [])[0]
-        assert np.abs(np.asarray(got)[r] - ref).max() < 1e-4, r
+    refs = [_hf_row(model, prompts[r], [canvas[r]], [None if sc is None else sc[r]], [])[0] for r in range(2)]
+    _check_fused_pass(got, cache, want, want_cache, refs)
 
 
 @pytest.mark.parametrize("moe_impl,attention", [("bucketed", "orl_jax"), ("pallas", "pallas")])
@@ -269,21 +280,14 @@ def test_commit_decode_is_commit_then_decode(dg_ours, dg_hf, moe_impl, attention
     L, lengths = cfg.block_length, [11, 6]
     prompts, padded = _left_padded(lengths, 50)
     block, canvas = _tokens((2, L), 60), _tokens((2, L), 61)
-    sc = np.random.default_rng(62).normal(0, 3, (2, L, cfg.vocab_size)).astype(np.float32)
-    z = _soft(params, cfg, jax.nn.softmax(jnp.asarray(sc), axis=-1))
-    embeds = dg.residual_embed(params, cfg, jnp.asarray(canvas), z, jnp.ones((2, L), jnp.float32))
+    sc, embeds = _self_cond_input(params, cfg, canvas, 62)
     _, cache = _prefill(params, cfg, jnp.asarray(padded), jnp.asarray(lengths, jnp.int32), max(lengths) + 2 * L)
     got, got_cache = jax.jit(dg.commit_decode, static_argnums=(1,))(params, cfg, jnp.asarray(block), cache,
                                                                      jnp.asarray(canvas), embeds=embeds)
     want_cache = _commit(params, cfg, jnp.asarray(block), cache)
     want = _decode(params, cfg, jnp.asarray(canvas), want_cache, embeds=embeds)
-    assert np.abs(np.asarray(want)).max() > 1.0
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
-    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=0)
-    for r in range(2):
-        ref = _hf_row(model, prompts[r], [canvas[r], canvas[r]], [None, sc[r]], [block[r]])[1]
-        assert np.abs(np.asarray(got)[r] - ref).max() < 1e-4, r
+    refs = [_hf_row(model, prompts[r], [canvas[r], canvas[r]], [None, sc[r]], [block[r]])[1] for r in range(2)]
+    _check_fused_pass(got, got_cache, want, want_cache, refs)
 
 
 def test_prefill_decode_refuses(dg_ours):
