@@ -43,18 +43,15 @@ def host_during_gaps(trace_dir: str, min_gap_us: float = 200, top: int = 8,
     command-buffer record / update / launch, transfers), grouped by thread and name with their overlapping ms, the
     `top` largest. With one program call per trace: the host costs the GPU waits for (issue #4: a `generate()`
     trace's 2.6-2.7 ms idle before its first kernel and 2.1-2.2 ms before the loop's first step)."""
-    ev = sorted((s, s + d) for _, _, s, d in kernel_events(trace_dir, plane_prefix))
+    ev = sorted(kernel_events(trace_dir, plane_prefix), key=lambda e: e[2])
     if not ev:  # no device plane (a CPU run)
         return []
     paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
     host = [(line.name[:40], e.name[:80], int(e.start_ns), int(e.start_ns) + int(e.duration_ns))
             for plane in ProfileData.from_file(paths[-1]).planes if plane.name.startswith("/host")
             for line in plane.lines for e in line.events]
-    gaps, end = [(min(h[2] for h in host), ev[0][0])] if host else [], ev[0][1]
-    for s, e in ev[1:]:
-        if s > end:
-            gaps.append((end, s))
-        end = max(end, e)
+    first = ev[0][2]
+    gaps = ([(min(h[2] for h in host), first)] if host else []) + [(a, b) for a, b, _, _ in _idle_gaps(ev)]
     rows = []
     for g0, g1 in gaps:
         if g1 - g0 < min_gap_us * 1e3:
@@ -64,7 +61,7 @@ def host_during_gaps(trace_dir: str, min_gap_us: float = 200, top: int = 8,
             if s < g1 and e > g0:
                 by[(thread, name)][0] += 1
                 by[(thread, name)][1] += min(e, g1) - max(s, g0)
-        rows.append({"gap_start_ms": (g0 - ev[0][0]) / 1e6, "gap_ms": (g1 - g0) / 1e6,
+        rows.append({"gap_start_ms": (g0 - first) / 1e6, "gap_ms": (g1 - g0) / 1e6,
                      "host": [{"thread": t, "event": n, "count": c, "ms": ns / 1e6}
                               for (t, n), (c, ns) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]]})
     return rows
@@ -109,17 +106,12 @@ def summarize_events(ev: list[tuple[str, str, int, int]], steps: int, top: int =
     their op's: they count by kernel name alone, so a kernel that several loops launch (one command buffer each)
     adds up to one row."""
     ev = sorted(ev, key=lambda e: e[2])
-    busy, end, last = 0, None, None
     gaps = collections.defaultdict(lambda: [0, 0])
-    for name, _, s, d in ev:
-        if end is not None and s > end:
-            gaps[(last[:60], name[:60])][0] += 1
-            gaps[(last[:60], name[:60])][1] += s - end
-        if end is None or s >= end:
-            busy, end, last = busy + d, s + d, name
-        elif s + d > end:
-            busy, end, last = busy + s + d - end, s + d, name
+    for g0, g1, last, name in _idle_gaps(ev):
+        gaps[(last[:60], name[:60])][0] += 1
+        gaps[(last[:60], name[:60])][1] += g1 - g0
     span = max(s + d for _, _, s, d in ev) - ev[0][2]
+    busy = span - sum(t for _, t in gaps.values())  # the union of the kernels' intervals
     key = [(name[:80], "command_buffer" if op.startswith("command_buffer") else op[:60]) for name, op, _, _ in ev]
     by = collections.defaultdict(lambda: [0, 0])
     durations = collections.defaultdict(list)
@@ -137,6 +129,18 @@ def summarize_events(ev: list[tuple[str, str, int, int]], steps: int, top: int =
                      "us_per_step": t / steps / 1e3, "alone_us_per_step": alone[(n, op)] / steps / 1e3,
                      **_percentiles(durations[(n, op)])}
                     for (n, op), (c, t) in rows]}
+
+
+def _idle_gaps(ev: list[tuple]) -> list[tuple[int, int, str, str]]:
+    """The times no kernel runs between the first and the last of `ev` (kernel events sorted by start): (start ns,
+    end ns, the kernel that ended last, the one that starts after) per gap."""
+    gaps, end, last = [], None, None
+    for name, _, s, d in ev:
+        if end is not None and s > end:
+            gaps.append((end, s, last, name))
+        if end is None or s >= end or s + d > end:
+            end, last = s + d, name
+    return gaps
 
 
 def _percentiles(durations: list[int]) -> dict:
