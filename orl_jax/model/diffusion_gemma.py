@@ -443,12 +443,18 @@ def _encoder_vis(cfg: DiffusionGemmaConfig, b: int, l: int, valid=None, cache=No
 def _decoder_vis(cfg: DiffusionGemmaConfig, b: int, l: int, cache: HybridKVCache) -> dict:
     """Bidirectional canvas; every canvas token sees the committed prefix, sliding layers its last W - 1 slots."""
     full = self_mask(full_segments(b, l))
+    # all canvas tokens see the window of the first one
+    return {FULL: full, SLIDING: full, **_cache_vis(cfg, cache, jnp.broadcast_to(cache.length, (b, l)))}
+
+
+def _cache_vis(cfg: DiffusionGemmaConfig, cache: HybridKVCache, q: jax.Array) -> dict:
+    """Visibility of the cache's committed slots to queries at cache positions q [B, L]: every valid slot in full
+    layers, the W - 1 slots before q in sliding layers."""
+    b, l = q.shape
     slots = jnp.arange(cache.size, dtype=jnp.int32)
     m = (slots[None] >= cache.start[:, None]) & (slots[None] < cache.length)  # [B, S]
     m = jnp.broadcast_to(m[:, None, :], (b, l, cache.size))
-    q = jnp.broadcast_to(cache.length, (b, l))  # all canvas tokens see the window of the first one
-    return {FULL: full, SLIDING: full, "cache_" + FULL: m,
-            "cache_" + SLIDING: m & window_mask(q, slots, cfg.sliding_window)}
+    return {"cache_" + FULL: m, "cache_" + SLIDING: m & window_mask(q, slots, cfg.sliding_window)}
 
 
 def _fused_vis(cfg: DiffusionGemmaConfig, b: int, n_enc: int, n_dec: int, valid=None, cache=None) -> dict:
@@ -461,12 +467,7 @@ def _fused_vis(cfg: DiffusionGemmaConfig, b: int, n_enc: int, n_dec: int, valid=
     seg = block_segments(b, n, n_enc, n_dec)  # encoder token i: i; canvas tokens: n_enc
     full = self_mask(seg, valid)
     vis = {FULL: full, SLIDING: full & window_mask(seg, jnp.arange(n), cfg.sliding_window)}
-    if cache is not None:
-        slots = jnp.arange(cache.size, dtype=jnp.int32)
-        m = (slots[None] >= cache.start[:, None]) & (slots[None] < cache.length)  # [B, S]
-        vis["cache_" + FULL] = jnp.broadcast_to(m[:, None, :], (b, n, cache.size))
-        vis["cache_" + SLIDING] = vis["cache_" + FULL] & window_mask(cache.length + seg, slots, cfg.sliding_window)
-    return vis
+    return vis if cache is None else vis | _cache_vis(cfg, cache, cache.length + seg)
 
 
 # --- the three passes of block diffusion -------------------------------------------------------------------------
@@ -522,12 +523,19 @@ def prefill_decode(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, l
     start = (p - lengths).astype(jnp.int32)
     cache = HybridKVCache(sliding=cache.sliding.replace(start=start), full=cache.full.replace(start=start))
     positions = jnp.maximum(cache.positions(p + l), 0)  # the canvas at slots p .. p + l - 1, as after the prefill
-    x_canvas = embed(params, cfg, canvas) if embeds is None else embeds.astype(cfg.jnp_dtype)
-    x = jnp.concatenate([token_embed(params, cfg, tokens), x_canvas], axis=1)
+    x = _fused_input(params, cfg, tokens, canvas, embeds)
     valid = jnp.arange(p + l)[None] >= start[:, None]  # [B, P + L]: pad keys are invisible
     h, kv_s, kv_f = backbone(params, cfg, x, positions, _fused_vis(cfg, b, p, l, valid), encoder=True,
                              collect_kv=True, in_place=True, decoder_from=p)
     return logits(params, cfg, h[:, p:]), cache.write(kv_s, kv_f)
+
+
+def _fused_input(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, canvas: jax.Array,
+                 embeds: jax.Array | None) -> jax.Array:
+    """A fused pass's input [B, Le + L, D]: the encoder's embedding of tokens [B, Le], then the canvas's decoder
+    input (`embed`, or embeds when given)."""
+    x_canvas = embed(params, cfg, canvas) if embeds is None else embeds.astype(cfg.jnp_dtype)
+    return jnp.concatenate([token_embed(params, cfg, tokens), x_canvas], axis=1)
 
 
 def commit_decode(params: dict, cfg: DiffusionGemmaConfig, block: jax.Array, cache: HybridKVCache,
@@ -543,8 +551,7 @@ def commit_decode(params: dict, cfg: DiffusionGemmaConfig, block: jax.Array, cac
     l = canvas.shape[1]
     if canvas.shape[0] != b:
         raise ValueError(f"canvas has {canvas.shape[0]} rows, block {b}")
-    x_canvas = embed(params, cfg, canvas) if embeds is None else embeds.astype(cfg.jnp_dtype)
-    x = jnp.concatenate([token_embed(params, cfg, block), x_canvas], axis=1)
+    x = _fused_input(params, cfg, block, canvas, embeds)
     h, kv_s, kv_f = backbone(params, cfg, x, cache.positions(lb + l), _fused_vis(cfg, b, lb, l, cache=cache), cache,
                              encoder=True, collect_kv=True, decoder_from=lb)
     return logits(params, cfg, h[:, lb:], capped), cache.write(kv_s, kv_f)
