@@ -100,7 +100,7 @@ ap.add_argument("--generate-ab", action="append", default=[], metavar="MODULE.NA
 ap.add_argument("--ab-compiler-options", type=json.loads, metavar="JSON",
                 help="--generate-ab's B side (or alone, the A/B's only difference): XLA compiler options added to "
                      "runtime.DG_COMPILER_OPTIONS for B's generate() program, e.g. '{\"xla_gpu_command_buffer_"
-                     "update_mode\": \"NEVER_UPDATE\"}'; its outputs are compared with A's")
+                     "update_mode\": \"SKIP_PROFILED\"}'; its outputs are compared with A's")
 ap.add_argument("--ab-rounds", type=int, default=8, help="--generate-ab: timed calls of each program")
 ap.add_argument("--ab-max-steps", type=int, action="append", default=[], metavar="N",
                 help="--generate-ab: then the same A/B with generate(max_steps=N) (repeatable): the difference of two "
