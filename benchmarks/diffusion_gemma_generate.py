@@ -79,7 +79,8 @@ ap.add_argument("--looped", type=int, default=8, metavar="N",
                      "them): ms per forward without host dispatch or per-call command-buffer updates between them "
                      "(the number issue #4's target is judged by since session 21; 0: skip)")
 ap.add_argument("--parts", action="store_true",
-                help="also time what generate() runs besides the decoder forwards: the prefill, and per step the "
+                help="also time what generate() runs besides the decoder forwards: the prefill, the fused first "
+                     "pass (prefill_decode, and a trace of its kernels), and per step the "
                      "self-conditioning input, the sampler and the soft embedding, each in a device loop; then a "
                      "trace of one generate() call (top kernels per step; timeline beside --out). The trace's idle "
                      "gaps are the profiler's: traced, each loop step has a ~2 ms gap with the host inside Execute, "
@@ -385,9 +386,6 @@ def generate_parts(c, kw):
     lengths = jnp.asarray([args.prompt], jnp.int32)
     pf = compile_dg(lambda p, t: diffusion_gemma.prefill(p, c, t, lengths, args.prompt + args.new)[1])
     log(what="part", part="prefill", ms=median_seconds(lambda: pf(params, jnp.asarray(prompt)), reps=5) * 1e3)
-    # the prefill's kernels alone (one call), with what each fusion is
-    traced("prefill_", lambda: pf(params, jnp.asarray(prompt)), 1,
-           pf.lower(params, jnp.asarray(prompt)).compile().as_text())
     V, L = c.vocab_size, args.new
     logits = 4 * jax.random.normal(jax.random.key(7), (1, L, V), jnp.float32)
     canvas = jnp.asarray(np.random.default_rng(1).integers(0, min(200000, V), (1, L)), jnp.int32)
@@ -395,6 +393,9 @@ def generate_parts(c, kw):
     pd = compile_dg(lambda p, t, x: diffusion_gemma.prefill_decode(p, c, t, lengths, args.prompt + args.new, x))
     log(what="part", part="prefill_decode",
         ms=median_seconds(lambda: pd(params, jnp.asarray(prompt), canvas), reps=5) * 1e3)
+    # its kernels alone (one call), with what each fusion is
+    traced("prefill_decode_", lambda: pd(params, jnp.asarray(prompt), canvas), 1,
+           pd.lower(params, jnp.asarray(prompt), canvas).compile().as_text())
     # its logits and cache against the two passes', beside how far other roundings of the same math move them
     got, got_cache = pd(params, jnp.asarray(prompt), canvas)
     cache = pf(params, jnp.asarray(prompt))

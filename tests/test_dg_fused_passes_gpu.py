@@ -66,3 +66,23 @@ def test_commit_decode_on_gpu(setup):
     assert int(got_cache.length) == int(committed.length) == 160
     for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(committed)):
         assert _rel(a, b) < 1e-3
+
+
+def test_uncached_cudnn_attention_on_gpu(monkeypatch):
+    """The cache-free passes' sliding-layer attention through cuDNN (UNCACHED_ATTENTION "auto", bf16) against the
+    float32 einsums it replaces, under prefill_decode's visibility (causal prompt with its window, the canvas one
+    segment after it, a left-padded row)."""
+    from orl_jax.diffusion_gemma_config import SLIDING
+    from orl_jax.model.attention import attention
+
+    monkeypatch.setattr(dg, "UNCACHED_ATTENTION", "auto")
+    bf16 = CFG.replace(dtype="bfloat16")
+    assert dg._uncached_attention(bf16) == "cudnn" and dg._uncached_attention(CFG) == "orl_jax"
+    b, p, l, n, kv, h = 2, 96, 64, 4, 2, 256
+    valid = jnp.arange(p + l)[None] >= jnp.asarray([0, 26])[:, None]
+    mask = dg._fused_vis(bf16, b, p, l, valid)[SLIDING]
+    q, k, v = (0.25 * jax.random.normal(key, (b, p + l, heads, h), jnp.bfloat16)
+               for key, heads in zip(jax.random.split(jax.random.key(3), 3), (n, kv, kv)))
+    got = jax.jit(lambda *a: attention(a[0], [a[1:]], "cudnn", scale=1.0))(q, k, v, mask)
+    want = jax.jit(lambda *a: attention(a[0], [a[1:]], "orl_jax", scale=1.0))(q, k, v, mask)
+    assert _rel(got, want) < 2e-2 and float(jnp.std(want.astype(jnp.float32))) > 0.05

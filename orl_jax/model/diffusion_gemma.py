@@ -87,6 +87,14 @@ ACT = "gelu_tanh"  # HF: gelu_pytorch_tanh
 
 EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")  # [layers, E, ...] per layer type
 
+# The cache-free inference passes' self-attention (the prompt's `prefill`, `prefill_decode`: hundreds of queries
+# over as many keys). "auto": cuDNN's flash attention (jax.nn.dot_product_attention, the visibility mask passed
+# whole) on the layers it takes (head dim <= 256: the sliding layers) where it runs (a GPU of compute capability
+# >= 8.0, bf16 / fp16) and the config's cached_attention_impl allows kernels ("auto", "pallas", "cudnn"; the
+# multi-device "auto" -> "orl_jax" keeps the einsums); elsewhere, and with "orl_jax", the float32 einsums (HF
+# eager's order). Read at trace time (`_uncached_attention`).
+UNCACHED_ATTENTION = "orl_jax"
+
 
 def _layer_specs(cfg: DiffusionGemmaConfig, n: int, kv: int, hd: int, own_v: bool) -> dict:
     """One layer type's stacked weights. Each layer's query, key and value projections are one matrix [D, K, G + 2,
@@ -210,7 +218,7 @@ def soft_embed(params: dict, cfg: DiffusionGemmaConfig, probs: jax.Array, scale:
 
 # --- the layer stack ---------------------------------------------------------------------------------------------
 
-def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: str):
+def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: str, self_impl: str = "orl_jax"):
     eps = cfg.rms_norm_eps
     b, l, d = x.shape
     h = rms_norm_fp32(x, w["attn_norm"], eps)
@@ -229,7 +237,7 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
         v = rms_norm_fp32(proj[:, :, :, g + 1 if own_v else g], None, eps)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
-    impl = "orl_jax" if cache_part is None else qwen3.cached_attention_impl(cfg)
+    impl = self_impl if cache_part is None else qwen3.cached_attention_impl(cfg)
     attn = einsum("blnh,nhd->bld", attention(q, parts, impl, scale=1.0), w["o"])
     x = x + rms_norm_fp32(attn, w["post_attn_norm"], eps)
 
@@ -291,6 +299,17 @@ def moe_impl(cfg: DiffusionGemmaConfig) -> str:
     return kernel_choice(cfg.moe_impl, "pallas", "bucketed")
 
 
+def _uncached_attention(cfg: DiffusionGemmaConfig) -> str:
+    """The attention impl of a cache-free inference pass under UNCACHED_ATTENTION (see there)."""
+    if UNCACHED_ATTENTION not in ("auto", "orl_jax"):
+        raise ValueError(f"UNCACHED_ATTENTION must be 'auto' or 'orl_jax', got {UNCACHED_ATTENTION!r}")
+    if (UNCACHED_ATTENTION == "orl_jax" or cfg.cached_attention_impl not in ("auto", "pallas", "cudnn")
+            or cfg.dtype not in ("bfloat16", "float16") or jax.default_backend() != "gpu"):
+        return "orl_jax"
+    cc = getattr(jax.devices()[0], "compute_capability", "0")
+    return "cudnn" if float(cc) >= 8.0 else "orl_jax"
+
+
 def _rope(cfg: DiffusionGemmaConfig, positions):
     rs, rf = cfg.rope_sliding, cfg.rope_full
     inv_s = rope_inv_freq(cfg.head_dim, rs.theta, rs.rope_type, rs.partial_rotary_factor, rs.factor)
@@ -343,8 +362,10 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     take = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False, allow_negative_indices=False)  # noqa
     norm_offsets = _qk_kernel_offsets(cfg, sliding_layout) if cache is not None else None
 
+    self_impl = _uncached_attention(cfg) if in_place and cache is None and not remat else "orl_jax"
+
     def layer(x, w, rope, kind, part):  # -> (x, k, v), the K/V of the first kv_len tokens
-        x, kk, vv = _layer(cfg, x, w, rope, vis[kind], part, scalar)
+        x, kk, vv = _layer(cfg, x, w, rope, vis[kind], part, scalar, self_impl)
         return x, kk[:, :kv_len], vv[:, :kv_len]
 
     def sliding_layer(x, i, w, ck=None, cv=None):
