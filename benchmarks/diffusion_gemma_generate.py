@@ -102,6 +102,10 @@ ap.add_argument("--ab-compiler-options", type=json.loads, metavar="JSON",
                 help="--generate-ab's B side (or alone, the A/B's only difference): XLA compiler options added to "
                      "runtime.DG_COMPILER_OPTIONS for B's generate() program, e.g. '{\"xla_gpu_command_buffer_"
                      "update_mode\": \"SKIP_PROFILED\"}'; its outputs are compared with A's")
+ap.add_argument("--ab-fold-attention-norms", action="store_true",
+                help="--generate-ab's B side (or alone, the A/B's only difference) runs on the params with the "
+                     "attention norms folded into the q/k/v projections (diffusion_gemma.fold_attention_norms); "
+                     "first the decoder forward (48 per loop, --ab-rounds each, alternating) and the two logits' gap")
 ap.add_argument("--ab-rounds", type=int, default=8, help="--generate-ab: timed calls of each program")
 ap.add_argument("--ab-max-steps", type=int, action="append", default=[], metavar="N",
                 help="--generate-ab: then the same A/B with generate(max_steps=N) (repeatable): the difference of two "
@@ -306,11 +310,17 @@ def looped_ms(fn, x, n=16, *operands, options=None, reps=5, p=None):
     """ms per call of fn(p, x, *operands) -> array (p: the global params unless given), n calls in one device loop,
     each input depending on the previous output through a test that is never true (nothing hoisted). Arrays go in
     as operands, not closures (a closure would embed them in the program as constants)."""
+    f = looped_program(fn, n, options)
+    return median_seconds(lambda: f(params if p is None else p, x, *operands), reps=reps) * 1e3 / n
+
+
+def looped_program(fn, n, options=None):
+    """looped_ms' jitted program: (p, x, *operands) -> x after n calls of fn in one fori_loop (one compilation per
+    params tree)."""
     def run(p, x, *ops):
         return jax.lax.fori_loop(0, n, lambda _, x: x + (jnp.max(fn(p, x, *ops)) == jnp.inf).astype(x.dtype), x)
 
-    f = compile_dg(run, options)
-    return median_seconds(lambda: f(params if p is None else p, x, *operands), reps=reps) * 1e3 / n
+    return compile_dg(run, options)
 
 
 def generate_call(c, kw):
@@ -326,35 +336,41 @@ def generate_call(c, kw):
     return run, *seen[0]
 
 
-def generate_program(c, kw, options=None):
+def generate_program(c, kw, options=None, p=None):
     """generate()'s program for (c, kw) compiled afresh under the switches now set (and XLA compiler `options` on
-    top of runtime.DG_COMPILER_OPTIONS), and its positional arguments."""
+    top of runtime.DG_COMPILER_OPTIONS), and its positional arguments (the params `p` in place of the global ones
+    where given)."""
     from orl_jax.decode import engine
 
     jax.clear_caches()
     run, a, k = generate_call(c, kw)
+    if p is not None:
+        a = (p, *a[1:])
     if options:
         run = jax.jit(engine._generate_loop, static_argnames=("cfg", "dcfg"),
                       compiler_options=runtime.DG_COMPILER_OPTIONS | options)
     return run.lower(*a, **k).compile(), a
 
 
-def generate_ab(c, kw):
-    """generate()'s program under the defaults (A) and under --generate-ab's switches (B), timed alternately."""
+def generate_ab(c, kw, params_b=None):
+    """generate()'s program under the defaults (A) and under --generate-ab's switches (B), timed alternately; B on
+    params_b where given (a params transform: its own compiled program)."""
     prog_a, a = generate_program(c, kw)
     with switched(parse_switches(args.generate_ab)):
-        prog_b, _ = generate_program(c, kw, args.ab_compiler_options)
-    out_a, out_b = (jax.block_until_ready(prog(*a)) for prog in (prog_a, prog_b))  # one untimed call each
+        prog_b, a_b = generate_program(c, kw, args.ab_compiler_options, params_b)
+    out_a, out_b = jax.block_until_ready(prog_a(*a)), jax.block_until_ready(prog_b(*a_b))  # one untimed call each
     # the two sides' outputs: a switch that changes rounding may move a sampled token in the bf16 model
     log(what="generate_ab_outputs", tokens_differ=int(np.sum(np.asarray(out_a.tokens) != np.asarray(out_b.tokens))),
         forwards_a=int(out_a.total_forwards), forwards_b=int(out_b.total_forwards), max_steps=kw.get("max_steps"))
     last = {}
+    sides = (("A", prog_a, a), ("B", prog_b, a_b))
     for r in range(args.ab_rounds):
-        for side, prog in (("A", prog_a), ("B", prog_b)) if r % 2 == 0 else (("B", prog_b), ("A", prog_a)):
+        for side, prog, operands in sides if r % 2 == 0 else sides[::-1]:
             t = time.perf_counter()
-            last[side] = jax.block_until_ready(prog(*a))
+            last[side] = jax.block_until_ready(prog(*operands))
             log(what="generate_ab", side=side, set=args.generate_ab if side == "B" else [], round=r,
                 compiler_options=args.ab_compiler_options if side == "B" else None,
+                params_b=None if side == "A" or params_b is None else "folded attention norms",
                 seconds=time.perf_counter() - t, max_steps=kw.get("max_steps"))
     # again after the rounds: a program whose command buffers kept a stale address would show it here
     log(what="generate_ab_outputs", after_rounds=True, max_steps=kw.get("max_steps"),
@@ -364,10 +380,33 @@ def generate_ab(c, kw):
         steps = int(jax.block_until_ready(prog_a(*a)).total_forwards)
         from xplane_summary import host_during_gaps
 
-        for side, prog in (("A", prog_a), ("B", prog_b)):
-            d = traced("generate_ab_", lambda prog=prog: prog(*a), steps, side=side, max_steps=kw.get("max_steps"))
+        for side, prog, operands in sides:
+            d = traced("generate_ab_", lambda prog=prog, ops=operands: prog(*ops), steps, side=side,
+                       max_steps=kw.get("max_steps"))
             for row in host_during_gaps(d):
                 log(what="generate_ab_idle_gap", side=side, max_steps=kw.get("max_steps"), **row)
+
+
+def fold_ab(c):
+    """The params with folded attention norms; first their decoder logits against the defaults' (beside how far
+    another rounding of the same math moves them) and the decoder forward, 48 per loop, alternating with the
+    defaults' --ab-rounds times."""
+    folded = diffusion_gemma.fold_attention_norms(params)
+    cache, canvas = prefilled(c), bench_canvas(c)
+    logits_of = compile_dg(lambda p, toks, k: diffusion_gemma.decode(p, c, toks, k))
+    want = logits_of(params, canvas, cache)
+    log(what="folded_logits", **logit_gap(logits_of(folded, canvas, cache), want))
+    with switched({"orl_jax.model.attention.EINSUM_HEAD_DIMS": [c.head_dim]}):
+        jax.clear_caches()
+        log(what="rounding_logits", **logit_gap(compile_dg(lambda p, toks, k: diffusion_gemma.decode(
+            p, c, toks, k))(params, canvas, cache), want))
+    jax.clear_caches()
+    f = looped_program(decoder(c), 48)
+    for r in range(args.ab_rounds):
+        for side, p in (("A", params), ("B", folded)) if r % 2 == 0 else (("B", folded), ("A", params)):
+            log(what="fold_ab_forward", side=side, round=r, looped_forwards=48,
+                ms_looped=median_seconds(lambda p=p: f(p, canvas, cache), reps=3) * 1e3 / 48)
+    return folded
 
 
 def write_generate_hlo(c, kw):
@@ -560,8 +599,9 @@ for impl in IMPLS:
         tpf_hf=float(np.asarray(out.tpf_hf)[0]) if getattr(out, "tpf_hf", None) is not None else None)
     if args.generate_hlo:
         write_generate_hlo(c, kw)
-    if args.generate_ab or args.ab_compiler_options:
+    if args.generate_ab or args.ab_compiler_options or args.ab_fold_attention_norms:
+        folded = fold_ab(c) if args.ab_fold_attention_norms else None
         for steps in [None] + args.ab_max_steps:  # fewer steps: what a step costs apart from the rest
-            generate_ab(c, kw if steps is None else kw | {"max_steps": steps})
+            generate_ab(c, kw if steps is None else kw | {"max_steps": steps}, folded)
     if args.parts:
         generate_parts(c, kw)

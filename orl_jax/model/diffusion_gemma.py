@@ -94,6 +94,12 @@ EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")  # [layers, E, ...] per lay
 # multi-device "auto" -> "orl_jax" keeps the einsums); elsewhere, and with "orl_jax", the float32 einsums (HF
 # eager's order). Read at trace time (`_uncached_attention`).
 UNCACHED_ATTENTION = "orl_jax"
+# inference_params also folds a bf16 / fp16 model's attention-input RMSNorms into the q/k/v projections
+# (`fold_attention_norms`): each layer then feeds the residual stream straight to the projection's GEMM, one XLA
+# fusion (~2 us on the layer's dependency chain) fewer. An approximation below the dtype's rounding: the head norms'
+# eps meets a rescaled mean square (see there). Read by inference_params.
+FOLD_ATTENTION_NORMS = False
+FOLD_SCALE = 16.0  # fold_attention_norms' c: a power of two (exact in any float format), small enough for fp16
 
 
 def _layer_specs(cfg: DiffusionGemmaConfig, n: int, kv: int, hd: int, own_v: bool) -> dict:
@@ -221,7 +227,9 @@ def soft_embed(params: dict, cfg: DiffusionGemmaConfig, probs: jax.Array, scale:
 def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: str, self_impl: str = "orl_jax"):
     eps = cfg.rms_norm_eps
     b, l, d = x.shape
-    h = rms_norm_fp32(x, w["attn_norm"], eps)
+    # folded params (fold_attention_norms): the norm's weight is in the projection, its per-token scale cancels in
+    # the head norms below
+    h = rms_norm_fp32(x, w["attn_norm"], eps) if "attn_norm" in w else x
     own_v = "qkv" in w  # full layers: "qk", K = V
     proj = einsum("bld,dkth->blkth", h, w["qkv" if own_v else "qk"])  # [B, L, K, G + 2 (or + 1), H]
     g = cfg.num_heads // proj.shape[2]
@@ -283,12 +291,40 @@ def fused_expert_params(params: dict) -> dict:
                      for t in ("sliding", "full")}
 
 
+def fold_attention_norms(params: dict) -> dict:
+    """params with each layer's attention-input RMSNorm folded into its q/k/v projection: W'[d] = c attn_norm[d] W[d]
+    (rounded once to the weight dtype; c = FOLD_SCALE), "attn_norm" dropped, so that `_layer` projects the residual
+    stream x itself.
+
+    Why it holds: RMSNorm(x) * w @ W = r(x) / c * (x @ W') with r(x) = rsqrt(mean(x^2) + eps) one scalar per token,
+    and every projected head is RMS-normed before use (q and k with their weights, v without: Gemma 4), which removes
+    a positive per-token factor. Exact up to rounding and the head norms' eps: a head y = x @ W' has mean square
+    m c^2 / r^2 where the model's has m, so the norm's eps weighs r^2 / c^2 as much against it, a relative change of
+    at most ~eps / (2 m) in each head's scale (the power of two c keeps r^2 / c^2 small where the residual stream is
+    small). Inference only: training and export take the model's layout (its attn_norm)."""
+    out = dict(params)
+    for t in ("sliding", "full"):
+        layers = dict(params[t])
+        if "attn_norm" not in layers:
+            raise ValueError(f"fold_attention_norms: params[{t!r}] has no attn_norm (already folded?)")
+        name = "qkv" if "qkv" in layers else "qk"
+        w, norm = layers[name], layers.pop("attn_norm")  # [n, D, K, slots, H], [n, D]
+        layers[name] = jax.jit(lambda w, g: (FOLD_SCALE * g.astype(jnp.float32)[:, :, None, None, None] * w)
+                               .astype(w.dtype))(w, norm)
+        out[t] = layers
+    return out
+
+
 def inference_params(params: dict, cfg: DiffusionGemmaConfig) -> dict:
     """The params generate() runs fastest with on one device: fused_expert_params where moe_impl resolves to
     "pallas" (on a GPU) and the expert shapes fit the fused kernel's tiles (moe.fuse_gate_up); else, and for expert
-    stacks sharded over several devices (expert parallelism keeps the model's layout), params unchanged."""
+    stacks sharded over several devices (expert parallelism keeps the model's layout), params unchanged. With
+    FOLD_ATTENTION_NORMS, a bf16 / fp16 model's params also go through `fold_attention_norms` (any backend; float32
+    models stay exact)."""
     stack = params["sliding"]["experts_gate_up"]
     sharded = len(getattr(stack, "sharding", None) and stack.sharding.device_set or ()) > 1
+    if FOLD_ATTENTION_NORMS and cfg.dtype in ("bfloat16", "float16") and "attn_norm" in params["sliding"]:
+        params = fold_attention_norms(params)
     if moe_impl(cfg) != "pallas" or not fusable(cfg.hidden_size, cfg.moe_intermediate_size) or sharded:
         return params
     return fused_expert_params(params)
