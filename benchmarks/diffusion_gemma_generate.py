@@ -102,9 +102,9 @@ ap.add_argument("--ab-compiler-options", type=json.loads, metavar="JSON",
                 help="--generate-ab's B side (or alone, the A/B's only difference): XLA compiler options added to "
                      "runtime.DG_COMPILER_OPTIONS for B's generate() program, e.g. '{\"xla_gpu_command_buffer_"
                      "update_mode\": \"SKIP_PROFILED\"}'; its outputs are compared with A's")
-ap.add_argument("--ab-fold-attention-norms", action="store_true",
-                help="--generate-ab's B side (or alone, the A/B's only difference) runs on the params with the "
-                     "attention norms folded into the q/k/v projections (diffusion_gemma.fold_attention_norms); "
+ap.add_argument("--ab-fold", type=lambda v: v.split(","), default=[], metavar="attention,ffw",
+                help="--generate-ab's B side (or alone, the A/B's only difference) runs on the params with these "
+                     "norms folded into their matrices (diffusion_gemma.fold_attention_norms / fold_ffw_norms); "
                      "first the decoder forward (48 per loop, --ab-rounds each, alternating) and the two logits' gap")
 ap.add_argument("--ab-rounds", type=int, default=8, help="--generate-ab: timed calls of each program")
 ap.add_argument("--ab-max-steps", type=int, action="append", default=[], metavar="N",
@@ -127,6 +127,8 @@ if any(n < 1 for n in args.ab_max_steps):
     ap.error(f"--ab-max-steps must be >= 1, got {args.ab_max_steps}")
 if args.ab_rounds < 1:
     ap.error(f"--ab-rounds must be >= 1, got {args.ab_rounds}")
+if unknown := sorted(set(args.ab_fold) - {"attention", "ffw"}):
+    ap.error(f"--ab-fold: unknown {unknown} (attention, ffw)")
 if args.capacity_factor is not None and args.capacity_factor < 1:
     ap.error(f"--capacity-factor must be >= 1, got {args.capacity_factor}")
 runtime.configure(os.path.expanduser("~/.cache/orl_jax/xla"))
@@ -370,7 +372,7 @@ def generate_ab(c, kw, params_b=None):
             last[side] = jax.block_until_ready(prog(*operands))
             log(what="generate_ab", side=side, set=args.generate_ab if side == "B" else [], round=r,
                 compiler_options=args.ab_compiler_options if side == "B" else None,
-                params_b=None if side == "A" or params_b is None else "folded attention norms",
+                params_b=None if side == "A" or params_b is None else f"folded norms: {args.ab_fold}",
                 seconds=time.perf_counter() - t, max_steps=kw.get("max_steps"))
     # again after the rounds: a program whose command buffers kept a stale address would show it here
     log(what="generate_ab_outputs", after_rounds=True, max_steps=kw.get("max_steps"),
@@ -388,10 +390,14 @@ def generate_ab(c, kw, params_b=None):
 
 
 def fold_ab(c):
-    """The params with folded attention norms; first their decoder logits against the defaults' (beside how far
+    """The params with --ab-fold's norms folded; first their decoder logits against the defaults' (beside how far
     another rounding of the same math moves them) and the decoder forward, 48 per loop, alternating with the
     defaults' --ab-rounds times."""
-    folded = diffusion_gemma.fold_attention_norms(params)
+    folded = params
+    if "attention" in args.ab_fold:
+        folded = diffusion_gemma.fold_attention_norms(folded)
+    if "ffw" in args.ab_fold:  # a second copy of the expert gate/up stacks (the 26B's: 30 GB)
+        folded = diffusion_gemma.fold_ffw_norms(folded)
     cache, canvas = prefilled(c), bench_canvas(c)
     logits_of = compile_dg(lambda p, toks, k: diffusion_gemma.decode(p, c, toks, k))
     want = logits_of(params, canvas, cache)
@@ -599,8 +605,8 @@ for impl in IMPLS:
         tpf_hf=float(np.asarray(out.tpf_hf)[0]) if getattr(out, "tpf_hf", None) is not None else None)
     if args.generate_hlo:
         write_generate_hlo(c, kw)
-    if args.generate_ab or args.ab_compiler_options or args.ab_fold_attention_norms:
-        folded = fold_ab(c) if args.ab_fold_attention_norms else None
+    if args.generate_ab or args.ab_compiler_options or args.ab_fold:
+        folded = fold_ab(c) if args.ab_fold else None
         for steps in [None] + args.ab_max_steps:  # fewer steps: what a step costs apart from the rest
             generate_ab(c, kw if steps is None else kw | {"max_steps": steps}, folded)
     if args.parts:

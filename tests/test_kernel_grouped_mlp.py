@@ -51,6 +51,21 @@ def test_matches_the_two_grouped_gemms_in_interpret_mode(dtype, one_dot):
     assert np.abs(np.asarray(other, np.float32) - np.asarray(want, np.float32)).max() > 0.01
 
 
+def test_row_scale_scales_each_rows_gate_up_products():
+    """row_scale (moe.experts_mlp of folded norms): each row's gate/up products times its token's factor before the
+    activation, as if x's rows had been scaled first (float32, interpret mode); a wrong length is refused."""
+    sizes, offsets, x, rows, gu, dn, bm = _case(jnp.float32, key=2)
+    tiles, layer = tile_gated(gu, GU.bn // 2), jnp.int32(1)
+    r = jax.random.uniform(jax.random.key(9), (x.shape[0],), jnp.float32, 0.2, 5.0)
+    run = lambda x, **kw: grouped_mlp(x, rows, tiles, dn, offsets, layer, ACT, GU, DN, bm=bm, one_dot=True,  # noqa
+                                      interpret=True, **kw)
+    got, want = run(x, row_scale=r), run(x * r[:, None])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(run(x)) - np.asarray(want)).max() > 0.01  # the scale matters
+    with pytest.raises(ValueError, match="row_scale"):
+        run(x, row_scale=r[1:])
+
+
 def test_rejects_mismatched_inputs():
     sizes, offsets, x, rows, gu, dn, bm = _case(jnp.float32)
     tgu = tile_gated(gu, 64)
@@ -65,14 +80,14 @@ def test_rejects_mismatched_inputs():
         grouped_mlp(x, rows, tgu, dn, offsets[1:], jnp.int32(0), ACT, GU, DN, interpret=True)
 
 
-@pytest.mark.parametrize("one_dot", [False, True])
-def test_triton_ir_at_diffusion_gemma_shapes(one_dot):
+@pytest.mark.parametrize("one_dot,scaled", [(False, False), (True, False), (True, True)])
+def test_triton_ir_at_diffusion_gemma_shapes(one_dot, scaled):
     sd = jax.ShapeDtypeStruct
     verified_triton_modules(
-        lambda x, r, gu, dn, o, i: grouped_mlp(x, r, gu, dn, o, i, ACT, GU, Blocks(bn=128, bk=64, splits=1),
-                                               one_dot=one_dot),
+        lambda x, r, gu, dn, o, i, s: grouped_mlp(x, r, gu, dn, o, i, ACT, GU, Blocks(bn=128, bk=64, splits=1),
+                                                  one_dot=one_dot, row_scale=s if scaled else None),
         sd((256, 2816), jnp.bfloat16), sd((2048,), jnp.int32), sd((25, 128, 11, 2816, 128), jnp.bfloat16),
-        sd((25, 128, 704, 2816), jnp.bfloat16), sd((129,), jnp.int32), sd((), jnp.int32))
+        sd((25, 128, 704, 2816), jnp.bfloat16), sd((129,), jnp.int32), sd((), jnp.int32), sd((256,), jnp.float32))
 
 
 def test_moe_fused_path_equals_the_dense_path():
@@ -154,6 +169,10 @@ def test_diffusion_gemma_decoder_with_fused_expert_params():
     calls = [str(jax.make_jaxpr(lambda p: dg.decode(p, cfg, canvas, cache))(p)).count("pallas_call")
              for p in (params, fused)]
     assert calls[1] < calls[0]
+    # the feed-forward norms folded into the fused stacks (the kernel scales its gate/up products per token)
+    folded = dg.fold_ffw_norms(fused)
+    np.testing.assert_allclose(np.asarray(dg.decode(folded, cfg, canvas, cache)), np.asarray(want), atol=1e-4,
+                               rtol=1e-4)
 
 
 @pytest.mark.gpu
@@ -197,9 +216,35 @@ def test_compiled_on_gpu_at_the_26b_expert_shapes_every_layer(one_dot, tile, dow
             assert err < 1e-2, (i, err)
 
 
-def test_inference_params_fuse_only_where_the_kernel_runs():
+@pytest.mark.gpu
+def test_row_scale_on_gpu_at_the_26b_expert_shapes():
+    """The fused path with row_scale (folded feed-forward norms) against the same kernel on x scaled first, at a 26B
+    layer's shapes (2048 sorted rows); both bf16, so within a rounding of the products."""
+    from orl_jax.model import moe
+    from orl_jax.model.streamed import StackedWeight
+
+    ks = jax.random.split(jax.random.key(12), 6)
+    t, d, e, f, k = 256, 2816, 128, 704, 8
+    x = jax.random.normal(ks[0], (t, d), jnp.bfloat16) * 30  # an unnormed residual stream
+    r = jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(jnp.float32)), axis=-1) + 1e-6)
+    tiles = moe.fuse_gate_up(jax.random.normal(ks[1], (1, e, d, 2 * f), jnp.bfloat16) * 0.02)
+    down = jax.random.normal(ks[2], (1, e, f, d), jnp.bfloat16) * 0.02
+    experts = jax.lax.top_k(jax.random.normal(ks[3], (t, e)), k)[1].astype(jnp.int32)
+    weights = jax.nn.softmax(jax.random.normal(ks[4], (t, k)), axis=-1)
+    # arrays as arguments: a closure would embed them as constants
+    run = jax.jit(lambda x, rs, g, dn, w, ex: moe.experts_mlp(x, w, ex, StackedWeight(g, jnp.int32(0)),
+                                                              StackedWeight(dn, jnp.int32(0)), "gelu_tanh", "pallas",
+                                                              distinct=True, row_scale=rs))
+    got = np.asarray(run(x, r, tiles, down, weights, experts), np.float32)
+    xs = (x.astype(jnp.float32) * r[:, None]).astype(jnp.bfloat16)
+    want = np.asarray(run(xs, None, tiles, down, weights, experts), np.float32)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+
+
+def test_inference_params_fuse_only_where_the_kernel_runs(monkeypatch):
     """diffusion_gemma.inference_params (the CLI's generate): fused where moe_impl resolves to pallas and the shapes
-    fit; unchanged on the other impls (a CPU's "auto") and for experts the kernel does not tile (the tiny preset)."""
+    fit; unchanged on the other impls (a CPU's "auto") and for experts the kernel does not tile (the tiny preset).
+    With the norm folds on, a bf16 model's norms go into its matrices (the fused stacks folded in place)."""
     from orl_jax import params as P
     from orl_jax.diffusion_gemma_config import DG_PRESETS
     from orl_jax.model import diffusion_gemma as dg
@@ -207,6 +252,16 @@ def test_inference_params_fuse_only_where_the_kernel_runs():
     fits = DG_PRESETS["tiny-dg"].replace(hidden_size=128, moe_intermediate_size=64)
     params = P.init(dg.param_specs(fits), jax.random.key(0))
     assert dg.inference_params(params, fits.replace(moe_impl="pallas"))["sliding"]["experts_gate_up"].ndim == 5
+    monkeypatch.setattr(dg, "FOLD_ATTENTION_NORMS", True)
+    monkeypatch.setattr(dg, "FOLD_FFW_NORMS", True)
+    low = fits.replace(moe_impl="pallas", dtype="bfloat16")
+    bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    folded = dg.inference_params(bf16, low)
+    assert folded["sliding"]["experts_gate_up"].ndim == 5 and bf16["sliding"]["experts_gate_up"].ndim == 4
+    assert not {"attn_norm", "mlp_norm", "router_scale", "moe_norm"} & set(folded["full"])
+    assert dg.inference_params(params, fits.replace(moe_impl="pallas"))["full"].keys() >= {"attn_norm", "moe_norm"}
+    monkeypatch.setattr(dg, "FOLD_ATTENTION_NORMS", False)
+    monkeypatch.setattr(dg, "FOLD_FFW_NORMS", False)
     assert dg.inference_params(params, fits.replace(moe_impl="bucketed")) is params
     assert dg.inference_params(params, fits) is params  # "auto" on a CPU: not the kernel
     from jax.sharding import Mesh, NamedSharding, PartitionSpec

@@ -18,12 +18,12 @@ def _inputs(seed, tokens, experts, dtype=jnp.bfloat16):
     return logits, scale
 
 
-def _assert_equal(got, want):
+def _assert_equal(got, want, rtol=1e-6):
     (w, e), (w_ref, e_ref) = got, want
     assert w.shape == w_ref.shape and w.dtype == jnp.float32 and e.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(e), np.asarray(e_ref))
     # a float32 softmax over k values: the sum's order may differ in the last bit
-    np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref), rtol=1e-6, atol=0)
+    np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref), rtol=rtol, atol=0)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -61,6 +61,24 @@ def test_route_kernel_equals_route():
     assert "name=router_topk" not in jaxpr(False) and "top_k[" in jaxpr(False)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_row_scale_scales_the_logits(method):
+    """row_scale (a router whose input norm is folded into its weight): the logits times each token's factor, the
+    same choice and the weights of the scaled logits; route(scale=None) takes it on both paths."""
+    logits, scale = _inputs(4, 40, 16, jnp.float32)
+    r = jax.random.uniform(jax.random.key(8), (40,), jnp.float32, 0.2, 5.0)
+    # logits up to 5x larger: the exponentials' float32 rounding reaches a few ulps
+    _assert_equal(router_topk(logits, scale, 4, 2, method, interpret=True, row_scale=r),
+                  moe.topk_weights(logits * r[:, None], scale, 4), rtol=1e-5)
+    x, proj = jax.random.normal(jax.random.key(5), (40, 32)), jax.random.normal(jax.random.key(6), (32, 16))
+    _assert_equal(moe.route(x, None, proj, scale, 4, 1e-6, kernel=True, row_scale=r),
+                  moe.route(x, None, proj, scale, 4, 1e-6, row_scale=r), rtol=1e-5)
+    with pytest.raises(ValueError, match="row_scale"):
+        router_topk(logits, scale, 4, interpret=True, row_scale=r[1:])
+    with pytest.raises(ValueError, match="folded router"):
+        moe.route(x, None, proj, scale, 4, 1e-6)
+
+
 def test_rejects_wrong_inputs():
     logits, scale = _inputs(0, 16, 8)
     with pytest.raises(ValueError, match="do not match"):
@@ -84,6 +102,9 @@ def test_lowers_to_verified_triton_at_the_canvas(method):
     for t, e, k, rows in ((256, 128, 8, 1), (256, 128, 8, 2), (256, 128, 8, 4), (100, 12, 3, 2)):
         verified_triton_modules(lambda lg, s, k=k, rows=rows: router_topk(lg, s, k, rows, method),
                                 jax.ShapeDtypeStruct((t, e), jnp.bfloat16), jax.ShapeDtypeStruct((e,), jnp.float32))
+    verified_triton_modules(lambda lg, s, r: router_topk(lg, s, 8, 1, method, row_scale=r),  # folded norms
+                            jax.ShapeDtypeStruct((256, 128), jnp.bfloat16), jax.ShapeDtypeStruct((128,), jnp.float32),
+                            jax.ShapeDtypeStruct((256,), jnp.float32))
 
 
 @pytest.mark.gpu
@@ -96,3 +117,6 @@ def test_compiled_on_gpu_equals_route(method):
     _assert_equal(router_topk(logits, scale, 8, 2, method), moe.topk_weights(logits, scale, 8))
     ties = jnp.round(logits[:256] * 2) / 2  # many equal logits
     _assert_equal(router_topk(ties, scale, 8, 2, method), moe.topk_weights(ties, scale, 8))
+    r = jax.random.uniform(jax.random.key(7), (256,), jnp.float32, 0.2, 5.0)  # folded norms' factors
+    _assert_equal(router_topk(logits[:256], scale, 8, 1, method, row_scale=r),
+                  moe.topk_weights(logits[:256].astype(jnp.float32) * r[:, None], scale, 8), rtol=1e-5)

@@ -58,8 +58,11 @@ def _rounds_ranks(x, k: int):
     return rank
 
 
-def _router_topk_kernel(l_ref, s_ref, w_ref, e_ref, *, k: int, method: str):
+def _router_topk_kernel(l_ref, s_ref, *refs, k: int, method: str, scaled: bool):
+    r_ref, w_ref, e_ref = refs if scaled else (None, *refs)
     x = l_ref[...].astype(jnp.float32)  # [R, E]
+    if scaled:  # the logits of folded weights times each token's norm factor (positive: the same choice)
+        x = x * r_ref[...][:, None]
     e = x.shape[1]
     kp = w_ref.shape[1]
     rank = _ranks(x) if method == "rank" else _rounds_ranks(x, k)
@@ -74,11 +77,15 @@ def _router_topk_kernel(l_ref, s_ref, w_ref, e_ref, *, k: int, method: str):
 
 @functools.partial(jax.jit, static_argnames=("k", "rows", "method", "num_warps", "interpret"))
 def router_topk(logits: jax.Array, expert_scale: jax.Array, k: int, rows: int = 1, method: str = "rounds",
-                num_warps: int = 1, interpret: bool = False):
+                num_warps: int = 1, interpret: bool = False, row_scale: jax.Array | None = None):
     """logits [T, E] (any float dtype), expert_scale [E] -> (weights [T, k] float32, experts [T, k] int32), as
-    model/moe.route computes them from its logits. rows: tokens per program (a power of two)."""
+    model/moe.route computes them from its logits. rows: tokens per program (a power of two). row_scale [T] (> 0,
+    float32): the logits are logits * row_scale[:, None] in float32 (a router whose input norm was folded into its
+    weight: moe.route)."""
     if logits.ndim != 2 or expert_scale.shape != logits.shape[1:]:
         raise ValueError(f"router_topk: logits {logits.shape} and expert_scale {expert_scale.shape} do not match")
+    if row_scale is not None and row_scale.shape != logits.shape[:1]:
+        raise ValueError(f"router_topk: row_scale {row_scale.shape} does not match logits {logits.shape}")
     t, e = logits.shape
     if not isinstance(k, int) or not 1 <= k <= e:
         raise ValueError(f"router_topk: k={k!r} must be an int in [1, E={e}]")
@@ -90,17 +97,22 @@ def router_topk(logits: jax.Array, expert_scale: jax.Array, k: int, rows: int = 
     if (tp, n) != (t, e):
         logits = jnp.pad(logits, ((0, tp - t), (0, n - e)), constant_values=-jnp.inf)
         expert_scale = jnp.pad(expert_scale, (0, n - e))
+    operands = [logits, expert_scale]
+    specs = [pl.BlockSpec((rows, n), lambda i: (i, 0)), pl.BlockSpec((n,), lambda i: (0,))]
+    if row_scale is not None:
+        operands.append(jnp.pad(row_scale.astype(jnp.float32), (0, tp - t), constant_values=1.0))
+        specs.append(pl.BlockSpec((rows,), lambda i: (i,)))
     out = lambda dt: jax.ShapeDtypeStruct((tp, kp), dt)  # noqa: E731
     weights, experts = pl.pallas_call(
-        functools.partial(_router_topk_kernel, k=k, method=method),
+        functools.partial(_router_topk_kernel, k=k, method=method, scaled=row_scale is not None),
         out_shape=(out(jnp.float32), out(jnp.int32)),
         grid=(tp // rows,),
-        in_specs=[pl.BlockSpec((rows, n), lambda i: (i, 0)), pl.BlockSpec((n,), lambda i: (0,))],
+        in_specs=specs,
         out_specs=(pl.BlockSpec((rows, kp), lambda i: (i, 0)),) * 2,
         interpret=interpret,
         name="router_topk",
         **triton_params(num_warps, 1, interpret),
-    )(logits, expert_scale)
+    )(*operands)
     if (tp, kp) != (t, k):
         weights, experts = weights[:t, :k], experts[:t, :k]
     return weights, experts

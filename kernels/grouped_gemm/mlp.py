@@ -56,8 +56,9 @@ def _halves(acc: jax.Array) -> tuple[jax.Array, jax.Array]:
     return tuple(jnp.sum(jnp.where(half == h, a, 0.0), axis=1) for h in (0, 1))
 
 
-def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, count_in, h_ref, o_ref, count_ref, *,
-            bm: int, gu: Blocks, dn: Blocks, act, one_dot: bool, interpret: bool):
+def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, *refs,
+            bm: int, gu: Blocks, dn: Blocks, act, one_dot: bool, interpret: bool, scaled: bool):
+    rs_ref, count_in, h_ref, o_ref, count_ref = refs if scaled else (None, *refs)
     del count_in  # aliased to count_ref
     from jax.experimental.pallas import triton as plt
 
@@ -98,6 +99,9 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, count_in, h_ref
                 g, u = _halves(jax.lax.fori_loop(0, d // gu.bk, chunk, jnp.zeros((bm, 2 * bw), jnp.float32)))
             else:
                 g, u = jax.lax.fori_loop(0, d // gu.bk, chunk, (jnp.zeros((bm, bw), jnp.float32),) * 2)
+            if scaled:  # each row's token factor (x is the unnormed input of folded weights)
+                r = plt.load(rs_ref.at[ids], mask=live, other=0.0)[:, None]
+                g, u = g * r, u * r
             g, u = (a.astype(h_ref.dtype).astype(jnp.float32) for a in (g, u))
             plt.store(h_ref.at[pl.ds(r0, bm), pl.ds(pl.multiple_of(j * bw, bw), bw)],
                       (act(g) * u).astype(h_ref.dtype), mask=live[:, None])
@@ -138,7 +142,8 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, count_in, h_ref
 def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Array, offsets: jax.Array,
                 layer: jax.Array, act, gu_blocks: Blocks = TILES,
                 dn_blocks: Blocks = TILES, bm: int = 64, num_warps: int = 4,
-                num_stages: int = 3, one_dot: bool = False, interpret: bool = False) -> jax.Array:
+                num_stages: int = 3, one_dot: bool = False, interpret: bool = False,
+                row_scale: jax.Array | None = None) -> jax.Array:
     """Sorted row r of x[rows] through its expert's MLP: act(x_r @ gate_e) * (x_r @ up_e) @ down_e -> [M, D] in
     x's dtype (M = rows.shape[0]; rows past offsets[-1] are 0).
 
@@ -148,7 +153,8 @@ def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Arr
     (rows of K per step) and bn of each GEMM; one num_warps / num_stages for the launch. one_dot: gate/up's [gate |
     up] tile as one 2 bw-wide product per K step, its halves split after the loop (`_halves`), instead of two bw-wide
     products (the model's default, moe.FUSED_ONE_DOT: 0.3-1 us per 26B layer faster in isolation, 0.02-0.045 ms per
-    forward)."""
+    forward). row_scale [T] float32: gate/up's products of row r times row_scale[rows[r]] before the activation (x is
+    then an unnormed input whose RMSNorm weight was folded into gate/up: moe.experts_mlp)."""
     _, d = x.shape
     layer_arr = layer_operand("grouped_mlp", True, layer, gate_up.shape)
     if gate_up.ndim != 5 or down.ndim != 4:
@@ -163,6 +169,8 @@ def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Arr
         raise ValueError(f"grouped_mlp: blocks {gu_blocks} / {dn_blocks} do not divide D={d}, F={f}")
     if offsets.shape != (e + 1,) or rows.ndim != 1 or rows.dtype != jnp.int32:
         raise ValueError(f"grouped_mlp: offsets {offsets.shape} (want ({e + 1},)) / rows {rows.dtype}{rows.shape}")
+    if row_scale is not None and row_scale.shape != x.shape[:1]:
+        raise ValueError(f"grouped_mlp: row_scale {row_scale.shape} does not match x {x.shape}")
     m = rows.shape[0]
     spare = bm if interpret else 0  # interpret mode clamps windows that leave the array (kernel.py)
     rows_p = jnp.pad(rows, (0, spare))
@@ -170,17 +178,20 @@ def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Arr
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, n=a.ndim: (0,) * n)  # noqa: E731
     count = jnp.zeros((e + 1,), jnp.int32)
     h_shape, o_shape = (m + spare, f), (m + spare, d)
+    scale = () if row_scale is None else (row_scale.astype(jnp.float32),)
+    operands = (layer_arr, offsets, rows_p, x, gate_up, down, *scale, count)
     _, out, _ = pl.pallas_call(
-        functools.partial(_kernel, bm=bm, gu=gu_blocks, dn=dn_blocks, act=act, one_dot=one_dot, interpret=interpret),
+        functools.partial(_kernel, bm=bm, gu=gu_blocks, dn=dn_blocks, act=act, one_dot=one_dot, interpret=interpret,
+                          scaled=row_scale is not None),
         out_shape=(jax.ShapeDtypeStruct(h_shape, x.dtype), jax.ShapeDtypeStruct(o_shape, x.dtype),
                    jax.ShapeDtypeStruct(count.shape, count.dtype)),
         grid=(items,),
-        in_specs=[whole(a) for a in (layer_arr, offsets, rows_p, x, gate_up, down, count)],
+        in_specs=[whole(a) for a in operands],
         out_specs=[pl.BlockSpec(h_shape, lambda i: (0, 0)), pl.BlockSpec(o_shape, lambda i: (0, 0)),
                    whole(count)],
-        input_output_aliases={6: 2},
+        input_output_aliases={len(operands) - 1: 2},
         interpret=interpret,
         **triton_params(num_warps, num_stages, interpret),
-    )(layer_arr, offsets, rows_p, x, gate_up, down, count)
+    )(*operands)
     live = jnp.arange(m) < offsets[-1]
     return jnp.where(live[:, None], out[:m] if spare else out, 0)

@@ -100,6 +100,11 @@ UNCACHED_ATTENTION = "orl_jax"
 # eps meets a rescaled mean square (see there). Read by inference_params.
 FOLD_ATTENTION_NORMS = False
 FOLD_SCALE = 16.0  # fold_attention_norms' c: a power of two (exact in any float format), small enough for fp16
+# ... and the feed-forward input norms (`fold_ffw_norms`): the dense MLP's, the router's and the experts' norm
+# weights go into their first matrices, each layer computes one per-token factor beside its router GEMM (off the
+# dependency chain) and the three normed copies of x (one XLA fusion, ~3 us on the chain) are gone. Read by
+# inference_params.
+FOLD_FFW_NORMS = False
 
 
 def _layer_specs(cfg: DiffusionGemmaConfig, n: int, kv: int, hd: int, own_v: bool) -> dict:
@@ -249,16 +254,22 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     attn = einsum("blnh,nhd->bld", attention(q, parts, impl, scale=1.0), w["o"])
     x = x + rms_norm_fp32(attn, w["post_attn_norm"], eps)
 
-    mlp_in = rms_norm_fp32(x, w["mlp_norm"], eps)
     flat = x.reshape(b * l, d)  # [T, D]
     impl = moe_impl(cfg)
-    weights, experts = route(flat, w["router_scale"], w["router"], w["expert_scale"], cfg.top_k_experts, eps,
-                             kernel=impl == "pallas")
-    moe_in = rms_norm_fp32(flat, w["moe_norm"], eps)
+    if "moe_norm" in w:
+        mlp_in = rms_norm_fp32(x, w["mlp_norm"], eps)
+        weights, experts = route(flat, w["router_scale"], w["router"], w["expert_scale"], cfg.top_k_experts, eps,
+                                 kernel=impl == "pallas")
+        moe_in, rs = rms_norm_fp32(flat, w["moe_norm"], eps), None
+    else:  # fold_ffw_norms: the norms' weights are in the matrices, their per-token factor scales the products
+        rs = jax.lax.rsqrt(jnp.mean(jnp.square(flat.astype(jnp.float32)), axis=-1) + eps)  # [T]
+        weights, experts = route(flat, None, w["router"], w["expert_scale"], cfg.top_k_experts, eps,
+                                 kernel=impl == "pallas", row_scale=rs)
+        mlp_in, moe_in = x, flat
     moe = experts_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT, impl,
-                      distinct=True)  # a top-k's choices
+                      distinct=True, row_scale=rs)  # a top-k's choices
     moe = moe.reshape(b, l, d)  # [B, L, D]
-    mlp = fused_gated_mlp(mlp_in, w["gate_up"], w["down"], ACT)
+    mlp = fused_gated_mlp(mlp_in, w["gate_up"], w["down"], ACT, None if rs is None else rs.reshape(b, l, 1))
     ffw = rms_norm_fp32(mlp, w["post_mlp_norm"], eps) + rms_norm_fp32(moe, w["post_moe_norm"], eps)
     if isinstance(scalar, str):
         scale = w[scalar][0]
@@ -315,19 +326,63 @@ def fold_attention_norms(params: dict) -> dict:
     return out
 
 
+def fold_ffw_norms(params: dict, donate_experts: bool = False) -> dict:
+    """params with each layer's three feed-forward input norms folded into the matrices they feed: mlp_norm into
+    the dense gate_up, router_scale * D^-1/2 into the router, moe_norm into the experts' gate/up (either layout;
+    each rounded once to the weight dtype); the three vectors dropped. `_layer` then gives the dense MLP, the
+    router and the experts the residual stream x itself and multiplies their products by each token's
+    r(x) = rsqrt(mean(x^2) + eps): RMSNorm(x) * w @ W = r(x) * (x @ (w W)) exactly, so this is the model up to
+    rounding. donate_experts: the expert gate/up stacks are the caller's to give up (inference_params' own fused
+    copies): folded in place, no second 30 GB copy for the 26B. Inference only, as fold_attention_norms."""
+    out = dict(params)
+    for t in ("sliding", "full"):
+        layers = dict(params[t])
+        missing = {"mlp_norm", "router_scale", "moe_norm"} - set(layers)
+        if missing:
+            raise ValueError(f"fold_ffw_norms: params[{t!r}] lacks {sorted(missing)} (already folded?)")
+        mlp, scale, moe_norm = (layers.pop(n).astype(jnp.float32) for n in ("mlp_norm", "router_scale", "moe_norm"))
+        layers["gate_up"] = _fold(layers["gate_up"], mlp[:, :, None, None])
+        layers["router"] = _fold(layers["router"], scale[:, :, None] * layers["router"].shape[1] ** -0.5)
+        fold_experts = _fold_experts_donated if donate_experts else _fold_experts
+        layers["experts_gate_up"] = fold_experts(layers["experts_gate_up"], moe_norm)
+        out[t] = layers
+    return out
+
+
+_fold = jax.jit(lambda w, g: (g * w).astype(w.dtype))  # w times float32 g (broadcast), rounded once
+
+
+def _fold_experts_impl(stack, g):
+    """An expert gate/up stack [L, E, ..., D, N] times g [L, D] along D, layer by layer (the 26B's sliding stack is
+    24 GB)."""
+    def layer(a):
+        w, gl = a
+        return (gl.reshape((1,) * (w.ndim - 2) + (-1, 1)) * w).astype(w.dtype)
+
+    return jax.lax.map(layer, (stack, g))
+
+
+_fold_experts = jax.jit(_fold_experts_impl)
+_fold_experts_donated = jax.jit(_fold_experts_impl, donate_argnums=(0,))
+
+
 def inference_params(params: dict, cfg: DiffusionGemmaConfig) -> dict:
     """The params generate() runs fastest with on one device: fused_expert_params where moe_impl resolves to
     "pallas" (on a GPU) and the expert shapes fit the fused kernel's tiles (moe.fuse_gate_up); else, and for expert
     stacks sharded over several devices (expert parallelism keeps the model's layout), params unchanged. With
-    FOLD_ATTENTION_NORMS, a bf16 / fp16 model's params also go through `fold_attention_norms` (any backend; float32
-    models stay exact)."""
+    FOLD_ATTENTION_NORMS / FOLD_FFW_NORMS, a bf16 / fp16 model's params also go through `fold_attention_norms` /
+    `fold_ffw_norms` (any backend; float32 models stay as they are)."""
     stack = params["sliding"]["experts_gate_up"]
     sharded = len(getattr(stack, "sharding", None) and stack.sharding.device_set or ()) > 1
-    if FOLD_ATTENTION_NORMS and cfg.dtype in ("bfloat16", "float16") and "attn_norm" in params["sliding"]:
+    low = cfg.dtype in ("bfloat16", "float16")
+    if FOLD_ATTENTION_NORMS and low and "attn_norm" in params["sliding"]:
         params = fold_attention_norms(params)
-    if moe_impl(cfg) != "pallas" or not fusable(cfg.hidden_size, cfg.moe_intermediate_size) or sharded:
-        return params
-    return fused_expert_params(params)
+    fuse = moe_impl(cfg) == "pallas" and fusable(cfg.hidden_size, cfg.moe_intermediate_size) and not sharded
+    if fuse:
+        params = fused_expert_params(params)
+    if FOLD_FFW_NORMS and low and "moe_norm" in params["sliding"]:
+        params = fold_ffw_norms(params, donate_experts=fuse)  # the fused stacks are this function's own copies
+    return params
 
 
 def moe_impl(cfg: DiffusionGemmaConfig) -> str:

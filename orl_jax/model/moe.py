@@ -46,8 +46,8 @@ ROUTER_TOPK_METHOD = "rounds"
 ROUTER_TOPK_WARPS = 1
 
 
-def route(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: int, eps: float,
-          kernel: bool = False):
+def route(x: jax.Array, scale: jax.Array | None, proj, expert_scale: jax.Array, top_k: int, eps: float,
+          kernel: bool = False, row_scale: jax.Array | None = None):
     """Gemma 4 router. x [T, D] -> (weights [T, k] float32, experts [T, k] int32).
 
     RMSNorm without weight, times `scale` [D] and D^-1/2 -> logits over E -> softmax (float32) -> top-k ->
@@ -62,14 +62,21 @@ def route(x: jax.Array, scale: jax.Array, proj, expert_scale: jax.Array, top_k: 
     equal, so the measured float32 cast stays (2026-12-01_dg_attention_order_h200.md).
     kernel (moe_impl "pallas", not differentiable, as its expert kernels are not): with ROUTER_TOPK_KERNEL the top-k
     and weights from the logits in one kernel, the same values (experts exact, weights to float32 rounding).
+    scale None: a folded router (diffusion_gemma.fold_ffw_norms: scale and D^-1/2 are in proj), x unnormed and
+    row_scale [T] its tokens' rsqrt(mean(x^2) + eps) in float32: logits = (x @ proj) * row_scale, the same up to
+    rounding (the kernel applies row_scale itself).
     """
-    h = rms_norm_fp32(x, None, eps) * scale.astype(x.dtype)[None] * (x.shape[-1] ** -0.5)
+    if (scale is None) != (row_scale is not None):
+        raise ValueError("route: a folded router (scale None) takes row_scale, an unfolded one does not")
+    h = x if scale is None else rms_norm_fp32(x, None, eps) * scale.astype(x.dtype)[None] * (x.shape[-1] ** -0.5)
     logits = einsum("td,de->te", h, proj)
     if kernel and ROUTER_TOPK_KERNEL:
         from orl_jax_kernels.expert_sort.router_topk import router_topk
 
         return router_topk(logits, expert_scale, top_k, ROUTER_TOPK_ROWS, ROUTER_TOPK_METHOD, ROUTER_TOPK_WARPS,
-                           interpret=jax.default_backend() == "cpu")
+                           interpret=jax.default_backend() == "cpu", row_scale=row_scale)
+    if row_scale is not None:
+        logits = logits.astype(jnp.float32) * row_scale[:, None]
     return topk_weights(logits, expert_scale, top_k)
 
 
@@ -118,17 +125,22 @@ def capacity(tokens: int, top_k: int, num_experts: int) -> int:
 
 
 def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up, down, act: str,
-                impl: str = "bucketed", distinct: bool = False) -> jax.Array:
+                impl: str = "bucketed", distinct: bool = False, row_scale: jax.Array | None = None) -> jax.Array:
     """sum_j weights[t, j] * MLP_{experts[t, j]}(x_t). x [T, D]; gate_up [E, D, 2F] (gate | up); down [E, F, D].
     impl (decode sizes): "bucketed", "dense" or "pallas" (the sorted rows through kernels/grouped_gemm, any T, no
     buckets). See the module docstring. distinct: each token's k experts differ (a top-k router's): the pallas path
-    may then sort by token (EXPERT_SORT_BY_TOKEN)."""
+    may then sort by token (EXPERT_SORT_BY_TOKEN). row_scale [T] float32: the experts' input is x * row_scale[:, None]
+    (diffusion_gemma.fold_ffw_norms: an unnormed x, its norm's weight folded into gate_up); the one-launch kernel
+    scales its gate/up products instead, every other path x first."""
     t, k = experts.shape
     if fused_stack(gate_up) and impl != "pallas":
         raise ValueError(f"experts_mlp: gate_up in fuse_gate_up's layout takes impl 'pallas', got impl={impl!r}")
+    if row_scale is not None and not (impl == "pallas" and fused_stack(gate_up)):
+        x, row_scale = (x.astype(jnp.float32) * row_scale[:, None]).astype(x.dtype), None
     if impl == "pallas":  # expert stacks as StackedWeight: their ragged_dot is the grouped kernel
         return grouped_experts_mlp(x, weights, experts, as_stacked(gate_up), as_stacked(down), act,
-                                   sort_kernel=SORT_KERNEL, by_token=distinct and EXPERT_SORT_BY_TOKEN)
+                                   sort_kernel=SORT_KERNEL, by_token=distinct and EXPERT_SORT_BY_TOKEN,
+                                   row_scale=row_scale)
     if t > BUCKETED_MAX_TOKENS:
         return grouped_experts_mlp(x, weights, experts, gate_up, down, act)
     c = capacity(t, k, gate_up.shape[0])
@@ -309,15 +321,15 @@ def fused_blocks(stack: jax.Array):
 
 
 def fused_expert_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Array, offsets: jax.Array, layer,
-                     act: str) -> jax.Array:
+                     act: str, row_scale: jax.Array | None = None) -> jax.Array:
     """The one-launch expert MLP (kernels/grouped_gemm/mlp.grouped_mlp) with the model's settings (tiles, stages,
     one_dot; interpret mode on a CPU): sorted rows of x[rows] through their experts -> [M, D]. gate_up: a stack in
-    `fuse_gate_up`'s layout, down the model's [L, E, F, D]; layer: the stacks' layer."""
+    `fuse_gate_up`'s layout, down the model's [L, E, F, D]; layer: the stacks' layer; row_scale: grouped_mlp's."""
     from orl_jax_kernels.grouped_gemm.mlp import grouped_mlp
 
     return grouped_mlp(x, rows, gate_up, down, offsets, layer, ACTIVATIONS[act], *fused_blocks(gate_up),
                        bm=FUSED_BM, num_warps=FUSED_WARPS, num_stages=FUSED_STAGES, one_dot=FUSED_ONE_DOT,
-                       interpret=jax.default_backend() == "cpu")
+                       interpret=jax.default_backend() == "cpu", row_scale=row_scale)
 
 
 def fused_stack(w) -> bool:
@@ -326,13 +338,15 @@ def fused_stack(w) -> bool:
 
 
 def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False,
-                        by_token: bool = False) -> jax.Array:
+                        by_token: bool = False, row_scale: jax.Array | None = None) -> jax.Array:
     """Rows sorted by expert and multiplied group by group (`grouped_matmul`): work proportional to T * k. The
     outputs come back by a gather (each assignment reads its sorted row), weighted and summed over the k choices.
     sort_kernel: sort with kernels/expert_sort (one launch, and the group offsets the grouped kernel needs) up to its
     MAX_ASSIGNMENTS, instead of sort_by_expert's XLA fusions (by_token: each token's experts distinct, see
-    _sorted_rows)."""
+    _sorted_rows). row_scale: experts_mlp's, taken by the one-launch kernel only."""
     t, k = experts.shape
+    if row_scale is not None and not fused_stack(gate_up):
+        raise ValueError("grouped_experts_mlp: row_scale needs gate_up in fuse_gate_up's layout")
     tokens, pos, sizes, offsets = _sorted_rows(experts, gate_up.shape[0], sort_kernel, by_token)
     # Indices from the sort kernel (offsets given) take bare gathers. XLA's sort keeps jnp.take: a gather whose index
     # is used once fused the whole counting sort into itself (170 us per 26B layer, session 16).
@@ -341,7 +355,8 @@ def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kerne
         from orl_jax_kernels.grouped_gemm.kernel import group_offsets
 
         offsets = group_offsets(sizes) if offsets is None else offsets
-        y = fused_expert_mlp(x, tokens, gate_up.stack, as_stacked(down).stack, offsets, gate_up.index, act)
+        y = fused_expert_mlp(x, tokens, gate_up.stack, as_stacked(down).stack, offsets, gate_up.index, act,
+                             row_scale)
     else:
         xs, rows = (x, tokens) if GATHER_IN_KERNEL else (take(x, tokens), None)
         g, u = jnp.split(grouped_matmul(xs, gate_up, sizes, offsets, rows=rows), 2, axis=-1)  # [M, F] each
