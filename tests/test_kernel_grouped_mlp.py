@@ -66,6 +66,21 @@ def test_row_scale_scales_each_rows_gate_up_products():
         run(x, row_scale=r[1:])
 
 
+def test_order_takes_the_experts_in_that_order_with_the_same_values():
+    """order (moe.FUSED_HEAVY_FIRST): the work items in another expert order (interpret mode runs them in ticket
+    order, so the group of several row tiles now runs first); each item's arithmetic is unchanged, so the values are
+    equal; a wrong order is refused."""
+    sizes, offsets, x, rows, gu, dn, bm = _case(jnp.bfloat16, key=3)
+    tiles, layer = tile_gated(gu, GU.bn // 2), jnp.int32(0)
+    run = lambda **kw: grouped_mlp(x, rows, tiles, dn, offsets, layer, ACT, GU, DN, bm=bm, one_dot=True,  # noqa
+                                   interpret=True, **kw)
+    order = jnp.argsort(-sizes, stable=True).astype(jnp.int32)
+    assert int(order[0]) == 1  # the group over several row tiles
+    np.testing.assert_array_equal(np.asarray(run(order=order), np.float32), np.asarray(run(), np.float32))
+    with pytest.raises(ValueError, match="order"):
+        run(order=order[1:])
+
+
 def test_rejects_mismatched_inputs():
     sizes, offsets, x, rows, gu, dn, bm = _case(jnp.float32)
     tgu = tile_gated(gu, 64)
@@ -80,14 +95,16 @@ def test_rejects_mismatched_inputs():
         grouped_mlp(x, rows, tgu, dn, offsets[1:], jnp.int32(0), ACT, GU, DN, interpret=True)
 
 
-@pytest.mark.parametrize("one_dot,scaled", [(False, False), (True, False), (True, True)])
-def test_triton_ir_at_diffusion_gemma_shapes(one_dot, scaled):
+@pytest.mark.parametrize("one_dot,scaled,ordered", [(False, False, False), (True, False, False), (True, True, True)])
+def test_triton_ir_at_diffusion_gemma_shapes(one_dot, scaled, ordered):
     sd = jax.ShapeDtypeStruct
     verified_triton_modules(
-        lambda x, r, gu, dn, o, i, s: grouped_mlp(x, r, gu, dn, o, i, ACT, GU, Blocks(bn=128, bk=64, splits=1),
-                                                  one_dot=one_dot, row_scale=s if scaled else None),
+        lambda x, r, gu, dn, o, i, s, order: grouped_mlp(
+            x, r, gu, dn, o, i, ACT, GU, Blocks(bn=128, bk=64, splits=1), one_dot=one_dot,
+            row_scale=s if scaled else None, order=order if ordered else None),
         sd((256, 2816), jnp.bfloat16), sd((2048,), jnp.int32), sd((25, 128, 11, 2816, 128), jnp.bfloat16),
-        sd((25, 128, 704, 2816), jnp.bfloat16), sd((129,), jnp.int32), sd((), jnp.int32), sd((256,), jnp.float32))
+        sd((25, 128, 704, 2816), jnp.bfloat16), sd((129,), jnp.int32), sd((), jnp.int32), sd((256,), jnp.float32),
+        sd((128,), jnp.int32))
 
 
 def test_moe_fused_path_equals_the_dense_path():
@@ -141,10 +158,13 @@ def test_moe_fused_path_with_narrower_tiles(bm, monkeypatch):
     assert tiles.shape == (1, e, f // 32, d, 64)
     gu, dn = moe.fused_blocks(tiles)
     assert (gu.bn, dn.bn) == (64, 64)
-    got = moe.experts_mlp(x, weights, experts, StackedWeight(tiles, jnp.int32(0)), StackedWeight(down, jnp.int32(0)),
-                          "gelu_tanh", "pallas")
+    run = lambda: moe.experts_mlp(x, weights, experts, StackedWeight(tiles, jnp.int32(0)),  # noqa: E731
+                                  StackedWeight(down, jnp.int32(0)), "gelu_tanh", "pallas")
     want = moe.dense_experts_mlp(x, weights, experts, gate_up[0], down[0], "gelu_tanh")
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(run()), np.asarray(want), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(moe, "FUSED_HEAVY_FIRST", 20)  # 80 rows over 4 experts: taken most rows first
+    assert "sort" in str(jax.make_jaxpr(run)())
+    np.testing.assert_allclose(np.asarray(run()), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def test_diffusion_gemma_decoder_with_fused_expert_params():
@@ -217,9 +237,10 @@ def test_compiled_on_gpu_at_the_26b_expert_shapes_every_layer(one_dot, tile, dow
 
 
 @pytest.mark.gpu
-def test_row_scale_on_gpu_at_the_26b_expert_shapes():
+def test_row_scale_and_order_on_gpu_at_the_26b_expert_shapes():
     """The fused path with row_scale (folded feed-forward norms) against the same kernel on x scaled first, at a 26B
-    layer's shapes (2048 sorted rows); both bf16, so within a rounding of the products."""
+    layer's shapes (2048 sorted rows); both bf16, so within a rounding of the products. With the experts taken most
+    rows first (order), exactly the same values."""
     from orl_jax.model import moe
     from orl_jax.model.streamed import StackedWeight
 
@@ -239,6 +260,14 @@ def test_row_scale_on_gpu_at_the_26b_expert_shapes():
     xs = (x.astype(jnp.float32) * r[:, None]).astype(jnp.bfloat16)
     want = np.asarray(run(xs, None, tiles, down, weights, experts), np.float32)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+    # the experts most rows first (moe.FUSED_HEAVY_FIRST): each work item's arithmetic is unchanged
+    from unittest import mock
+
+    with mock.patch.object(moe, "FUSED_HEAVY_FIRST", 1):
+        jax.clear_caches()
+        ordered = np.asarray(run(x, r, tiles, down, weights, experts), np.float32)
+    jax.clear_caches()
+    np.testing.assert_array_equal(ordered, got)
 
 
 def test_inference_params_fuse_only_where_the_kernel_runs(monkeypatch):

@@ -57,8 +57,11 @@ def _halves(acc: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, *refs,
-            bm: int, gu: Blocks, dn: Blocks, act, one_dot: bool, interpret: bool, scaled: bool):
-    rs_ref, count_in, h_ref, o_ref, count_ref = refs if scaled else (None, *refs)
+            bm: int, gu: Blocks, dn: Blocks, act, one_dot: bool, interpret: bool, scaled: bool, ordered: bool):
+    refs = list(refs)
+    rs_ref = refs.pop(0) if scaled else None
+    order_ref = refs.pop(0) if ordered else None
+    count_in, h_ref, o_ref, count_ref = refs
     del count_in  # aliased to count_ref
     from jax.experimental.pallas import triton as plt
 
@@ -73,6 +76,8 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, *refs,
     is_gu = ticket < n_exp * f_tiles
     item = jnp.where(is_gu, ticket, ticket - n_exp * f_tiles)
     e = jnp.where(is_gu, item // f_tiles, item // d_tiles)
+    if ordered:  # the experts in the caller's order (the heaviest first)
+        e = order_ref[e]
     j = jnp.where(is_gu, item % f_tiles, item % d_tiles)
     start, rows = off_ref[e], off_ref[e + 1] - off_ref[e]
     n_tiles = (rows + bm - 1) // bm
@@ -143,7 +148,7 @@ def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Arr
                 layer: jax.Array, act, gu_blocks: Blocks = TILES,
                 dn_blocks: Blocks = TILES, bm: int = 64, num_warps: int = 4,
                 num_stages: int = 3, one_dot: bool = False, interpret: bool = False,
-                row_scale: jax.Array | None = None) -> jax.Array:
+                row_scale: jax.Array | None = None, order: jax.Array | None = None) -> jax.Array:
     """Sorted row r of x[rows] through its expert's MLP: act(x_r @ gate_e) * (x_r @ up_e) @ down_e -> [M, D] in
     x's dtype (M = rows.shape[0]; rows past offsets[-1] are 0).
 
@@ -154,7 +159,10 @@ def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Arr
     up] tile as one 2 bw-wide product per K step, its halves split after the loop (`_halves`), instead of two bw-wide
     products (the model's default, moe.FUSED_ONE_DOT: 0.3-1 us per 26B layer faster in isolation, 0.02-0.045 ms per
     forward). row_scale [T] float32: gate/up's products of row r times row_scale[rows[r]] before the activation (x is
-    then an unnormed input whose RMSNorm weight was folded into gate/up: moe.experts_mlp)."""
+    then an unnormed input whose RMSNorm weight was folded into gate/up: moe.experts_mlp). order [E] int32 (a
+    permutation): the experts' work items in this order, gate/up and down alike (e.g. the most rows first, so that
+    an expert of several row tiles, whose items run them one after another, does not start last); the same
+    values."""
     _, d = x.shape
     layer_arr = layer_operand("grouped_mlp", True, layer, gate_up.shape)
     if gate_up.ndim != 5 or down.ndim != 4:
@@ -171,6 +179,8 @@ def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Arr
         raise ValueError(f"grouped_mlp: offsets {offsets.shape} (want ({e + 1},)) / rows {rows.dtype}{rows.shape}")
     if row_scale is not None and row_scale.shape != x.shape[:1]:
         raise ValueError(f"grouped_mlp: row_scale {row_scale.shape} does not match x {x.shape}")
+    if order is not None and (order.shape != (e,) or order.dtype != jnp.int32):
+        raise ValueError(f"grouped_mlp: order {order.dtype}{order.shape} must be int32 ({e},)")
     m = rows.shape[0]
     spare = bm if interpret else 0  # interpret mode clamps windows that leave the array (kernel.py)
     rows_p = jnp.pad(rows, (0, spare))
@@ -179,10 +189,10 @@ def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Arr
     count = jnp.zeros((e + 1,), jnp.int32)
     h_shape, o_shape = (m + spare, f), (m + spare, d)
     scale = () if row_scale is None else (row_scale.astype(jnp.float32),)
-    operands = (layer_arr, offsets, rows_p, x, gate_up, down, *scale, count)
+    operands = (layer_arr, offsets, rows_p, x, gate_up, down, *scale, *(() if order is None else (order,)), count)
     _, out, _ = pl.pallas_call(
         functools.partial(_kernel, bm=bm, gu=gu_blocks, dn=dn_blocks, act=act, one_dot=one_dot, interpret=interpret,
-                          scaled=row_scale is not None),
+                          scaled=row_scale is not None, ordered=order is not None),
         out_shape=(jax.ShapeDtypeStruct(h_shape, x.dtype), jax.ShapeDtypeStruct(o_shape, x.dtype),
                    jax.ShapeDtypeStruct(count.shape, count.dtype)),
         grid=(items,),

@@ -290,6 +290,13 @@ FUSED_STAGES = 3
 # 14.435 / 14.440 against 14.480 / 14.464 ms, alternating in one process (benchmarks/dg_fused_one_dot_sweep.json;
 # benchmarks/results/2026-12-04_dg_one_dot_ffw_tail_h200.md). Read at trace time.
 FUSED_ONE_DOT = True
+# Passes with at least this many rows per expert on average (the 26B's prefill: 32, prefill_decode: 48; the canvas:
+# 16) hand the one-launch kernel its experts in descending order of rows (`grouped_mlp(order=)`): an expert of
+# several 64-row tiles runs them one after another in each of its work items (in the 512-token prefill the
+# heaviest expert per layer got 51-221 rows, benchmarks/results/2026-12-03_dg_expert_loads_h200.md), so taking it
+# first keeps it from setting the launch's last wave. Costs a sort of E sizes before the launch. None: never.
+# Not timed (session 49 had no device). Read at trace time.
+FUSED_HEAVY_FIRST: int | None = None
 
 
 def fusable(d: int, f: int) -> bool:
@@ -323,13 +330,18 @@ def fused_blocks(stack: jax.Array):
 def fused_expert_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Array, offsets: jax.Array, layer,
                      act: str, row_scale: jax.Array | None = None) -> jax.Array:
     """The one-launch expert MLP (kernels/grouped_gemm/mlp.grouped_mlp) with the model's settings (tiles, stages,
-    one_dot; interpret mode on a CPU): sorted rows of x[rows] through their experts -> [M, D]. gate_up: a stack in
-    `fuse_gate_up`'s layout, down the model's [L, E, F, D]; layer: the stacks' layer; row_scale: grouped_mlp's."""
+    one_dot, FUSED_HEAVY_FIRST; interpret mode on a CPU): sorted rows of x[rows] through their experts -> [M, D].
+    gate_up: a stack in `fuse_gate_up`'s layout, down the model's [L, E, F, D]; layer: the stacks' layer;
+    row_scale: grouped_mlp's."""
     from orl_jax_kernels.grouped_gemm.mlp import grouped_mlp
 
+    e = offsets.shape[0] - 1
+    order = None
+    if FUSED_HEAVY_FIRST is not None and rows.shape[0] >= FUSED_HEAVY_FIRST * e:
+        order = jnp.argsort(offsets[:-1] - offsets[1:], stable=True).astype(jnp.int32)  # most rows first
     return grouped_mlp(x, rows, gate_up, down, offsets, layer, ACTIVATIONS[act], *fused_blocks(gate_up),
                        bm=FUSED_BM, num_warps=FUSED_WARPS, num_stages=FUSED_STAGES, one_dot=FUSED_ONE_DOT,
-                       interpret=jax.default_backend() == "cpu", row_scale=row_scale)
+                       interpret=jax.default_backend() == "cpu", row_scale=row_scale, order=order)
 
 
 def fused_stack(w) -> bool:
