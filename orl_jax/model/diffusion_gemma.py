@@ -302,6 +302,23 @@ def fused_expert_params(params: dict) -> dict:
                      for t in ("sliding", "full")}
 
 
+_fold = jax.jit(lambda w, g: (g * w).astype(w.dtype))  # w times float32 g (broadcast), rounded once
+
+
+def _fold_experts_impl(stack, g):
+    """An expert gate/up stack [L, E, ..., D, N] times g [L, D] along D, layer by layer (the 26B's sliding stack is
+    24 GB)."""
+    def layer(a):
+        w, gl = a
+        return (gl.reshape((1,) * (w.ndim - 2) + (-1, 1)) * w).astype(w.dtype)
+
+    return jax.lax.map(layer, (stack, g))
+
+
+_fold_experts = jax.jit(_fold_experts_impl)
+_fold_experts_donated = jax.jit(_fold_experts_impl, donate_argnums=(0,))
+
+
 def fold_attention_norms(params: dict) -> dict:
     """params with each layer's attention-input RMSNorm folded into its q/k/v projection: W'[d] = c attn_norm[d] W[d]
     (rounded once to the weight dtype; c = FOLD_SCALE), "attn_norm" dropped, so that `_layer` projects the residual
@@ -320,8 +337,7 @@ def fold_attention_norms(params: dict) -> dict:
             raise ValueError(f"fold_attention_norms: params[{t!r}] has no attn_norm (already folded?)")
         name = "qkv" if "qkv" in layers else "qk"
         w, norm = layers[name], layers.pop("attn_norm")  # [n, D, K, slots, H], [n, D]
-        layers[name] = jax.jit(lambda w, g: (FOLD_SCALE * g.astype(jnp.float32)[:, :, None, None, None] * w)
-                               .astype(w.dtype))(w, norm)
+        layers[name] = _fold(w, FOLD_SCALE * norm.astype(jnp.float32)[:, :, None, None, None])
         out[t] = layers
     return out
 
@@ -347,23 +363,6 @@ def fold_ffw_norms(params: dict, donate_experts: bool = False) -> dict:
         layers["experts_gate_up"] = fold_experts(layers["experts_gate_up"], moe_norm)
         out[t] = layers
     return out
-
-
-_fold = jax.jit(lambda w, g: (g * w).astype(w.dtype))  # w times float32 g (broadcast), rounded once
-
-
-def _fold_experts_impl(stack, g):
-    """An expert gate/up stack [L, E, ..., D, N] times g [L, D] along D, layer by layer (the 26B's sliding stack is
-    24 GB)."""
-    def layer(a):
-        w, gl = a
-        return (gl.reshape((1,) * (w.ndim - 2) + (-1, 1)) * w).astype(w.dtype)
-
-    return jax.lax.map(layer, (stack, g))
-
-
-_fold_experts = jax.jit(_fold_experts_impl)
-_fold_experts_donated = jax.jit(_fold_experts_impl, donate_argnums=(0,))
 
 
 def inference_params(params: dict, cfg: DiffusionGemmaConfig) -> dict:
