@@ -603,6 +603,12 @@ for impl in IMPLS:
         tokens_per_s=args.new * args.blocks / sec,
         tokens_sha=digest(out.tokens),
         tpf_hf=float(np.asarray(out.tpf_hf)[0]) if getattr(out, "tpf_hf", None) is not None else None)
+    # the row above (one untimed call, median of the next 3) is kept comparable with earlier sessions; a compiled
+    # program's second and third calls ran 5-8 ms slower than later ones in every A/B (session 48), so also the
+    # steady state: the median of 5 timed calls after 6 others (the compiling one, the row above's 4, one untimed)
+    steady = median_seconds(lambda: generate(params, c, prompt, **kw), reps=5)
+    log(what="generate_steady", moe_impl=impl, seconds=steady, calls_before=6,
+        ms_per_forward_incl_prefill=steady * 1e3 / max(fwd + com, 1))
     if args.generate_hlo:
         write_generate_hlo(c, kw)
     if args.generate_ab or args.ab_compiler_options or args.ab_fold:
