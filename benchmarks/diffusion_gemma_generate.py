@@ -92,8 +92,10 @@ ap.add_argument("--expert-loads", action="store_true",
                 help="first log the rows routed to each expert in every MoE layer of the prefill and of one decoder "
                      "forward (moe_impl pallas): the grouped kernels read an expert's weights once per 64-row tile")
 ap.add_argument("--fused-experts", action="store_true",
-                help="the expert gate/up stacks in moe.fuse_gate_up's layout (diffusion_gemma.fused_expert_params): "
-                     "with --moe-impl pallas each layer's experts run in one launch (kernels/grouped_gemm/mlp.py)")
+                help="the params as diffusion_gemma.inference_params makes them for generate(): the expert gate/up "
+                     "stacks in moe.fuse_gate_up's layout (with --moe-impl pallas each layer's experts run in one "
+                     "launch, kernels/grouped_gemm/mlp.py), and the norm folds whose switches are on (--set "
+                     "orl_jax.model.diffusion_gemma.FOLD_FFW_NORMS=true)")
 ap.add_argument("--generate-ab", action="append", default=[], metavar="MODULE.NAME=JSON",
                 help="also compile the whole generate() program a second time with these trace-time switches set "
                      "(repeatable, as --set) and time the two compiled programs alternately, --ab-rounds each: "
@@ -223,8 +225,10 @@ params = jax.tree.unflatten(treedef, [
 jax.block_until_ready(params)
 n = sum(int(np.prod(s.shape)) for s in leaves)
 log(what="init", params_b=n / 1e9, seconds=time.perf_counter() - t)
-if args.fused_experts:  # the model's gate/up stacks are dropped with the old tree (no second 30 GB copy kept)
-    params = jax.block_until_ready(diffusion_gemma.fused_expert_params(params))
+if args.fused_experts:  # what inference_params hands generate(); the old gate/up stacks go with the old tree
+    params = jax.block_until_ready(diffusion_gemma.inference_params(params, cfg.replace(moe_impl="pallas")))
+    log(what="inference_params", fused=params["sliding"]["experts_gate_up"].ndim == 5,
+        folded=sorted({"attn_norm", "mlp_norm", "router_scale", "moe_norm"} - set(params["sliding"])))
 
 prompt = np.random.default_rng(0).integers(0, min(200000, cfg.vocab_size) - 8, (1, args.prompt)).astype(np.int32)
 sampler = UniformSampler(max_denoising_steps=48, t_max=0.8, t_min=0.4, entropy_bound=0.1, stability=1,
