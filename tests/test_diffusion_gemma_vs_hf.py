@@ -500,6 +500,18 @@ def test_round_trip_exact(dg_ours, dg_hf, tmp_path):
     assert (a - b).abs().max() < 1e-5
 
 
+def test_export_refuses_inference_params(dg_ours, tmp_path):
+    """save_hf of params from inference_params (folded norms, the fused expert layout) names the cause and leaves no
+    directory behind."""
+    cfg, params = dg_ours
+    for p, what in ((dg.fold_attention_norms(params), "attn_norm"), (dg.fold_ffw_norms(params), "moe_norm"),
+                    (params | {"sliding": params["sliding"] | {"experts_gate_up": params["sliding"][
+                        "experts_gate_up"][..., None]}}, "fused expert layout")):
+        with pytest.raises(ValueError, match=f"inference params.*{what}|{what}.*export"):
+            save_hf(tmp_path / "export", cfg, p)
+        assert not (tmp_path / "export").exists()
+
+
 def _copy_with(src, dst, edit_tensors=None, edit_config=None):
     dst.mkdir()
     tensors = dict(load_file(str(src / "model.safetensors")))
