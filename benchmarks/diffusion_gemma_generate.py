@@ -329,16 +329,30 @@ def looped_program(fn, n, options=None):
     return compile_dg(run, options)
 
 
+class _Dispatched(Exception):
+    """generate_call's stop: generate() reached its jitted program."""
+
+
 def generate_call(c, kw):
-    """The jitted program generate() dispatches for (c, kw) and its (args, kwargs), seen by running it once."""
+    """The jitted program generate() dispatches for (c, kw) and its (args, kwargs), caught at the dispatch (nothing
+    compiled or run: a caller that lowers for other params compiles once)."""
     from orl_jax.decode import engine
 
     seen, run = [], engine._run_concurrent
-    engine._run_concurrent = lambda *a, **k: seen.append((a, k)) or run(*a, **k)
+
+    def catch(*a, **k):
+        seen.append((a, k))
+        raise _Dispatched
+
+    engine._run_concurrent = catch
     try:
-        jax.block_until_ready(generate(params, c, prompt, **kw))
+        generate(params, c, prompt, **kw)
+    except _Dispatched:
+        pass
     finally:
         engine._run_concurrent = run
+    if not seen:
+        raise RuntimeError("generate() did not dispatch engine._run_concurrent for this config")
     return run, *seen[0]
 
 
