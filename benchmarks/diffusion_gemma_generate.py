@@ -92,10 +92,11 @@ ap.add_argument("--expert-loads", action="store_true",
                 help="first log the rows routed to each expert in every MoE layer of the prefill and of one decoder "
                      "forward (moe_impl pallas): the grouped kernels read an expert's weights once per 64-row tile")
 ap.add_argument("--fused-experts", action="store_true",
-                help="the params as diffusion_gemma.inference_params makes them for generate(): the expert gate/up "
-                     "stacks in moe.fuse_gate_up's layout (with --moe-impl pallas each layer's experts run in one "
-                     "launch, kernels/grouped_gemm/mlp.py), and the norm folds whose switches are on (--set "
-                     "orl_jax.model.diffusion_gemma.FOLD_FFW_NORMS=true)")
+                help="the params as diffusion_gemma_inference.inference_params makes them for generate(): the "
+                     "expert gate/up stacks in moe.fuse_gate_up's layout (with --moe-impl pallas each layer's "
+                     "experts run in one launch, kernels/grouped_gemm/mlp.py), and the norm folds whose switches are "
+                     "on (--set "
+                     "orl_jax.model.diffusion_gemma_inference.FOLD_FFW_NORMS=true)")
 ap.add_argument("--generate-ab", action="append", default=[], metavar="MODULE.NAME=JSON",
                 help="also compile the whole generate() program a second time with these trace-time switches set "
                      "(repeatable, as --set) and time the two compiled programs alternately, --ab-rounds each: "
@@ -106,8 +107,9 @@ ap.add_argument("--ab-compiler-options", type=json.loads, metavar="JSON",
                      "update_mode\": \"SKIP_PROFILED\"}'; its outputs are compared with A's")
 ap.add_argument("--ab-fold", type=lambda v: v.split(","), default=[], metavar="attention,ffw",
                 help="--generate-ab's B side (or alone, the A/B's only difference) runs on the params with these "
-                     "norms folded into their matrices (diffusion_gemma.fold_attention_norms / fold_ffw_norms); "
-                     "first the decoder forward (48 per loop, --ab-rounds each, alternating) and the two logits' gap")
+                     "norms folded into their matrices (diffusion_gemma_inference.fold_attention_norms / "
+                     "fold_ffw_norms); first the decoder forward (48 per loop, --ab-rounds each, alternating) and "
+                     "the two logits' gap")
 ap.add_argument("--ab-rounds", type=int, default=8, help="--generate-ab: timed calls of each program")
 ap.add_argument("--ab-max-steps", type=int, action="append", default=[], metavar="N",
                 help="--generate-ab: then the same A/B with generate(max_steps=N) (repeatable): the difference of two "
@@ -145,7 +147,7 @@ from orl_jax import params as P  # noqa: E402
 from orl_jax.decode.engine import generate  # noqa: E402
 from orl_jax.decode.samplers import UniformSampler  # noqa: E402
 from orl_jax.diffusion_gemma_config import DG_PRESETS  # noqa: E402
-from orl_jax.model import diffusion_gemma, moe  # noqa: E402
+from orl_jax.model import diffusion_gemma, diffusion_gemma_inference, moe  # noqa: E402
 from orl_jax.sharding import make_mesh  # noqa: E402
 
 T0 = time.perf_counter()
@@ -226,7 +228,7 @@ jax.block_until_ready(params)
 n = sum(int(np.prod(s.shape)) for s in leaves)
 log(what="init", params_b=n / 1e9, seconds=time.perf_counter() - t)
 if args.fused_experts:  # what inference_params hands generate(); the old gate/up stacks go with the old tree
-    params = jax.block_until_ready(diffusion_gemma.inference_params(params, cfg.replace(moe_impl="pallas")))
+    params = jax.block_until_ready(diffusion_gemma_inference.inference_params(params, cfg.replace(moe_impl="pallas")))
     log(what="inference_params", fused=params["sliding"]["experts_gate_up"].ndim == 5,
         folded=sorted({"attn_norm", "mlp_norm", "router_scale", "moe_norm"} - set(params["sliding"])))
 
@@ -413,9 +415,9 @@ def fold_ab(c):
     defaults' --ab-rounds times."""
     folded = params
     if "attention" in args.ab_fold:
-        folded = diffusion_gemma.fold_attention_norms(folded)
+        folded = diffusion_gemma_inference.fold_attention_norms(folded)
     if "ffw" in args.ab_fold:  # a second copy of the expert gate/up stacks (the 26B's: 30 GB)
-        folded = diffusion_gemma.fold_ffw_norms(folded)
+        folded = diffusion_gemma_inference.fold_ffw_norms(folded)
     cache, canvas = prefilled(c), bench_canvas(c)
     logits_of = compile_dg(lambda p, toks, k: diffusion_gemma.decode(p, c, toks, k))
     want = logits_of(params, canvas, cache)
@@ -586,7 +588,7 @@ if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the is
             jax.clear_caches()  # every kernel wrapper and the forward trace again, under these tables and switches
             if entry.get("fused_experts") and moe.FUSED_TILE != fused_tile:  # the layout of this entry's FUSED_TILE
                 p = fused_params = None  # the old copy goes first (the 26B's: 30 GB)
-                fused_params, fused_tile = diffusion_gemma.fused_expert_params(params), moe.FUSED_TILE
+                fused_params, fused_tile = diffusion_gemma_inference.fused_expert_params(params), moe.FUSED_TILE
             p = fused_params if entry.get("fused_experts") else params
             try:
                 if p is fused_params:

@@ -15,6 +15,7 @@ import pytest
 from orl_jax import params as P
 from orl_jax.diffusion_gemma_config import DG_PRESETS
 from orl_jax.model import diffusion_gemma as dg
+from orl_jax.model import diffusion_gemma_inference as dgi
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +39,7 @@ def _full_precision():
 
 @pytest.fixture(scope="module")
 def setup():
-    params = dg.inference_params(P.init(dg.param_specs(CFG), jax.random.key(0)), CFG)
+    params = dgi.inference_params(P.init(dg.param_specs(CFG), jax.random.key(0)), CFG)
     rng = np.random.default_rng(0)
     prompt = jnp.asarray(rng.integers(3, 4000, (2, 96)), jnp.int32)
     lengths = jnp.asarray([96, 70], jnp.int32)

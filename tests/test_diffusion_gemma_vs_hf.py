@@ -26,6 +26,7 @@ from orl_jax.decode.engine import generate, make_sampler
 from orl_jax.decode.samplers import UniformSampler, categorical
 from orl_jax.diffusion_gemma_config import DG_PRESETS, FULL, SLIDING, DiffusionGemmaConfig
 from orl_jax.model import diffusion_gemma as dg
+from orl_jax.model import diffusion_gemma_inference as dgi
 from orl_jax.model.moe import experts_mlp
 
 pytestmark = pytest.mark.hf
@@ -302,10 +303,11 @@ def test_folded_norms_keep_both_fused_passes(dg_ours, dg_hf, moe_impl, attention
     window 4, self-conditioning input on the second canvas."""
     cfg, params = dg_ours
     cfg = cfg.replace(moe_impl=moe_impl, cached_attention_impl=attention)
-    switch, fn, dropped = {"attention": ("FOLD_ATTENTION_NORMS", dg.fold_attention_norms, ["attn_norm"]),
-                           "ffw": ("FOLD_FFW_NORMS", dg.fold_ffw_norms, ["mlp_norm", "router_scale", "moe_norm"])}[fold]
-    monkeypatch.setattr(dg, switch, True)
-    assert dg.inference_params(params, cfg.replace(moe_impl="bucketed")) is params  # float32: never folded
+    switch, fn, dropped = {
+        "attention": ("FOLD_ATTENTION_NORMS", dgi.fold_attention_norms, ["attn_norm"]),
+        "ffw": ("FOLD_FFW_NORMS", dgi.fold_ffw_norms, ["mlp_norm", "router_scale", "moe_norm"])}[fold]
+    monkeypatch.setattr(dgi, switch, True)
+    assert dgi.inference_params(params, cfg.replace(moe_impl="bucketed")) is params  # float32: never folded
     folded = fn(params)
     assert not {n for t in ("sliding", "full") for n in folded[t]} & set(dropped)
     with pytest.raises(ValueError, match="already folded"):
@@ -504,7 +506,7 @@ def test_export_refuses_inference_params(dg_ours, tmp_path):
     """save_hf of params from inference_params (folded norms, the fused expert layout) names the cause and leaves no
     directory behind."""
     cfg, params = dg_ours
-    for p, what in ((dg.fold_attention_norms(params), "attn_norm"), (dg.fold_ffw_norms(params), "moe_norm"),
+    for p, what in ((dgi.fold_attention_norms(params), "attn_norm"), (dgi.fold_ffw_norms(params), "moe_norm"),
                     (params | {"sliding": params["sliding"] | {"experts_gate_up": params["sliding"][
                         "experts_gate_up"][..., None]}}, "fused expert layout")):
         with pytest.raises(ValueError, match=f"inference params.*{what}|{what}.*export"):

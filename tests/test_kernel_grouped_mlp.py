@@ -168,18 +168,20 @@ def test_moe_fused_path_with_narrower_tiles(bm, monkeypatch):
 
 
 def test_diffusion_gemma_decoder_with_fused_expert_params():
-    """diffusion_gemma.fused_expert_params: the decoder (moe_impl pallas, interpret mode) with both expert gate/up
-    stacks in the fused layout gives the logits of the model's layout (fp32), with one pallas_call fewer per layer."""
+    """diffusion_gemma_inference.fused_expert_params: the decoder (moe_impl pallas, interpret mode) with both expert
+    gate/up stacks in the fused layout gives the logits of the model's layout (fp32), with one pallas_call fewer per
+    layer; and with the feed-forward norms folded into the fused stacks as well."""
     from orl_jax import params as P
     from orl_jax.diffusion_gemma_config import DG_PRESETS
     from orl_jax.model import diffusion_gemma as dg
+    from orl_jax.model import diffusion_gemma_inference as dgi
 
     cfg = DG_PRESETS["tiny-dg"].replace(hidden_size=128, moe_intermediate_size=64, moe_impl="pallas")
     params = P.init(dg.param_specs(cfg), jax.random.key(0))
     prompt = jax.random.randint(jax.random.key(1), (1, 16), 0, 240)
     canvas = jax.random.randint(jax.random.key(2), (1, cfg.block_length), 0, 240)
     _, cache = dg.prefill(params, cfg, prompt, jnp.array([13]), 32)
-    fused = dg.fused_expert_params(params)
+    fused = dgi.fused_expert_params(params)
     assert fused["sliding"]["experts_gate_up"].ndim == 5 and fused["full"]["experts_down"] is params["full"][
         "experts_down"]
     want = dg.decode(params, cfg, canvas, cache)
@@ -190,7 +192,7 @@ def test_diffusion_gemma_decoder_with_fused_expert_params():
              for p in (params, fused)]
     assert calls[1] < calls[0]
     # the feed-forward norms folded into the fused stacks (the kernel scales its gate/up products per token)
-    folded = dg.fold_ffw_norms(fused)
+    folded = dgi.fold_ffw_norms(fused)
     np.testing.assert_allclose(np.asarray(dg.decode(folded, cfg, canvas, cache)), np.asarray(want), atol=1e-4,
                                rtol=1e-4)
 
@@ -271,34 +273,36 @@ def test_row_scale_and_order_on_gpu_at_the_26b_expert_shapes():
 
 
 def test_inference_params_fuse_only_where_the_kernel_runs(monkeypatch):
-    """diffusion_gemma.inference_params (the CLI's generate): fused where moe_impl resolves to pallas and the shapes
-    fit; unchanged on the other impls (a CPU's "auto") and for experts the kernel does not tile (the tiny preset).
+    """diffusion_gemma_inference.inference_params (the CLI's generate): fused where moe_impl resolves to pallas and
+    the shapes fit; unchanged on the other impls (a CPU's "auto") and for experts the kernel does not tile (the tiny
+    preset).
     With the norm folds on, a bf16 model's norms go into its matrices (the fused stacks folded in place)."""
     from orl_jax import params as P
     from orl_jax.diffusion_gemma_config import DG_PRESETS
     from orl_jax.model import diffusion_gemma as dg
+    from orl_jax.model import diffusion_gemma_inference as dgi
 
     fits = DG_PRESETS["tiny-dg"].replace(hidden_size=128, moe_intermediate_size=64)
     params = P.init(dg.param_specs(fits), jax.random.key(0))
-    assert dg.inference_params(params, fits.replace(moe_impl="pallas"))["sliding"]["experts_gate_up"].ndim == 5
-    monkeypatch.setattr(dg, "FOLD_ATTENTION_NORMS", True)
-    monkeypatch.setattr(dg, "FOLD_FFW_NORMS", True)
+    assert dgi.inference_params(params, fits.replace(moe_impl="pallas"))["sliding"]["experts_gate_up"].ndim == 5
+    monkeypatch.setattr(dgi, "FOLD_ATTENTION_NORMS", True)
+    monkeypatch.setattr(dgi, "FOLD_FFW_NORMS", True)
     low = fits.replace(moe_impl="pallas", dtype="bfloat16")
     bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
-    folded = dg.inference_params(bf16, low)
+    folded = dgi.inference_params(bf16, low)
     assert folded["sliding"]["experts_gate_up"].ndim == 5 and bf16["sliding"]["experts_gate_up"].ndim == 4
     assert not {"attn_norm", "mlp_norm", "router_scale", "moe_norm"} & set(folded["full"])
-    assert dg.inference_params(params, fits.replace(moe_impl="pallas"))["full"].keys() >= {"attn_norm", "moe_norm"}
-    monkeypatch.setattr(dg, "FOLD_ATTENTION_NORMS", False)
-    monkeypatch.setattr(dg, "FOLD_FFW_NORMS", False)
-    assert dg.inference_params(params, fits.replace(moe_impl="bucketed")) is params
-    assert dg.inference_params(params, fits) is params  # "auto" on a CPU: not the kernel
+    assert dgi.inference_params(params, fits.replace(moe_impl="pallas"))["full"].keys() >= {"attn_norm", "moe_norm"}
+    monkeypatch.setattr(dgi, "FOLD_ATTENTION_NORMS", False)
+    monkeypatch.setattr(dgi, "FOLD_FFW_NORMS", False)
+    assert dgi.inference_params(params, fits.replace(moe_impl="bucketed")) is params
+    assert dgi.inference_params(params, fits) is params  # "auto" on a CPU: not the kernel
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     mesh = Mesh(np.array(jax.devices()[:2]), ("tensor",))  # experts over two devices (conftest makes 4 CPU ones)
     split = jax.device_put(params["sliding"]["experts_gate_up"], NamedSharding(mesh, PartitionSpec(None, "tensor")))
     sharded = params | {"sliding": params["sliding"] | {"experts_gate_up": split}}
-    assert dg.inference_params(sharded, fits.replace(moe_impl="pallas")) is sharded
+    assert dgi.inference_params(sharded, fits.replace(moe_impl="pallas")) is sharded
     tiny = DG_PRESETS["tiny-dg"].replace(moe_impl="pallas")
     small = P.init(dg.param_specs(tiny), jax.random.key(0))
-    assert dg.inference_params(small, tiny) is small
+    assert dgi.inference_params(small, tiny) is small

@@ -260,7 +260,7 @@ def hf_tensors(cfg: ModelConfig | DiffusionGemmaConfig, params: dict) -> dict[st
         layers = params["sliding"]
         folded = sorted({"attn_norm", "mlp_norm", "router_scale", "moe_norm"} - set(layers))
         if folded or getattr(layers.get("experts_gate_up"), "ndim", 4) != 4:
-            raise ValueError("params are DiffusionGemma inference params (diffusion_gemma.inference_params: the fused "
+            raise ValueError("params are DiffusionGemma inference params (diffusion_gemma_inference: the fused "
                              f"expert layout{', folded norms ' + str(folded) if folded else ''}): export the model's "
                              "params, as loaded or trained")
     P.check_tree(params, model_module(cfg).param_specs(cfg))

@@ -78,7 +78,7 @@ from orl_jax.model.layers import (
     rope_inv_freq,
     soft_cap,
 )
-from orl_jax.model.moe import experts_mlp, fusable, fuse_gate_up, route
+from orl_jax.model.moe import experts_mlp, route
 from orl_jax.model.streamed import StackedWeight, pack_vectors, unpack_vectors, vector_offsets
 from orl_jax.params import ParamSpec, ones
 
@@ -94,17 +94,6 @@ EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")  # [layers, E, ...] per lay
 # multi-device "auto" -> "orl_jax" keeps the einsums); elsewhere, and with "orl_jax", the float32 einsums (HF
 # eager's order). Read at trace time (`_uncached_attention`).
 UNCACHED_ATTENTION = "orl_jax"
-# inference_params also folds a bf16 / fp16 model's attention-input RMSNorms into the q/k/v projections
-# (`fold_attention_norms`): each layer then feeds the residual stream straight to the projection's GEMM, one XLA
-# fusion (~2 us on the layer's dependency chain) fewer. An approximation below the dtype's rounding: the head norms'
-# eps meets a rescaled mean square (see there). Read by inference_params.
-FOLD_ATTENTION_NORMS = False
-FOLD_SCALE = 16.0  # fold_attention_norms' c: a power of two (exact in any float format), small enough for fp16
-# ... and the feed-forward input norms (`fold_ffw_norms`): the dense MLP's, the router's and the experts' norm
-# weights go into their first matrices, each layer computes one per-token factor beside its router GEMM (off the
-# dependency chain) and the three normed copies of x (one XLA fusion, ~3 us on the chain) are gone. Read by
-# inference_params.
-FOLD_FFW_NORMS = False
 
 
 def _layer_specs(cfg: DiffusionGemmaConfig, n: int, kv: int, hd: int, own_v: bool) -> dict:
@@ -232,8 +221,8 @@ def soft_embed(params: dict, cfg: DiffusionGemmaConfig, probs: jax.Array, scale:
 def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: str, self_impl: str = "orl_jax"):
     eps = cfg.rms_norm_eps
     b, l, d = x.shape
-    # folded params (fold_attention_norms): the norm's weight is in the projection, its per-token scale cancels in
-    # the head norms below
+    # folded params (diffusion_gemma_inference.fold_attention_norms): the norm's weight is in the projection, its
+    # per-token scale cancels in the head norms below
     h = rms_norm_fp32(x, w["attn_norm"], eps) if "attn_norm" in w else x
     own_v = "qkv" in w  # full layers: "qk", K = V
     proj = einsum("bld,dkth->blkth", h, w["qkv" if own_v else "qk"])  # [B, L, K, G + 2 (or + 1), H]
@@ -261,7 +250,8 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
         weights, experts = route(flat, w["router_scale"], w["router"], w["expert_scale"], cfg.top_k_experts, eps,
                                  kernel=impl == "pallas")
         moe_in, rs = rms_norm_fp32(flat, w["moe_norm"], eps), None
-    else:  # fold_ffw_norms: the norms' weights are in the matrices, their per-token factor scales the products
+    else:  # diffusion_gemma_inference.fold_ffw_norms: the norms' weights are in the matrices, their per-token
+        # factor scales the products
         rs = jax.lax.rsqrt(jnp.mean(jnp.square(flat.astype(jnp.float32)), axis=-1) + eps)  # [T]
         weights, experts = route(flat, None, w["router"], w["expert_scale"], cfg.top_k_experts, eps,
                                  kernel=impl == "pallas", row_scale=rs)
@@ -289,99 +279,6 @@ def _qk_kernel_offsets(cfg: DiffusionGemmaConfig, layout) -> tuple[int, ...] | N
     fits = (qwen3.cached_attention_impl(cfg) == "pallas" and cfg.rope_sliding.partial_rotary_factor == 1.0
             and supported(cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim))
     return vector_offsets(layout, "q_norm", "k_norm") if fits else None
-
-
-def fused_expert_params(params: dict) -> dict:
-    """params with both expert gate/up stacks in moe.fuse_gate_up's layout, so that passes with moe_impl "pallas"
-    run each layer's experts in one launch (kernels/grouped_gemm/mlp.py) instead of two grouped GEMMs and XLA's
-    activation: on an H200 the 26B's denoising forward took 14.96-15.01 ms against 15.17-15.20, alternating in one
-    process on two machines (benchmarks/results/2026-12-04_dg_fused_expert_mlp_h200.md). A new copy of those stacks
-    (the 26B: 30 GB; the old ones go when the caller drops them); inference only: training, export and the other
-    moe_impls take the model's layout (moe.experts_mlp refuses it there)."""
-    return params | {t: params[t] | {"experts_gate_up": fuse_gate_up(params[t]["experts_gate_up"])}
-                     for t in ("sliding", "full")}
-
-
-_fold = jax.jit(lambda w, g: (g * w).astype(w.dtype))  # w times float32 g (broadcast), rounded once
-
-
-def _fold_experts_impl(stack, g):
-    """An expert gate/up stack [L, E, ..., D, N] times g [L, D] along D, layer by layer (the 26B's sliding stack is
-    24 GB)."""
-    def layer(a):
-        w, gl = a
-        return (gl.reshape((1,) * (w.ndim - 2) + (-1, 1)) * w).astype(w.dtype)
-
-    return jax.lax.map(layer, (stack, g))
-
-
-_fold_experts = jax.jit(_fold_experts_impl)
-_fold_experts_donated = jax.jit(_fold_experts_impl, donate_argnums=(0,))
-
-
-def fold_attention_norms(params: dict) -> dict:
-    """params with each layer's attention-input RMSNorm folded into its q/k/v projection: W'[d] = c attn_norm[d] W[d]
-    (rounded once to the weight dtype; c = FOLD_SCALE), "attn_norm" dropped, so that `_layer` projects the residual
-    stream x itself.
-
-    Why it holds: RMSNorm(x) * w @ W = r(x) / c * (x @ W') with r(x) = rsqrt(mean(x^2) + eps) one scalar per token,
-    and every projected head is RMS-normed before use (q and k with their weights, v without: Gemma 4), which removes
-    a positive per-token factor. Exact up to rounding and the head norms' eps: a head y = x @ W' has mean square
-    m c^2 / r^2 where the model's has m, so the norm's eps weighs r^2 / c^2 as much against it, a relative change of
-    at most ~eps / (2 m) in each head's scale (the power of two c keeps r^2 / c^2 small where the residual stream is
-    small). Inference only: training and export take the model's layout (its attn_norm)."""
-    out = dict(params)
-    for t in ("sliding", "full"):
-        layers = dict(params[t])
-        if "attn_norm" not in layers:
-            raise ValueError(f"fold_attention_norms: params[{t!r}] has no attn_norm (already folded?)")
-        name = "qkv" if "qkv" in layers else "qk"
-        w, norm = layers[name], layers.pop("attn_norm")  # [n, D, K, slots, H], [n, D]
-        layers[name] = _fold(w, FOLD_SCALE * norm.astype(jnp.float32)[:, :, None, None, None])
-        out[t] = layers
-    return out
-
-
-def fold_ffw_norms(params: dict, donate_experts: bool = False) -> dict:
-    """params with each layer's three feed-forward input norms folded into the matrices they feed: mlp_norm into
-    the dense gate_up, router_scale * D^-1/2 into the router, moe_norm into the experts' gate/up (either layout;
-    each rounded once to the weight dtype); the three vectors dropped. `_layer` then gives the dense MLP, the
-    router and the experts the residual stream x itself and multiplies their products by each token's
-    r(x) = rsqrt(mean(x^2) + eps): RMSNorm(x) * w @ W = r(x) * (x @ (w W)) exactly, so this is the model up to
-    rounding. donate_experts: the expert gate/up stacks are the caller's to give up (inference_params' own fused
-    copies): folded in place, no second 30 GB copy for the 26B. Inference only, as fold_attention_norms."""
-    out = dict(params)
-    for t in ("sliding", "full"):
-        layers = dict(params[t])
-        missing = {"mlp_norm", "router_scale", "moe_norm"} - set(layers)
-        if missing:
-            raise ValueError(f"fold_ffw_norms: params[{t!r}] lacks {sorted(missing)} (already folded?)")
-        mlp, scale, moe_norm = (layers.pop(n).astype(jnp.float32) for n in ("mlp_norm", "router_scale", "moe_norm"))
-        layers["gate_up"] = _fold(layers["gate_up"], mlp[:, :, None, None])
-        layers["router"] = _fold(layers["router"], scale[:, :, None] * layers["router"].shape[1] ** -0.5)
-        fold_experts = _fold_experts_donated if donate_experts else _fold_experts
-        layers["experts_gate_up"] = fold_experts(layers["experts_gate_up"], moe_norm)
-        out[t] = layers
-    return out
-
-
-def inference_params(params: dict, cfg: DiffusionGemmaConfig) -> dict:
-    """The params generate() runs fastest with on one device: fused_expert_params where moe_impl resolves to
-    "pallas" (on a GPU) and the expert shapes fit the fused kernel's tiles (moe.fuse_gate_up); else, and for expert
-    stacks sharded over several devices (expert parallelism keeps the model's layout), params unchanged. With
-    FOLD_ATTENTION_NORMS / FOLD_FFW_NORMS, a bf16 / fp16 model's params also go through `fold_attention_norms` /
-    `fold_ffw_norms` (any backend; float32 models stay as they are)."""
-    stack = params["sliding"]["experts_gate_up"]
-    sharded = len(getattr(stack, "sharding", None) and stack.sharding.device_set or ()) > 1
-    low = cfg.dtype in ("bfloat16", "float16")
-    if FOLD_ATTENTION_NORMS and low and "attn_norm" in params["sliding"]:
-        params = fold_attention_norms(params)
-    fuse = moe_impl(cfg) == "pallas" and fusable(cfg.hidden_size, cfg.moe_intermediate_size) and not sharded
-    if fuse:
-        params = fused_expert_params(params)
-    if FOLD_FFW_NORMS and low and "moe_norm" in params["sliding"]:
-        params = fold_ffw_norms(params, donate_experts=fuse)  # the fused stacks are this function's own copies
-    return params
 
 
 def moe_impl(cfg: DiffusionGemmaConfig) -> str:

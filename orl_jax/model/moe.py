@@ -62,9 +62,9 @@ def route(x: jax.Array, scale: jax.Array | None, proj, expert_scale: jax.Array, 
     equal, so the measured float32 cast stays (2026-12-01_dg_attention_order_h200.md).
     kernel (moe_impl "pallas", not differentiable, as its expert kernels are not): with ROUTER_TOPK_KERNEL the top-k
     and weights from the logits in one kernel, the same values (experts exact, weights to float32 rounding).
-    scale None: a folded router (diffusion_gemma.fold_ffw_norms: scale and D^-1/2 are in proj), x unnormed and
-    row_scale [T] its tokens' rsqrt(mean(x^2) + eps) in float32: logits = (x @ proj) * row_scale, the same up to
-    rounding (the kernel applies row_scale itself).
+    scale None: a folded router (diffusion_gemma_inference.fold_ffw_norms: scale and D^-1/2 are in proj), x
+    unnormed and row_scale [T] its tokens' rsqrt(mean(x^2) + eps) in float32: logits = (x @ proj) * row_scale, the
+    same up to rounding (the kernel applies row_scale itself).
     """
     if (scale is None) != (row_scale is not None):
         raise ValueError("route: a folded router (scale None) takes row_scale, an unfolded one does not")
@@ -130,8 +130,8 @@ def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up, d
     impl (decode sizes): "bucketed", "dense" or "pallas" (the sorted rows through kernels/grouped_gemm, any T, no
     buckets). See the module docstring. distinct: each token's k experts differ (a top-k router's): the pallas path
     may then sort by token (EXPERT_SORT_BY_TOKEN). row_scale [T] float32: the experts' input is x * row_scale[:, None]
-    (diffusion_gemma.fold_ffw_norms: an unnormed x, its norm's weight folded into gate_up); the one-launch kernel
-    scales its gate/up products instead, every other path x first."""
+    (diffusion_gemma_inference.fold_ffw_norms: an unnormed x, its norm's weight folded into gate_up); the
+    one-launch kernel scales its gate/up products instead, every other path x first."""
     t, k = experts.shape
     if fused_stack(gate_up) and impl != "pallas":
         raise ValueError(f"experts_mlp: gate_up in fuse_gate_up's layout takes impl 'pallas', got impl={impl!r}")
