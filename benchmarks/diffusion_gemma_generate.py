@@ -229,8 +229,7 @@ n = sum(int(np.prod(s.shape)) for s in leaves)
 log(what="init", params_b=n / 1e9, seconds=time.perf_counter() - t)
 if args.fused_experts:  # what inference_params hands generate(); the old gate/up stacks go with the old tree
     params = jax.block_until_ready(diffusion_gemma_inference.inference_params(params, cfg.replace(moe_impl="pallas")))
-    log(what="inference_params", fused=params["sliding"]["experts_gate_up"].ndim == 5,
-        folded=sorted({"attn_norm", "mlp_norm", "router_scale", "moe_norm"} - set(params["sliding"])))
+    log(what="inference_params", applied=diffusion_gemma_inference.applied(params))
 
 prompt = np.random.default_rng(0).integers(0, min(200000, cfg.vocab_size) - 8, (1, args.prompt)).astype(np.int32)
 sampler = UniformSampler(max_denoising_steps=48, t_max=0.8, t_min=0.4, entropy_bound=0.1, stability=1,
@@ -422,11 +421,7 @@ def fold_ab(c):
     logits_of = compile_dg(lambda p, toks, k: diffusion_gemma.decode(p, c, toks, k))
     want = logits_of(params, canvas, cache)
     log(what="folded_logits", **logit_gap(logits_of(folded, canvas, cache), want))
-    with switched({"orl_jax.model.attention.EINSUM_HEAD_DIMS": [c.head_dim]}):
-        jax.clear_caches()
-        log(what="rounding_logits", **logit_gap(compile_dg(lambda p, toks, k: diffusion_gemma.decode(
-            p, c, toks, k))(params, canvas, cache), want))
-    jax.clear_caches()
+    log_rounding_gap(c.head_dim, lambda: logits_of(params, canvas, cache), want)
     f = looped_program(decoder(c), 48)
     for r in range(args.ab_rounds):
         for side, p in (("A", params), ("B", folded)) if r % 2 == 0 else (("B", folded), ("A", params)):
@@ -469,10 +464,7 @@ def generate_parts(c, kw):
     log(what="prefill_decode_logits", **logit_gap(got, want),
         cache_max_abs_diff=max(float(jnp.max(jnp.abs(a - b))) for a, b in
                                zip(jax.tree.leaves(got_cache), jax.tree.leaves(cache))))
-    with switched({"orl_jax.model.attention.EINSUM_HEAD_DIMS": [c.head_dim]}):
-        jax.clear_caches()
-        log(what="rounding_logits", **logit_gap(dec(), want))
-    jax.clear_caches()
+    log_rounding_gap(c.head_dim, dec, want)
     _, state = sampler.init(jax.random.key(8), 1, L, c)
     active = jnp.ones((1,), bool)
     step = lambda p, x: sampler.step(x, canvas, state, jax.random.key(9), 3, active).probs  # noqa: E731
@@ -485,6 +477,16 @@ def generate_parts(c, kw):
     out = jax.block_until_ready(generate(params, c, prompt, **kw))
     d = traced("generate_", lambda: generate(params, c, prompt, **kw), int(out.total_forwards))
     write_timeline(d, Path(args.out).with_suffix(".generate.timeline.jsonl.gz"))
+
+
+def log_rounding_gap(head_dim: int, logits, want) -> None:
+    """How far rounding alone moves the random-weight model's logits (random weights may amplify it layer by layer):
+    `logits()` computed again with the sliding layers' attention on the einsums (the same math, other roundings),
+    against `want`; a `rounding_logits` row. Every program is traced afresh under the switch and after it."""
+    with switched({"orl_jax.model.attention.EINSUM_HEAD_DIMS": [head_dim]}):
+        jax.clear_caches()
+        log(what="rounding_logits", **logit_gap(logits(), want))
+    jax.clear_caches()
 
 
 def logit_gap(got, reference) -> dict:
@@ -572,12 +574,7 @@ if args.gemm_sweep:  # the expert GEMM's tiles ranked inside the forward (the is
     fused_params = reference = fused_tile = None
     if any(e.get("fused_experts") for e in entries):  # a second copy of the gate/up stacks; the defaults' logits
         reference = logits_of(params)
-        # How far rounding alone moves these logits (random weights may amplify it layer by layer): the same forward
-        # with the sliding layers' attention on the einsums (the same math, other roundings) against the defaults
-        with switched({"orl_jax.model.attention.EINSUM_HEAD_DIMS": [cfg.head_dim]}):
-            jax.clear_caches()
-            log_logit_gap("rounding_logits", params)
-        jax.clear_caches()
+        log_rounding_gap(cfg.head_dim, lambda: logits_of(params), reference)
     for entry in entries:
         table = set_tuned(entry.get("table", []))
         attention = attention_kernel.set_tuned(entry.get("attention_table", attention_rows))

@@ -256,13 +256,12 @@ def load_hf(directory: str | os.PathLike, dtype: str = "bfloat16", *, mesh: Mesh
 def hf_tensors(cfg: ModelConfig | DiffusionGemmaConfig, params: dict) -> dict[str, np.ndarray]:
     """Our params as HF-named host arrays (inverse of load_hf)."""
     arch = _arch(cfg)
-    if isinstance(cfg, DiffusionGemmaConfig) and isinstance(params, dict) and isinstance(params.get("sliding"), dict):
-        layers = params["sliding"]
-        folded = sorted({"attn_norm", "mlp_norm", "router_scale", "moe_norm"} - set(layers))
-        if folded or getattr(layers.get("experts_gate_up"), "ndim", 4) != 4:
-            raise ValueError("params are DiffusionGemma inference params (diffusion_gemma_inference: the fused "
-                             f"expert layout{', folded norms ' + str(folded) if folded else ''}): export the model's "
-                             "params, as loaded or trained")
+    if isinstance(cfg, DiffusionGemmaConfig):
+        from orl_jax.model.diffusion_gemma_inference import applied
+
+        if done := applied(params):
+            raise ValueError(f"params are DiffusionGemma inference params (diffusion_gemma_inference: "
+                             f"{', '.join(done)}): export the model's params, as loaded or trained")
     P.check_tree(params, model_module(cfg).param_specs(cfg))
     stacks = arch.stacks(cfg)
     out = {}

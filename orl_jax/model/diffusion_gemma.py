@@ -73,6 +73,7 @@ from orl_jax.model.layers import (
     einsum,
     fused_gated_mlp,
     gated_mlp,
+    rms_factor,
     rms_norm_fp32,
     rope_angles_inv_freq,
     rope_inv_freq,
@@ -252,7 +253,7 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
         moe_in, rs = rms_norm_fp32(flat, w["moe_norm"], eps), None
     else:  # diffusion_gemma_inference.fold_ffw_norms: the norms' weights are in the matrices, their per-token
         # factor scales the products
-        rs = jax.lax.rsqrt(jnp.mean(jnp.square(flat.astype(jnp.float32)), axis=-1) + eps)  # [T]
+        rs = rms_factor(flat, eps)[:, 0]  # [T]
         weights, experts = route(flat, None, w["router"], w["expert_scale"], cfg.top_k_experts, eps,
                                  kernel=impl == "pallas", row_scale=rs)
         mlp_in, moe_in = x, flat

@@ -26,6 +26,8 @@ FOLD_SCALE = 16.0  # fold_attention_norms' c: a power of two (exact in any float
 # dependency chain) and the three normed copies of x (one XLA fusion, ~3 us on the chain) are gone. Read by
 # inference_params.
 FOLD_FFW_NORMS = False
+# The norm vectors each fold drops from the layer stacks (what `applied` reads).
+FOLDED = {"attention": ("attn_norm",), "ffw": ("mlp_norm", "router_scale", "moe_norm")}
 
 
 def fused_expert_params(params: dict) -> dict:
@@ -70,8 +72,8 @@ def fold_attention_norms(params: dict) -> dict:
     out = dict(params)
     for t in ("sliding", "full"):
         layers = dict(params[t])
-        if "attn_norm" not in layers:
-            raise ValueError(f"fold_attention_norms: params[{t!r}] has no attn_norm (already folded?)")
+        if missing := set(FOLDED["attention"]) - set(layers):
+            raise ValueError(f"fold_attention_norms: params[{t!r}] lacks {sorted(missing)} (already folded?)")
         name = "qkv" if "qkv" in layers else "qk"
         w, norm = layers[name], layers.pop("attn_norm")  # [n, D, K, slots, H], [n, D]
         layers[name] = _fold(w, FOLD_SCALE * norm.astype(jnp.float32)[:, :, None, None, None])
@@ -90,16 +92,24 @@ def fold_ffw_norms(params: dict, donate_experts: bool = False) -> dict:
     out = dict(params)
     for t in ("sliding", "full"):
         layers = dict(params[t])
-        missing = {"mlp_norm", "router_scale", "moe_norm"} - set(layers)
-        if missing:
+        if missing := set(FOLDED["ffw"]) - set(layers):
             raise ValueError(f"fold_ffw_norms: params[{t!r}] lacks {sorted(missing)} (already folded?)")
-        mlp, scale, moe_norm = (layers.pop(n).astype(jnp.float32) for n in ("mlp_norm", "router_scale", "moe_norm"))
+        mlp, scale, moe_norm = (layers.pop(n).astype(jnp.float32) for n in FOLDED["ffw"])
         layers["gate_up"] = _fold(layers["gate_up"], mlp[:, :, None, None])
         layers["router"] = _fold(layers["router"], scale[:, :, None] * layers["router"].shape[1] ** -0.5)
         fold_experts = _fold_experts_donated if donate_experts else _fold_experts
         layers["experts_gate_up"] = fold_experts(layers["experts_gate_up"], moe_norm)
         out[t] = layers
     return out
+
+
+def applied(params) -> list[str]:
+    """Which of inference_params' transforms `params` carry, in words ([] for the model's own params)."""
+    layers = params.get("sliding") if isinstance(params, dict) else None
+    if not isinstance(layers, dict):
+        return []
+    done = ["fused expert layout"] if getattr(layers.get("experts_gate_up"), "ndim", 4) == 5 else []
+    return done + [f"folded norms {list(vectors)}" for vectors in FOLDED.values() if not set(vectors) & set(layers)]
 
 
 def inference_params(params: dict, cfg: DiffusionGemmaConfig) -> dict:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 def rms_norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
-    y = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    y = (xf * rms_factor(xf, eps)).astype(x.dtype)
     return y if w is None else jnp.broadcast_to(w.astype(x.dtype), y.shape) * y
 
 
@@ -74,11 +74,18 @@ def fused_gated_mlp(x: jax.Array, gate_up, down, act: str = "silu", row_scale: j
     return einsum("blf,fd->bld", ACTIVATIONS[act](gu[:, :, 0]) * gu[:, :, 1], down)  # [B, L, D]
 
 
+def rms_factor(x: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm's per-row factor rsqrt(mean(x^2) + eps) in float32, [..., 1] (the norms here, and the products of
+    weights an RMSNorm was folded into: diffusion_gemma_inference)."""
+    xf = x.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+
+
 def rms_norm_fp32(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
     """RMSNorm whose weight multiplies in float32 before the cast back (Gemma 4 / DiffusionGemma order; `rms_norm`
     casts first). The weight is used as is (no Gemma-1..3 style `1 + w`)."""
     xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    y = xf * rms_factor(xf, eps)
     if w is not None:
         y = jnp.broadcast_to(w.astype(jnp.float32), y.shape) * y
     return y.astype(x.dtype)
