@@ -12,6 +12,11 @@ reach. Per layer of a 4-layer stack, timed per layer with 20 programs per sync (
                     GB) streamed by TMA into swizzled shared memory, st steps in flight, one wgmma in flight (the
                     tma_gemm kernel removed in session 32, git 9c8292e): what Hopper's copy engine reads per layer
                     with the expert kernel's [tk, tn] weight tiles, beside XLA's flat read of the same array
+  ws tn/tk/st       jax's library Hopper matmul (jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu: Mosaic GPU,
+                    a TMA producer warpgroup feeding two wgmma warpgroups, st steps in flight, persistent over the
+                    SMs) on the same x [64, 2816] @ w [2816, 180224]: whether a warp-specialized pipeline, the one
+                    design no expert kernel of ours has tried, reads nearer XLA's flat sum (if it does, an expert
+                    kernel of that design is worth building; if not, the Triton kernel's 92-94% stands)
   experts           the fused expert kernel (mlp.grouped_mlp, the model's settings) on a 26B layer, 256 tokens x
                     top-8 routed uniformly
 
@@ -83,6 +88,37 @@ def tma_product(x, w, *, tn: int, tk: int, stages: int):
                         grid=(n // tn,), grid_names=("n",))(x, w)
 
 
+# (tile_n, tile_k, steps): the CTA takes 2 x tile_n columns (two compute warpgroups along N); a step holds a
+# [64, tk] x tile and a [tk, 2 tn] weight tile, so tn 128 / tk 64 fits 4 steps in shared memory, tn 64 / tk 64 six
+WS_TILES = [(64, 64, 4), (64, 64, 6), (128, 64, 3), (128, 64, 4), (64, 128, 3), (64, 128, 4)]
+
+
+def ws_product(x, w, *, tn: int, tk: int, steps: int):
+    """x [64, K] @ w [K, N] by jax's warp-specialized Hopper matmul (one row tile; columns over the SMs)."""
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+
+    cfg = hm.TuningConfig(tile_m=ROWS, tile_n=tn, tile_k=tk, max_concurrent_steps=steps, epi_tile_m=64,
+                          epi_tile_n=64, wg_dimension=hm.MatmulDimension.N)
+    return hm.matmul(x, w, None, cfg)
+
+
+def ws_product_check_and_time(timed, record, x, w, layer_bytes):
+    """Each WS_TILES entry checked (x and w are ones: every output is K) and timed per layer."""
+    k = x.shape[1]
+    for tn, tk, steps in WS_TILES:
+        label = f"ws tn={tn} tk={tk} steps={steps}"
+        try:
+            out = ws_product(x, w[0], tn=tn, tk=tk, steps=steps)
+            ok = bool(jnp.all(out == k))
+        except Exception as ex:  # noqa: BLE001 (a tiling the kernel or the chip refuses; the probe goes on)
+            record(variant=label + " check", error=repr(ex)[:300])
+            continue
+        record(variant=label + " check", ok=ok)
+        if ok:
+            timed(label, lambda i, w, x, tn=tn, tk=tk, st=steps: ws_product(x, w[i], tn=tn, tk=tk, steps=st),
+                  layer_bytes, w, x)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="read_ceiling.jsonl")
@@ -118,6 +154,7 @@ def main():
             timed(f"tma tn={tn} tk={tk} stages={stages}",
                   lambda i, w, x, tn=tn, tk=tk, st=stages: tma_product(x, w[i], tn=tn, tk=tk, stages=st),
                   layer_bytes, w, x)
+        ws_product_check_and_time(timed, record, x, w, layer_bytes)
     timed("xla_flat, again", lambda i, w: jnp.sum(w[i].astype(jnp.float32)), layer_bytes, w)
     del w
 
