@@ -16,6 +16,7 @@ from orl_jax import params as P
 from orl_jax.diffusion_gemma_config import DG_PRESETS
 from orl_jax.model import diffusion_gemma as dg
 from orl_jax.model import diffusion_gemma_inference as dgi
+from orl_jax.model import diffusion_gemma_vis
 
 pytestmark = pytest.mark.gpu
 
@@ -81,7 +82,7 @@ def test_uncached_cudnn_attention_on_gpu(monkeypatch):
     assert dg._uncached_attention(bf16) == "cudnn" and dg._uncached_attention(CFG) == "orl_jax"
     b, p, l, n, kv, h = 2, 96, 64, 4, 2, 256
     valid = jnp.arange(p + l)[None] >= jnp.asarray([0, 26])[:, None]
-    mask = dg._fused_vis(bf16, b, p, l, valid)[SLIDING]
+    mask = diffusion_gemma_vis.fused_vis(bf16, b, p, l, valid)[SLIDING]
     q, k, v = (0.25 * jax.random.normal(key, (b, p + l, heads, h), jnp.bfloat16)
                for key, heads in zip(jax.random.split(jax.random.key(3), 3), (n, kv, kv)))
     got = jax.jit(lambda *a: attention(a[0], [a[1:]], "cudnn", scale=1.0))(q, k, v, mask)

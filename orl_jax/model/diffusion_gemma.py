@@ -27,7 +27,8 @@ Two modes over one set of weights (HF's encoder and decoder share every weight b
 
 Sliding window: in the encoder, query slot q sees key slot j iff q - W < j <= q (HF's sliding_window_overlay). In
 the decoder every canvas token sees the last W - 1 committed tokens plus the whole canvas: what HF's decoder sees
-through the sliding layers of its DynamicCache, which keep the last W - 1 tokens, under no mask.
+through the sliding layers of its DynamicCache, which keep the last W - 1 tokens, under no mask. These rules, as the
+visibility dicts `backbone` takes, are model/diffusion_gemma_vis.py.
 
 Fused passes (what generate() runs): `prefill_decode` and `commit_decode` run an encoder pass (the prompt; a
 finished block) and the next canvas's first decoder pass as one pass over both token sets, each row with its own
@@ -58,16 +59,9 @@ import numpy as np
 from orl_jax.config import kernel_choice
 from orl_jax.diffusion_gemma_config import FULL, SLIDING, DiffusionGemmaConfig
 from orl_jax.model import qwen3
-from orl_jax.model.attention import (
-    attention,
-    block_segments,
-    causal_segments,
-    full_segments,
-    kernel_masks,
-    self_mask,
-    window_mask,
-)
+from orl_jax.model.attention import attention, causal_segments, kernel_masks, window_mask
 from orl_jax.model.cache import HybridKVCache, KVCache
+from orl_jax.model.diffusion_gemma_vis import decoder_vis, encoder_vis, fused_vis
 from orl_jax.model.layers import (
     apply_rope,
     einsum,
@@ -434,51 +428,6 @@ def cap_logits(cfg: DiffusionGemmaConfig, z: jax.Array) -> jax.Array:
     return soft_cap(z.astype(jnp.float32), cfg.final_logit_softcapping)
 
 
-# --- visibility ----------------------------------------------------------------------------------------------------
-
-def _encoder_vis(cfg: DiffusionGemmaConfig, b: int, l: int, valid=None, cache=None) -> dict:
-    """Causal, with the window on sliding layers; query i sits at cache slot `length + i`."""
-    full = self_mask(causal_segments(b, l), valid)
-    vis = {FULL: full, SLIDING: full & window_mask(causal_segments(b, l), jnp.arange(l), cfg.sliding_window)}
-    if cache is not None:
-        slots = jnp.arange(cache.size, dtype=jnp.int32)
-        m = (slots[None] >= cache.start[:, None]) & (slots[None] < cache.length)  # [B, S]
-        vis["cache_" + FULL] = jnp.broadcast_to(m[:, None, :], (b, l, cache.size))
-        q = cache.length + causal_segments(b, l)
-        vis["cache_" + SLIDING] = vis["cache_" + FULL] & window_mask(q, slots, cfg.sliding_window)
-    return vis
-
-
-def _decoder_vis(cfg: DiffusionGemmaConfig, b: int, l: int, cache: HybridKVCache) -> dict:
-    """Bidirectional canvas; every canvas token sees the committed prefix, sliding layers its last W - 1 slots."""
-    full = self_mask(full_segments(b, l))
-    # all canvas tokens see the window of the first one
-    return {FULL: full, SLIDING: full, **_cache_vis(cfg, cache, jnp.broadcast_to(cache.length, (b, l)))}
-
-
-def _cache_vis(cfg: DiffusionGemmaConfig, cache: HybridKVCache, q: jax.Array) -> dict:
-    """Visibility of the cache's committed slots to queries at cache positions q [B, L]: every valid slot in full
-    layers, the W - 1 slots before q in sliding layers."""
-    b, l = q.shape
-    slots = jnp.arange(cache.size, dtype=jnp.int32)
-    m = (slots[None] >= cache.start[:, None]) & (slots[None] < cache.length)  # [B, S]
-    m = jnp.broadcast_to(m[:, None, :], (b, l, cache.size))
-    return {"cache_" + FULL: m, "cache_" + SLIDING: m & window_mask(q, slots, cfg.sliding_window)}
-
-
-def _fused_vis(cfg: DiffusionGemmaConfig, b: int, n_enc: int, n_dec: int, valid=None, cache=None) -> dict:
-    """Visibility of a fused pass over [encoder tokens | canvas] (`prefill_decode`, `commit_decode`): the encoder
-    tokens causal (`_encoder_vis`), the canvas one segment after them (`_decoder_vis`: every committed token and the
-    whole canvas). Each canvas token's window is the first canvas token's (slot n_enc after the cache): the last
-    W - 1 committed slots, as the decoder's cache mask. valid [B, n_enc + n_dec]: key validity (left padding);
-    cache: its parts too, each row's window anchored at cache slot length + its segment start."""
-    n = n_enc + n_dec
-    seg = block_segments(b, n, n_enc, n_dec)  # encoder token i: i; canvas tokens: n_enc
-    full = self_mask(seg, valid)
-    vis = {FULL: full, SLIDING: full & window_mask(seg, jnp.arange(n), cfg.sliding_window)}
-    return vis if cache is None else vis | _cache_vis(cfg, cache, cache.length + seg)
-
-
 # --- the three passes of block diffusion -------------------------------------------------------------------------
 
 def init_cache(cfg: DiffusionGemmaConfig, batch: int, size: int) -> HybridKVCache:
@@ -503,7 +452,7 @@ def prefill(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, lengths:
     positions = jnp.maximum(cache.positions(p), 0)
     valid = jnp.arange(p)[None] >= start[:, None]  # [B, P]: pad keys are invisible
     h, kv_s, kv_f = backbone(params, cfg, token_embed(params, cfg, tokens), positions,
-                             _encoder_vis(cfg, b, p, valid), encoder=True, collect_kv=True, in_place=True)
+                             encoder_vis(cfg, b, p, valid), encoder=True, collect_kv=True, in_place=True)
     return logits(params, cfg, h[:, -1:])[:, 0], cache.write(kv_s, kv_f)
 
 
@@ -534,7 +483,7 @@ def prefill_decode(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, l
     positions = jnp.maximum(cache.positions(p + l), 0)  # the canvas at slots p .. p + l - 1, as after the prefill
     x = _fused_input(params, cfg, tokens, canvas, embeds)
     valid = jnp.arange(p + l)[None] >= start[:, None]  # [B, P + L]: pad keys are invisible
-    h, kv_s, kv_f = backbone(params, cfg, x, positions, _fused_vis(cfg, b, p, l, valid), encoder=True,
+    h, kv_s, kv_f = backbone(params, cfg, x, positions, fused_vis(cfg, b, p, l, valid), encoder=True,
                              collect_kv=True, in_place=True, decoder_from=p)
     return logits(params, cfg, h[:, p:]), cache.write(kv_s, kv_f)
 
@@ -561,7 +510,7 @@ def commit_decode(params: dict, cfg: DiffusionGemmaConfig, block: jax.Array, cac
     if canvas.shape[0] != b:
         raise ValueError(f"canvas has {canvas.shape[0]} rows, block {b}")
     x = _fused_input(params, cfg, block, canvas, embeds)
-    h, kv_s, kv_f = backbone(params, cfg, x, cache.positions(lb + l), _fused_vis(cfg, b, lb, l, cache=cache), cache,
+    h, kv_s, kv_f = backbone(params, cfg, x, cache.positions(lb + l), fused_vis(cfg, b, lb, l, cache=cache), cache,
                              encoder=True, collect_kv=True, decoder_from=lb)
     return logits(params, cfg, h[:, lb:], capped), cache.write(kv_s, kv_f)
 
@@ -583,7 +532,7 @@ def decode(params: dict, cfg: DiffusionGemmaConfig, canvas: jax.Array, cache: Hy
         x = residual_embed(params, cfg, canvas, residual, jnp.ones((b, l), jnp.float32))
     else:
         x = embed(params, cfg, canvas)
-    h, _, _ = backbone(params, cfg, x, cache.positions(l), _decoder_vis(cfg, b, l, cache), cache, encoder=False)
+    h, _, _ = backbone(params, cfg, x, cache.positions(l), decoder_vis(cfg, b, l, cache), cache, encoder=False)
     out = logits(params, cfg, h, capped)
     return (out, h) if return_hidden else out
 
@@ -593,7 +542,7 @@ def commit(params: dict, cfg: DiffusionGemmaConfig, block: jax.Array, cache: Hyb
     check_tokens(block, cfg, "block")
     b, l = block.shape
     _, kv_s, kv_f = backbone(params, cfg, token_embed(params, cfg, block), cache.positions(l),
-                             _encoder_vis(cfg, b, l, cache=cache), cache, encoder=True, collect_kv=True)
+                             encoder_vis(cfg, b, l, cache=cache), cache, encoder=True, collect_kv=True)
     return cache.write(kv_s, kv_f)
 
 
@@ -609,7 +558,7 @@ def forward(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, *, mask:
     b, l = tokens.shape
     positions = causal_segments(b, l) if positions is None else positions
     if mask is None:
-        vis = _encoder_vis(cfg, b, l)
+        vis = encoder_vis(cfg, b, l)
         if sliding_mask is not None:
             vis[SLIDING] = sliding_mask
     else:
