@@ -32,7 +32,7 @@ from kernel_registers import allocation  # noqa: E402
 
 from orl_jax.model.layers import ACTIVATIONS  # noqa: E402
 from orl_jax_kernels.grouped_gemm.mlp import grouped_mlp  # noqa: E402
-from orl_jax_kernels.pallas_args import triton_modules  # noqa: E402
+from orl_jax_kernels.pallas_args import h200_target, triton_modules  # noqa: E402
 from orl_jax_kernels.small_m_gemm.kernel import Blocks  # noqa: E402
 
 SM_REGISTERS, SM_SHARED, SM_BLOCKS = 65536, 233472, 32  # per Hopper SM (ncu: 233,472 B shared configuration)
@@ -57,7 +57,7 @@ def triton_ir(gu: Blocks, dn: Blocks, warps: int, stages: int, one_dot: bool) ->
     args = (sd((256, 2816), jnp.bfloat16), sd((2048,), jnp.int32),
             sd((25, 128, 704 * 2 // gu.bn, 2816, gu.bn), jnp.bfloat16), sd((25, 128, 704, 2816), jnp.bfloat16),
             sd((129,), jnp.int32), sd((), jnp.int32))
-    with triton_modules() as modules:
+    with triton_modules() as modules, h200_target():
         fn = lambda x, r, g, d, o, i: grouped_mlp(x, r, g, d, o, i, ACTIVATIONS["gelu_tanh"], gu, dn,  # noqa: E731
                                                   num_warps=warps, num_stages=stages, one_dot=one_dot)
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))

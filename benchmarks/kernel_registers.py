@@ -31,7 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from orl_jax_kernels.decode_attention import kernel  # noqa: E402
-from orl_jax_kernels.pallas_args import triton_modules  # noqa: E402
+from orl_jax_kernels.pallas_args import h200_target, triton_modules  # noqa: E402
 
 HOPPER_SMEM = 232448  # bytes of shared memory one Hopper (H100 / H200) block may use: 227 KB
 
@@ -43,7 +43,7 @@ def triton_ir(shape, blocks: kernel.Blocks) -> str:
     args = [jax.ShapeDtypeStruct(x, t) for x, t in [((b, l, n, h), bf16), ((b, s, kv, h), bf16), ((b, s, kv, h), bf16),
                                                    ((b, l, s), i8), ((b, l, kv, h), bf16), ((b, l, kv, h), bf16),
                                                    ((b, l, l), i8)]]
-    with triton_modules() as modules:
+    with triton_modules() as modules, h200_target():
         fn = lambda *a: kernel.cached_attention(*a, scale=1.0, blocks=blocks)  # noqa: E731
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     return modules[0].operation.get_asm(enable_debug_info=False)

@@ -51,3 +51,14 @@ def triton_modules():
         yield modules
     finally:
         registration.lowering.lower_jaxpr_to_triton_module = lower
+
+
+@contextlib.contextmanager
+def h200_target():
+    """Lower Pallas' Triton kernels for an H200 on a machine without one (the IR tests, benchmarks' register counts):
+    from jax 0.11 the lowering asks the device for its compute capability and, without a GPU, takes the abstract
+    mesh's device (jax 0.10 assumes one)."""
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):  # Auto: no sharding in the types (Explicit would check every op)
+        yield

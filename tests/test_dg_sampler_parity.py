@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from hf_compat import CACHE
 from transformers.generation import LogitsProcessorList
 from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
     DiffusionGemmaGenerationConfig,
@@ -112,7 +113,7 @@ def _run(sampler: UniformSampler, logits: np.ndarray, key):
             hf_canvas, hf_argmax, hf_sc, hf_done = DiffusionGemmaGenerationMixin._denoising_step(
                 _fake_model(), decoder_forward=decoder, current_canvas=hf_canvas, argmax_canvas=hf_argmax,
                 input_ids=torch.zeros((B, 1), dtype=torch.long), decoder_position_ids=None,
-                self_conditioning_logits=hf_sc, mask_mapping=None, cache=None, finished_denoising=hf_done.clone(),
+                self_conditioning_logits=hf_sc, mask_mapping=None, **{CACHE: None}, finished_denoising=hf_done.clone(),
                 cur_step=K - step, sampler=hf_sampler, logits_processor=processors,
                 diffusion_stopping_criteria=stopping)
         live = np.asarray(active)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from hf_compat import CACHE
 from safetensors.torch import load_file, save_file
 
 from orl_jax import params as P
@@ -145,12 +146,12 @@ def _hf_row(model, prompt, canvases, scs, blocks):
     out = []
     with torch.no_grad():
         cache = DynamicCache(config=model.config.text_config)
-        model.model.encoder(input_ids=_torch(prompt[None]), cache=cache)
+        model.model.encoder(input_ids=_torch(prompt[None]), **{CACHE: cache})
         for j, canvas in enumerate(canvases):
             if j:
-                model.model.encoder(input_ids=_torch(blocks[j - 1][None]), cache=cache)
+                model.model.encoder(input_ids=_torch(blocks[j - 1][None]), **{CACHE: cache})
             sc = None if scs[j] is None else _torch(scs[j][None], torch.float32)
-            out.append(model(decoder_input_ids=_torch(canvas[None]), cache=cache,
+            out.append(model(decoder_input_ids=_torch(canvas[None]), **{CACHE: cache},
                              self_conditioning_logits=sc).logits[0].numpy())
     return out
 

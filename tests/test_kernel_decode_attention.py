@@ -4,6 +4,7 @@ and generate() with cached_attention_impl="pallas" against the default, token fo
 import dataclasses
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -426,7 +427,7 @@ def _equations(jaxpr):
         yield e
         if e.primitive.name == "pallas_call":
             continue
-        for sub in jax.core.jaxprs_in_params(e.params):
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
             yield from _equations(sub)
 
 

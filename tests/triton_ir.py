@@ -5,14 +5,14 @@ XLA's GPU compiler would refuse ("Failed to parse Triton module"). Triton -> PTX
 import jax
 from jax import export
 
-from orl_jax_kernels.pallas_args import triton_modules
+from orl_jax_kernels.pallas_args import h200_target, triton_modules
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
 
 def verified_triton_modules(fn, *args) -> int:
     """Export fn(*args) for CUDA; assert it calls Triton and that each Triton module verifies. Returns the count."""
-    with triton_modules() as modules:
+    with triton_modules() as modules, h200_target():
         exp = export.export(jax.jit(fn), platforms=["cuda"],
                             disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
     assert TRITON_CALL in exp.mlir_module()
