@@ -7,17 +7,18 @@ Triton pointer loads (cp.async, software-pipelined); no tile, stage count, occup
 39-48). Pallas' Triton lowering cannot emit TMA loads or warp specialization; native Triton can, through jax-triton.
 Before building that, this probe asks whether it pays, with the device image's own torch and Triton (no JAX):
 
-  flat_sum      torch's float32 sum over the layer's gate/up bytes: what a plain stream reads
-  ptr ...       the experts' gate/up product act(x @ gate) * (x @ up) per (expert, 64-column tile), pointer loads,
-                the Pallas kernel's tiles (64 rows, K step 64, [gate | up] as one 128-wide tile_gated product)
-  tma ...       the same product, every tile through a TMA descriptor made on the device (per expert: its rows, so
-                rows past the expert's end read as zeros and are never stored)
-  tma_ws ...    tma with the K loop warp-specialized (tl.range(warp_specialize=True): a producer warp group
-                issuing the TMA loads ahead of the MMA warps)
+  flat_sum          torch's float32 sum (and a Triton one) over the same bytes: what a plain stream reads
+  x=gather w=ptr    the experts' gate/up product act(x @ gate) * (x @ up) per (expert, 64-column tile) as the
+                    Pallas kernel reads it: each sorted row of x from its token's row, weight tiles by pointer
+                    loads (64 rows, K step 64, [gate | up] as one 128-wide tile_gated product)
+  x=gather w=tma    the same, the weight tiles through a TMA descriptor (the x gather kept: TMA cannot gather)
+  x=tma w=tma       both through TMA descriptors made on the device per expert (rows past the expert's end read as
+                    zeros and are never stored); x gathered in sorted order beforehand, outside the timed kernel
+  WS=True           the K loop warp-specialized (tl.range(warp_specialize=True): a producer warp group issuing the
+                    loads ahead of the MMA warps)
 
 Each variant is checked against a float32 torch reference first, then timed alternately with the others (rounds of
-triton.testing.do_bench medians) on 256 tokens x top-8 routed uniformly, sorted by expert (x gathered in sorted order
-beforehand: the Pallas kernel gathers in the kernel, the probe leaves that out of every variant alike).
+triton.testing.do_bench medians) on 256 tokens x top-8 routed uniformly, sorted by expert.
 
   python3 benchmarks/triton_tma_probe.py --out $BENCH/triton_tma.jsonl        (device: torch, Triton >= 3.4)
   TRITON_INTERPRET=1 python benchmarks/triton_tma_probe.py --tiny              (CPU: Triton's interpreter, tiny)
@@ -52,27 +53,36 @@ def _gated(acc, BM: tl.constexpr, BW: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_ptr(x_ptr, w_ptr, h_ptr, off_ptr, D: tl.constexpr, F: tl.constexpr, BM: tl.constexpr,
-                 BK: tl.constexpr, BW: tl.constexpr, STAGES: tl.constexpr):
+def _gate_up_gather(x_ptr, rows_ptr, w_ptr, h_ptr, off_ptr, E, D: tl.constexpr, F: tl.constexpr, BM: tl.constexpr,
+                    BK: tl.constexpr, BW: tl.constexpr, STAGES: tl.constexpr, W_TMA: tl.constexpr, WS: tl.constexpr):
+    """As the Pallas kernel: each sorted row's x read from its token's row (rows_ptr), by pointer loads; the weight
+    tiles by pointer loads too, or (W_TMA) through a TMA descriptor."""
     tiles: tl.constexpr = F // BW
     pid = tl.program_id(0)
     e, j = pid // tiles, pid % tiles
     start = tl.load(off_ptr + e)
     n = tl.load(off_ptr + e + 1) - start
     rm, rk, rn = tl.arange(0, BM), tl.arange(0, BK), tl.arange(0, 2 * BW)
-    w_tile = w_ptr + (e * tiles + j).to(tl.int64) * D * 2 * BW
+    row0 = (e * tiles + j) * D
+    w_tile = w_ptr + row0.to(tl.int64) * 2 * BW
+    if W_TMA:
+        w = tl.make_tensor_descriptor(w_ptr, shape=[E * tiles * D, 2 * BW], strides=[2 * BW, 1],
+                                      block_shape=[BK, 2 * BW])
     for m0 in range(0, n, BM):
-        rows = m0 + rm
-        live = rows < n
+        r = m0 + rm
+        live = r < n
+        tok = tl.load(rows_ptr + start + r, mask=live, other=0)
         acc = tl.zeros((BM, 2 * BW), tl.float32)
-        for k in tl.range(0, D, BK, num_stages=STAGES):
-            xt = tl.load(x_ptr + (start + rows)[:, None].to(tl.int64) * D + (k + rk)[None, :], mask=live[:, None],
-                         other=0.0)
-            wt = tl.load(w_tile + (k + rk)[:, None] * (2 * BW) + rn[None, :])
+        for k in tl.range(0, D, BK, num_stages=STAGES, warp_specialize=WS):
+            xt = tl.load(x_ptr + tok[:, None].to(tl.int64) * D + (k + rk)[None, :], mask=live[:, None], other=0.0)
+            if W_TMA:
+                wt = w.load([row0 + k, 0])
+            else:
+                wt = tl.load(w_tile + (k + rk)[:, None] * (2 * BW) + rn[None, :])
             acc = tl.dot(xt, wt, acc)
         h = _gated(acc, BM, BW)
         cols = j * BW + tl.arange(0, BW)
-        tl.store(h_ptr + (start + rows)[:, None].to(tl.int64) * F + cols[None, :], h.to(h_ptr.dtype.element_ty),
+        tl.store(h_ptr + (start + r)[:, None].to(tl.int64) * F + cols[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=live[:, None])
 
 
@@ -126,7 +136,9 @@ def case(e: int, t: int, k: int, d: int, f: int, device: str, dtype=torch.bfloat
     offsets[1:] = torch.cumsum(counts, 0)
     x = torch.randn(t, d, generator=g).to(dtype)
     w = (torch.randn(e, d, 2 * f, generator=g) * 0.02).to(dtype)
-    return dict(xs=x[order // k].to(device), w=w.to(device), offsets=offsets.to(device), counts=counts)
+    rows = (order // k).to(torch.int32)  # each sorted row's token
+    return dict(x=x.to(device), rows=rows.to(device), xs=x[rows.long()].to(device), w=w.to(device),
+                offsets=offsets.to(device), counts=counts)
 
 
 def reference(c: dict, f: int) -> torch.Tensor:
@@ -141,14 +153,18 @@ def reference(c: dict, f: int) -> torch.Tensor:
 
 
 def variants(tiny: bool) -> list[dict]:
+    """x / w: how x's rows and the weight tiles are read. x="gather", w="ptr": the Pallas kernel's loads; x="gather",
+    w="tma": its gather of x by token kept (TMA cannot gather), the weights by TMA; x="tma", w="tma": both by TMA, x
+    gathered in sorted order beforehand (outside the timed kernel). WS: the K loop warp-specialized."""
     bm, bk = (16, 32) if tiny else (64, 64)
-    out = [dict(kind="ptr", BM=bm, BK=bk, STAGES=s, warps=4) for s in ((2,) if tiny else (3, 4))]
-    for ws in (False, True):  # 2 stages: 57 KB of shared memory, 3 blocks per SM as the Pallas kernel's 72 KB
-        out += [dict(kind="tma_ws" if ws else "tma", BM=bm, BK=bk, STAGES=s, warps=4, WS=ws)
-                for s in ((2,) if tiny else (2, 3, 4, 5))]
+    stages = (2,) if tiny else (2, 3, 4)  # 2 stages: 57 KB of shared memory, 3 blocks per SM as the Pallas kernel's
+    out = [dict(x="gather", w="ptr", BM=bm, BK=bk, STAGES=s, warps=4, WS=False) for s in stages[-2:]]
+    out += [dict(x="gather", w="tma", BM=bm, BK=bk, STAGES=s, warps=4, WS=False) for s in stages]
+    # no x="gather" with WS: Triton 3.6 and 3.7.1 fail to warp-specialize a loop of pointer and TMA loads together
+    # (NVGPUWarpSpecialization's pass fails), so a warp-specialized kernel must take x gathered beforehand
+    out += [dict(x="tma", w="tma", BM=bm, BK=bk, STAGES=s, warps=4, WS=ws) for ws in (False, True) for s in stages]
     if not tiny:
-        out += [dict(kind="tma", BM=64, BK=128, STAGES=3, warps=4, WS=False),
-                dict(kind="tma_ws", BM=64, BK=128, STAGES=3, warps=4, WS=True)]
+        out += [dict(x="tma", w="tma", BM=64, BK=128, STAGES=3, warps=4, WS=ws) for ws in (False, True)]
     return out
 
 
@@ -158,13 +174,16 @@ def compiled(v: dict, d: int = 2816, f: int = 704, bw: int = 64):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "off_ptr": "*i32"}
+    gather = v["x"] == "gather"
+    args = {"x_ptr": "*bf16"} | ({"rows_ptr": "*i32"} if gather else {}) | {"w_ptr": "*bf16", "h_ptr": "*bf16",
+                                                                            "off_ptr": "*i32", "E": "i32"}
     const = dict(D=d, F=f, BM=v["BM"], BK=v["BK"], BW=bw, STAGES=v["STAGES"])
-    fn, extra = (_gate_up_ptr, {}) if v["kind"] == "ptr" else (_gate_up_tma, {"E": "i32"})
-    if v["kind"] != "ptr":
-        const["WS"] = v["WS"]
-    sig = ptrs | extra | {name: "constexpr" for name in const}
-    aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(ptrs))}
+    if gather:
+        const["W_TMA"] = v["w"] == "tma"
+    const["WS"] = v["WS"]
+    fn = _gate_up_gather if gather else _gate_up_tma
+    sig = args | {name: "constexpr" for name in const}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(args.values()) if t.startswith("*")}
     return triton.compile(ASTSource(fn, sig, const, aligned), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=v["warps"]))
 
@@ -172,9 +191,9 @@ def compiled(v: dict, d: int = 2816, f: int = 704, bw: int = 64):
 def launch(v: dict, c: dict, h: torch.Tensor, d: int, f: int, bw: int):
     e = c["w_t"].shape[0]
     grid = (e * (f // bw),)
-    if v["kind"] == "ptr":
-        return _gate_up_ptr[grid](c["xs"], c["w_t"], h, c["offsets"], d, f, v["BM"], v["BK"], bw, v["STAGES"],
-                                  num_warps=v["warps"])
+    if v["x"] == "gather":
+        return _gate_up_gather[grid](c["x"], c["rows"], c["w_t"], h, c["offsets"], e, d, f, v["BM"], v["BK"], bw,
+                                     v["STAGES"], v["w"] == "tma", v["WS"], num_warps=v["warps"])
     return _gate_up_tma[grid](c["xs"], c["w_t"], h, c["offsets"], e, d, f, v["BM"], v["BK"], bw, v["STAGES"],
                               v["WS"], num_warps=v["warps"])
 
