@@ -1,6 +1,7 @@
 """Probe: jax's own Hopper matmul (jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu: Mosaic GPU, TMA, wgmma,
 warp-specialized, persistent over the SMs) against XLA's GEMM (cuBLAS) at the canvas-256 projections that cuBLAS
-runs at ~54% of its rate (Qwen3-4B o and down, DiffusionGemma o and dense down), M = 256.
+runs at ~54% of its rate (Qwen3-4B o and down, DiffusionGemma o and dense down), M = 256, and at DiffusionGemma's LM
+head (`--shapes dg_head`: 378 GFLOP per step, where a few % of the GEMM rate is ~20-60 us per step).
 
   python benchmarks/mgpu_matmul_probe.py [--shapes qwen_o,dg_o] [--out mgpu_probe.jsonl]
 
@@ -28,7 +29,10 @@ from bench_io import recorder  # noqa: E402
 from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm  # noqa: E402
 from timing import chip_rates, median_seconds  # noqa: E402
 
-SHAPES = {"qwen_o": (4096, 2560), "qwen_down": (9728, 2560), "dg_o": (4096, 2816), "dg_dense_down": (2112, 2816)}
+SHAPES = {"qwen_o": (4096, 2560), "qwen_down": (9728, 2560), "dg_o": (4096, 2816), "dg_dense_down": (2112, 2816),
+          # DiffusionGemma's LM head over the canvas, h [256, D] @ E^T [D, V] (E^T as a [K, N] copy: the kernel
+          # takes B row-major): cuBLAS runs it at ~695 TFLOP/s (544 us per step, 2026-12-04_dg_sampler_tail_h200.md)
+          "dg_head": (2816, 262144)}
 TIMED_BYTES = 1.5e9
 
 
