@@ -619,6 +619,8 @@ for impl in IMPLS:
         denoise_forwards=fwd, commits=com, ms_per_forward_incl_prefill=sec * 1e3 / max(fwd + com, 1),
         tokens_per_s=args.new * args.blocks / sec,
         tokens_sha=digest(out.tokens),
+        # ids outside the vocabulary: the samplers' argmax found no maximum (the FMA-contraction bug of session 50)
+        tokens_out_of_vocab=int(np.sum(np.asarray(out.tokens) >= c.vocab_size)),
         tpf_hf=float(np.asarray(out.tpf_hf)[0]) if getattr(out, "tpf_hf", None) is not None else None)
     # the row above (one untimed call, median of the next 3) is kept comparable with earlier sessions; a compiled
     # program's second and third calls ran 5-8 ms slower than later ones in every A/B (session 48), so also the

@@ -3,6 +3,8 @@ the same key gives the same sample."""
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,3 +101,26 @@ def test_softmax_stats_argmax_takes_the_first_of_tied_maxima():
     argmax = softmax_stats(x)[0]
     np.testing.assert_array_equal(argmax, jnp.argmax(x, axis=-1))
     np.testing.assert_array_equal(argmax, [17, 3, 150, 0])
+
+
+def test_argmax_where_each_pass_recomputes_scaled_logits():
+    """Under jit XLA recomputes x = logits / T inside both passes, and where that becomes a product LLVM contracts
+    the second pass's x - max into one FMA: a test z == 0 then found no maximum in most rows (157 of 160, index V,
+    outside the vocabulary). Only with LLVM's optimizations, which this suite turns off for compile time
+    (conftest), so the check runs in a fresh process with them on."""
+    import subprocess
+    import sys
+
+    code = """
+import jax, jax.numpy as jnp, numpy as np
+from orl_jax.decode.samplers import softmax_stats
+logits = 0.5 * jax.random.normal(jax.random.key(6), (1, 8, 256))  # batch 1: [2, 8, 256] fuses otherwise
+for t in (0.73, None):
+    f = lambda lg, tt: softmax_stats(lg / (tt if t is None else t))[0]
+    got = jax.jit(f)(logits, jnp.float32(0.73))
+    want = jnp.argmax(jax.jit(lambda lg, tt: lg / (tt if t is None else t))(logits, jnp.float32(0.73)), axis=-1)
+    np.testing.assert_array_equal(got, want)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]

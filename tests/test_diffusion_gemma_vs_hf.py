@@ -59,13 +59,13 @@ def hf_config(cfg: DiffusionGemmaConfig):
     return c
 
 
-@pytest.fixture(scope="session")
-def dg_hf(tmp_path_factory):
-    """(HF model, its save_pretrained directory)."""
+def random_hf_model(cfg: DiffusionGemmaConfig, seed: int = 0):
+    """transformers' DiffusionGemmaForBlockDiffusion for cfg with every weight and layer_scalar buffer drawn at
+    random (norm weights and scalars around 1): its own init leaves logits flat or, in some buffers, undefined."""
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    torch.manual_seed(0)
-    model = DiffusionGemmaForBlockDiffusion(hf_config(TINY)).eval()
+    torch.manual_seed(seed)
+    model = DiffusionGemmaForBlockDiffusion(hf_config(cfg)).eval()
     with torch.no_grad():
         for _, p in model.named_parameters():  # encoder weights are the decoder's (tied): visited once
             if p.ndim == 1:
@@ -75,6 +75,13 @@ def dg_hf(tmp_path_factory):
         for name, b in model.named_buffers():  # encoder and decoder layer_scalar are separate buffers
             if name.endswith("layer_scalar"):
                 b.data.normal_(0, 0.3).add_(1.0)
+    return model
+
+
+@pytest.fixture(scope="session")
+def dg_hf(tmp_path_factory):
+    """(HF model, its save_pretrained directory)."""
+    model = random_hf_model(TINY)
     d = tmp_path_factory.mktemp("tiny-dg")
     model.save_pretrained(d)
     return model, d

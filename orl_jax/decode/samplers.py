@@ -94,21 +94,27 @@ def softmax_parts(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Ar
     step at Qwen3's vocabulary): (argmax [...], z = x - max [..., V] (elementwise, so XLA computes it where it is
     read), log s [...] (log p = z - log s), entropy in nats [...], the chunk masses of the inverse-CDF draw [..., C]
     (sums of the probabilities)). With z = x - max <= 0, s = sum exp(z) >= 1 and t = sum exp(z) z <= 0: entropy =
-    log s - t / s, two non-negative terms (no cancellation); log p = z - log s, as jax.nn.log_softmax.
-    Pass 1 is a plain max; pass 2 also finds the argmax as the first index with z == 0 (jnp.argmax's first
+    log s - t / s, two non-negative terms (no cancellation; z may exceed 0 by an FMA's ~1e-8 where XLA recomputes
+    x, see below); log p = z - log s, as jax.nn.log_softmax.
+    Pass 1 is a plain max; pass 2 also finds the argmax as the first index with x == max (jnp.argmax's first
     occurrence, exactly), per chunk. At DiffusionGemma's [256, 262144] the argmax's own variadic reduction took 111
     us, the plain max takes 99 (benchmarks/results/2026-12-02_dg_generate_parts_s31_h200.md). One pass with each
     chunk's own max, merged online, was slower (a variadic reduction: 1.038 against 0.982 ms for the step's tail;
     benchmarks/results/2026-12-04_dg_sampler_tail_h200.md)."""
     v = x.shape[-1]
-    z = x - jnp.max(x, axis=-1, keepdims=True)
+    m = jnp.max(x, axis=-1, keepdims=True)
+    z = x - m
     zc = _chunks(z)
     w = zc.shape[-1]
     e = jnp.exp(zc)
     mass = jnp.sum(e, axis=-1)  # [..., C]
     t = jnp.sum(jnp.where(e > 0, e * zc, 0.0), axis=-1)  # [..., C]; an excluded entry adds 0, not 0 * -inf
     index = jnp.arange(zc.shape[-2] * w, dtype=jnp.int32).reshape(zc.shape[-2:])
-    first = jnp.min(jnp.where(zc == 0, index, v), axis=-1)  # [..., C]: the chunk's first maximal entry, else V
+    # [..., C]: the chunk's first maximal entry, else V. x == m, not z == 0: XLA recomputes x in this pass, and
+    # where x is a product (logits times 1 / T after its simplifier) LLVM contracts x - m into one FMA, whose
+    # unrounded product leaves z ~1e-8 off 0 at the maximum (CPU, [1, 8, 256]: 157 of 160 rows found no maximum
+    # and took index V). A comparison has nothing to contract with.
+    first = jnp.min(jnp.where(_chunks(x) == m[..., None], index, v), axis=-1)
     # the chunk sums in one multi-output pass: without the barrier XLA folds t's and s's two-level sums into
     # whole-row reductions, which it cannot fuse with the chunk masses' (three passes, 135 us at canvas 256)
     mass, t, first = jax.lax.optimization_barrier((mass, t, first))
