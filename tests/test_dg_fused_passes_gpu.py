@@ -88,3 +88,20 @@ def test_uncached_cudnn_attention_on_gpu(monkeypatch):
     got = jax.jit(lambda *a: attention(a[0], [a[1:]], "cudnn", scale=1.0))(q, k, v, mask)
     want = jax.jit(lambda *a: attention(a[0], [a[1:]], "orl_jax", scale=1.0))(q, k, v, mask)
     assert _rel(got, want) < 2e-2 and float(jnp.std(want.astype(jnp.float32))) > 0.05
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_generate_commits_the_argmax_on_gpu(setup, dtype):
+    """At batch 1 (the benchmark's) every committed token, the argmax of the last step's temperature-scaled logits,
+    is in the vocabulary: the samplers' chunk pass once found that argmax by testing z == 0, which an FMA contraction
+    of the recomputed logits broke on CPU (every token id V; session 50). It was never checked on a GPU."""
+    from orl_jax.decode.engine import generate
+    from orl_jax.decode.samplers import UniformSampler
+
+    params, prompt, _, _, _ = setup
+    cfg = CFG.replace(dtype=dtype)
+    p = jax.tree.map(lambda a: a.astype(cfg.jnp_dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
+    out = generate(p, cfg, [np.asarray(prompt[0]).tolist()], key=jax.random.key(2), max_new_tokens=128,
+                   sampler=UniformSampler(max_denoising_steps=4), eos_token_id=())
+    tokens = np.asarray(out.tokens)
+    assert tokens.shape == (1, 128) and tokens.min() >= 0 and tokens.max() < cfg.vocab_size, tokens
