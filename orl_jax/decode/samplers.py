@@ -104,7 +104,8 @@ def softmax_parts(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Ar
     v = x.shape[-1]
     m = jnp.max(x, axis=-1, keepdims=True)
     z = x - m
-    zc = _chunks(z)
+    xc = _chunks(x)
+    zc = xc - m[..., None]  # _chunks(z): the padding's -inf stays -inf
     w = zc.shape[-1]
     e = jnp.exp(zc)
     mass = jnp.sum(e, axis=-1)  # [..., C]
@@ -114,7 +115,7 @@ def softmax_parts(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Ar
     # where x is a product (logits times 1 / T after its simplifier) LLVM contracts x - m into one FMA, whose
     # unrounded product leaves z ~1e-8 off 0 at the maximum (CPU, [1, 8, 256]: 157 of 160 rows found no maximum
     # and took index V). A comparison has nothing to contract with.
-    first = jnp.min(jnp.where(_chunks(x) == m[..., None], index, v), axis=-1)
+    first = jnp.min(jnp.where(xc == m[..., None], index, v), axis=-1)
     # the chunk sums in one multi-output pass: without the barrier XLA folds t's and s's two-level sums into
     # whole-row reductions, which it cannot fuse with the chunk masses' (three passes, 135 us at canvas 256)
     mass, t, first = jax.lax.optimization_barrier((mass, t, first))

@@ -39,7 +39,7 @@ def cache_vis(cfg: DiffusionGemmaConfig, cache: HybridKVCache, q: jax.Array) -> 
 
 def fused_vis(cfg: DiffusionGemmaConfig, b: int, n_enc: int, n_dec: int, valid=None, cache=None) -> dict:
     """Visibility of a fused pass over [encoder tokens | canvas] (`prefill_decode`, `commit_decode`): the encoder
-    tokens causal (`_encoder_vis`), the canvas one segment after them (`_decoder_vis`: every committed token and the
+    tokens causal (`encoder_vis`), the canvas one segment after them (`decoder_vis`: every committed token and the
     whole canvas). Each canvas token's window is the first canvas token's (slot n_enc after the cache): the last
     W - 1 committed slots, as the decoder's cache mask. valid [B, n_enc + n_dec]: key validity (left padding);
     cache: its parts too, each row's window anchored at cache slot length + its segment start."""
