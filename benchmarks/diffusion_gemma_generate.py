@@ -95,8 +95,8 @@ ap.add_argument("--fused-experts", action="store_true",
                 help="the params as diffusion_gemma_inference.inference_params makes them for generate(): the "
                      "expert gate/up stacks in moe.fuse_gate_up's layout (with --moe-impl pallas each layer's "
                      "experts run in one launch, kernels/grouped_gemm/mlp.py), and the norm folds whose switches are "
-                     "on (--set "
-                     "orl_jax.model.diffusion_gemma_inference.FOLD_FFW_NORMS=true)")
+                     "on (both by default; off with --set "
+                     "orl_jax.model.diffusion_gemma_inference.FOLD_FFW_NORMS=false)")
 ap.add_argument("--generate-ab", action="append", default=[], metavar="MODULE.NAME=JSON",
                 help="also compile the whole generate() program a second time with these trace-time switches set "
                      "(repeatable, as --set) and time the two compiled programs alternately, --ab-rounds each: "
@@ -114,6 +114,9 @@ ap.add_argument("--ab-rounds", type=int, default=8, help="--generate-ab: timed c
 ap.add_argument("--ab-max-steps", type=int, action="append", default=[], metavar="N",
                 help="--generate-ab: then the same A/B with generate(max_steps=N) (repeatable): the difference of two "
                      "step counts is the steps' time alone, untraced; the rest is the time before and after the loop")
+ap.add_argument("--ab-steps-only", action="store_true",
+                help="--generate-ab: only the --ab-max-steps A/Bs, not the whole generate()'s first (switches that act "
+                     "on the first step alone)")
 ap.add_argument("--ab-trace", action="store_true",
                 help="--generate-ab: then trace one call of each program (per step: span, busy time, the top kernels "
                      "with their time alone on the GPU; the host events inside each idle gap of >= 0.2 ms)")
@@ -129,6 +132,8 @@ if args.blocks < 1:
     ap.error(f"--blocks must be >= 1, got {args.blocks}")
 if any(n < 1 for n in args.ab_max_steps):
     ap.error(f"--ab-max-steps must be >= 1, got {args.ab_max_steps}")
+if args.ab_steps_only and not args.ab_max_steps:
+    ap.error("--ab-steps-only needs --ab-max-steps")
 if args.ab_rounds < 1:
     ap.error(f"--ab-rounds must be >= 1, got {args.ab_rounds}")
 if unknown := sorted(set(args.ab_fold) - {"attention", "ffw"}):
@@ -638,7 +643,8 @@ for impl in IMPLS:
         write_generate_hlo(c, kw)
     if args.generate_ab or args.ab_compiler_options or args.ab_fold:
         folded = fold_ab(c) if args.ab_fold else None
-        for steps in [None] + args.ab_max_steps:  # fewer steps: what a step costs apart from the rest
+        # fewer steps: what a step costs apart from the rest
+        for steps in ([] if args.ab_steps_only else [None]) + args.ab_max_steps:
             generate_ab(c, kw if steps is None else kw | {"max_steps": steps}, folded)
     if args.parts:
         generate_parts(c, kw)

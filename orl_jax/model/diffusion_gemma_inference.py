@@ -18,14 +18,16 @@ from orl_jax.model.moe import fusable, fuse_gate_up
 # inference_params folds a bf16 / fp16 model's attention-input RMSNorms into the q/k/v projections
 # (`fold_attention_norms`): each layer then feeds the residual stream straight to the projection's GEMM, one XLA
 # fusion (~2 us on the layer's dependency chain) fewer. An approximation below the dtype's rounding: the head norms'
-# eps meets a rescaled mean square (see there). Read by inference_params.
-FOLD_ATTENTION_NORMS = False
+# eps meets a rescaled mean square (see there). Read by inference_params. Both folds together, on an H200 (the 26B,
+# alternating in one process): the forward 14.197 against 14.375 ms, generate() 730.6 against 739.4 ms
+# (benchmarks/results/2026-12-05_dg_norm_folds_h200.md).
+FOLD_ATTENTION_NORMS = True
 FOLD_SCALE = 16.0  # fold_attention_norms' c: a power of two (exact in any float format), small enough for fp16
 # ... and the feed-forward input norms (`fold_ffw_norms`): the dense MLP's, the router's and the experts' norm
 # weights go into their first matrices, each layer computes one per-token factor beside its router GEMM (off the
 # dependency chain) and the three normed copies of x (one XLA fusion, ~3 us on the chain) are gone. Read by
 # inference_params.
-FOLD_FFW_NORMS = False
+FOLD_FFW_NORMS = True
 # The norm vectors each fold drops from the layer stacks (what `applied` reads).
 FOLDED = {"attention": ("attn_norm",), "ffw": ("mlp_norm", "router_scale", "moe_norm")}
 
