@@ -37,29 +37,32 @@ from orl_jax_kernels.small_m_gemm.kernel import Blocks  # noqa: E402
 
 SM_REGISTERS, SM_SHARED, SM_BLOCKS = 65536, 233472, 32  # per Hopper SM (ncu: 233,472 B shared configuration)
 DRIVER_SHARED = 1024  # bytes the driver reserves per block (ncu: "Driver Shared Memory Per Block")
-# (name, gate/up blocks, down blocks, warps, stages, one_dot): the default first
+W128, W64 = Blocks(bn=128, bk=64, splits=1), Blocks(bn=64, bk=64, splits=1)  # 128- / 64-wide tiles, K step 64
+K32 = Blocks(bn=128, bk=32, splits=1)  # K step 32
+# (name, gate/up blocks, down blocks, warps, stages, one_dot, rows per tile): the default first
 VARIANTS = [
-    ("default", Blocks(bn=128, bk=64, splits=1), Blocks(bn=128, bk=64, splits=1), 4, 3, True),
-    ("two half-width gate/up products", Blocks(bn=128, bk=64, splits=1), Blocks(bn=128, bk=64, splits=1), 4, 3, False),
-    ("2 stages", Blocks(bn=128, bk=64, splits=1), Blocks(bn=128, bk=64, splits=1), 4, 2, True),
-    ("2 stages, two products", Blocks(bn=128, bk=64, splits=1), Blocks(bn=128, bk=64, splits=1), 4, 2, False),
-    ("8 warps", Blocks(bn=128, bk=64, splits=1), Blocks(bn=128, bk=64, splits=1), 8, 3, True),
-    ("8 warps, 2 stages", Blocks(bn=128, bk=64, splits=1), Blocks(bn=128, bk=64, splits=1), 8, 2, True),
-    ("32-row K chunks, 4 stages", Blocks(bn=128, bk=32, splits=1), Blocks(bn=128, bk=32, splits=1), 4, 4, True),
-    ("32-row K chunks, 3 stages", Blocks(bn=128, bk=32, splits=1), Blocks(bn=128, bk=32, splits=1), 4, 3, True),
-    ("64-wide tiles", Blocks(bn=64, bk=64, splits=1), Blocks(bn=64, bk=64, splits=1), 4, 3, True),
-    ("64-wide tiles, 4 stages", Blocks(bn=64, bk=64, splits=1), Blocks(bn=64, bk=64, splits=1), 4, 4, True),
+    ("default", W128, W128, 4, 3, True, 64),
+    ("two half-width gate/up products", W128, W128, 4, 3, False, 64),
+    ("2 stages", W128, W128, 4, 2, True, 64),
+    ("2 stages, two products", W128, W128, 4, 2, False, 64),
+    ("8 warps", W128, W128, 8, 3, True, 64),
+    ("8 warps, 2 stages", W128, W128, 8, 2, True, 64),
+    ("32-row K chunks, 4 stages", K32, K32, 4, 4, True, 64),
+    ("32-row K chunks, 3 stages", K32, K32, 4, 3, True, 64),
+    ("64-wide tiles", W64, W64, 4, 3, True, 64),
+    ("64-wide tiles, 4 stages", W64, W64, 4, 4, True, 64),
+    ("128 rows, 8 warps (prefill-sized passes' tiles, moe.FUSED_LONG_BM)", W128, W128, 8, 3, True, 128),
 ]
 
 
-def triton_ir(gu: Blocks, dn: Blocks, warps: int, stages: int, one_dot: bool) -> str:
+def triton_ir(gu: Blocks, dn: Blocks, warps: int, stages: int, one_dot: bool, bm: int = 64) -> str:
     sd = jax.ShapeDtypeStruct
     args = (sd((256, 2816), jnp.bfloat16), sd((2048,), jnp.int32),
             sd((25, 128, 704 * 2 // gu.bn, 2816, gu.bn), jnp.bfloat16), sd((25, 128, 704, 2816), jnp.bfloat16),
             sd((129,), jnp.int32), sd((), jnp.int32))
     with triton_modules() as modules, h200_target():
         fn = lambda x, r, g, d, o, i: grouped_mlp(x, r, g, d, o, i, ACTIVATIONS["gelu_tanh"], gu, dn,  # noqa: E731
-                                                  num_warps=warps, num_stages=stages, one_dot=one_dot)
+                                                  num_warps=warps, num_stages=stages, one_dot=one_dot, bm=bm)
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     return modules[0].operation.get_asm(enable_debug_info=False)
 
@@ -75,12 +78,12 @@ def main(argv=None):
     ap.add_argument("--out", help="also append the rows to this JSON-lines file")
     args = ap.parse_args(argv)
     record = recorder(args.out) if args.out else (lambda **row: print(json.dumps(row), flush=True))
-    for name, gu, dn, warps, stages, one_dot in VARIANTS:
-        got = allocation(triton_ir(gu, dn, warps, stages, one_dot), SimpleNamespace(num_warps=warps,
-                                                                                     num_stages=stages))
+    for name, gu, dn, warps, stages, one_dot, bm in VARIANTS:
+        got = allocation(triton_ir(gu, dn, warps, stages, one_dot, bm), SimpleNamespace(num_warps=warps,
+                                                                                         num_stages=stages))
         blocks = resident_blocks(got["registers"], got["shared"], warps)
-        record(variant=name, gu_bn=gu.bn, bk=gu.bk, dn_bn=dn.bn, warps=warps, stages=stages, one_dot=one_dot, **got,
-               blocks_per_sm=blocks, warps_per_sm=blocks * warps)
+        record(variant=name, gu_bn=gu.bn, bk=gu.bk, dn_bn=dn.bn, warps=warps, stages=stages, one_dot=one_dot, bm=bm,
+               **got, blocks_per_sm=blocks, warps_per_sm=blocks * warps)
 
 
 if __name__ == "__main__":

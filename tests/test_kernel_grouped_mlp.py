@@ -95,15 +95,17 @@ def test_rejects_mismatched_inputs():
         grouped_mlp(x, rows, tgu, dn, offsets[1:], jnp.int32(0), ACT, GU, DN, interpret=True)
 
 
-@pytest.mark.parametrize("one_dot,scaled,ordered", [(False, False, False), (True, False, False), (True, True, True)])
-def test_triton_ir_at_diffusion_gemma_shapes(one_dot, scaled, ordered):
+@pytest.mark.parametrize("one_dot,scaled,ordered,tokens,bm,warps", [
+    (False, False, False, 256, 64, 4), (True, False, False, 256, 64, 4), (True, True, True, 256, 64, 4),
+    (True, True, True, 768, 128, 8)])  # the last: prefill_decode's rows with moe.FUSED_LONG_BM's tiles
+def test_triton_ir_at_diffusion_gemma_shapes(one_dot, scaled, ordered, tokens, bm, warps):
     sd = jax.ShapeDtypeStruct
     verified_triton_modules(
         lambda x, r, gu, dn, o, i, s, order: grouped_mlp(
             x, r, gu, dn, o, i, ACT, GU, Blocks(bn=128, bk=64, splits=1), one_dot=one_dot,
-            row_scale=s if scaled else None, order=order if ordered else None),
-        sd((256, 2816), jnp.bfloat16), sd((2048,), jnp.int32), sd((25, 128, 11, 2816, 128), jnp.bfloat16),
-        sd((25, 128, 704, 2816), jnp.bfloat16), sd((129,), jnp.int32), sd((), jnp.int32), sd((256,), jnp.float32),
+            row_scale=s if scaled else None, order=order if ordered else None, bm=bm, num_warps=warps),
+        sd((tokens, 2816), jnp.bfloat16), sd((8 * tokens,), jnp.int32), sd((25, 128, 11, 2816, 128), jnp.bfloat16),
+        sd((25, 128, 704, 2816), jnp.bfloat16), sd((129,), jnp.int32), sd((), jnp.int32), sd((tokens,), jnp.float32),
         sd((128,), jnp.int32))
 
 
@@ -165,6 +167,35 @@ def test_moe_fused_path_with_narrower_tiles(bm, monkeypatch):
     monkeypatch.setattr(moe, "FUSED_HEAVY_FIRST", 20)  # 80 rows over 4 experts: taken most rows first
     assert "sort" in str(jax.make_jaxpr(run)())
     np.testing.assert_allclose(np.asarray(run()), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_moe_fused_path_long_passes_take_their_own_tiles(monkeypatch):
+    """moe.FUSED_LONG_BM / FUSED_LONG_WARPS: a pass with at least FUSED_LONG_ROWS rows per expert on average runs the
+    kernel with those tiles (here 32 rows, where FUSED_BM = 16 splits each expert's 20 rows over two tiles), a
+    shorter one with FUSED_BM / FUSED_WARPS; the values stay the dense path's either way."""
+    import orl_jax_kernels.grouped_gemm.mlp as mlp
+    from orl_jax.model import moe
+    from orl_jax.model.streamed import StackedWeight
+
+    ks = jax.random.split(jax.random.key(5), 4)
+    t, d, e, f, k = 40, 128, 4, 64, 2  # 80 rows, 20 per expert
+    x = jax.random.normal(ks[0], (t, d))
+    gate_up, down = jax.random.normal(ks[1], (1, e, d, 2 * f)) * 0.1, jax.random.normal(ks[2], (1, e, f, d)) * 0.1
+    experts = jnp.stack([jnp.arange(t, dtype=jnp.int32) % e, (jnp.arange(t, dtype=jnp.int32) + 1) % e], axis=1)
+    weights = jax.nn.softmax(jax.random.normal(ks[3], (t, k)), axis=-1)
+    tiles = moe.fuse_gate_up(gate_up)
+    want = moe.dense_experts_mlp(x, weights, experts, gate_up[0], down[0], "gelu_tanh")
+    seen, real = [], mlp.grouped_mlp
+    monkeypatch.setattr(mlp, "grouped_mlp", lambda *a, **kw: seen.append((kw["bm"], kw["num_warps"])) or real(*a, **kw))
+    monkeypatch.setattr(moe, "FUSED_BM", 16)
+    monkeypatch.setattr(moe, "FUSED_LONG_BM", 32)
+    monkeypatch.setattr(moe, "FUSED_LONG_WARPS", 8)
+    for long_rows, tiles_used in ((20, (32, 8)), (21, (16, moe.FUSED_WARPS))):
+        monkeypatch.setattr(moe, "FUSED_LONG_ROWS", long_rows)
+        got = moe.experts_mlp(x, weights, experts, StackedWeight(tiles, jnp.int32(0)),
+                              StackedWeight(down, jnp.int32(0)), "gelu_tanh", "pallas")
+        assert seen.pop() == tiles_used
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def test_diffusion_gemma_decoder_with_fused_expert_params():
@@ -270,6 +301,32 @@ def test_row_scale_and_order_on_gpu_at_the_26b_expert_shapes():
         ordered = np.asarray(run(x, r, tiles, down, weights, experts), np.float32)
     jax.clear_caches()
     np.testing.assert_array_equal(ordered, got)
+
+
+@pytest.mark.gpu
+def test_long_pass_tiles_on_gpu_at_prefill_decode_shapes(monkeypatch):
+    """moe.FUSED_LONG_BM = 128 with 8 warps at prefill_decode's 768 tokens (6144 sorted rows, 48 per expert on
+    average: many experts past 64 rows) against the default 64-row tiles, both bf16: within a rounding."""
+    from orl_jax.model import moe
+    from orl_jax.model.streamed import StackedWeight
+
+    ks = jax.random.split(jax.random.key(13), 5)
+    t, d, e, f, k = 768, 2816, 128, 704, 8
+    x = jax.random.normal(ks[0], (t, d), jnp.bfloat16)
+    tiles = moe.fuse_gate_up(jax.random.normal(ks[1], (1, e, d, 2 * f), jnp.bfloat16) * 0.02)
+    down = jax.random.normal(ks[2], (1, e, f, d), jnp.bfloat16) * 0.02
+    experts = jax.lax.top_k(jax.random.normal(ks[3], (t, e)), k)[1].astype(jnp.int32)
+    weights = jax.nn.softmax(jax.random.normal(ks[4], (t, k)), axis=-1)
+    run = lambda: np.asarray(jax.jit(  # noqa: E731 (arrays as arguments: a closure would embed them as constants)
+        lambda x, g, dn, w, ex: moe.experts_mlp(x, w, ex, StackedWeight(g, jnp.int32(0)),
+                                                StackedWeight(dn, jnp.int32(0)), "gelu_tanh", "pallas",
+                                                distinct=True))(x, tiles, down, weights, experts), np.float32)
+    want = run()
+    monkeypatch.setattr(moe, "FUSED_LONG_BM", 128)
+    jax.clear_caches()
+    got = run()
+    jax.clear_caches()
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
 
 
 def test_inference_params_fuse_only_where_the_kernel_runs(monkeypatch):

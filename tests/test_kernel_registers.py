@@ -34,7 +34,7 @@ def test_expert_kernel_ir_and_resident_blocks():
     SM follow Hopper's allocation: the device's 164 registers and 72 KB give ncu's 3 blocks."""
     from expert_kernel_registers import VARIANTS, resident_blocks, triton_ir
 
-    _, gu, dn, warps, stages, one_dot = VARIANTS[0]
+    _, gu, dn, warps, stages, one_dot, _ = VARIANTS[0]
     assert "tt.dot" in triton_ir(gu, dn, warps, stages, one_dot)
     assert resident_blocks(164, 73728, 4) == 3  # Nsight Compute on the device: 3 by registers and by shared memory
     assert resident_blocks(96, 49152, 4) == 4  # shared memory limits

@@ -297,6 +297,15 @@ FUSED_ONE_DOT = True
 # first keeps it from setting the launch's last wave. Costs a sort of E sizes before the launch. None: never.
 # Not timed (session 49 had no device). Read at trace time.
 FUSED_HEAVY_FIRST: int | None = None
+# Rows per tile and warps of the one-launch expert MLP in passes with at least FUSED_LONG_ROWS rows per expert on
+# average (the 26B's prefill 32, prefill_decode 48; the canvas 16 never). An expert past FUSED_BM rows runs its row
+# tiles one after another, each streaming the expert's weights again: in session 51's trace of prefill_decode (768
+# tokens, 6144 rows) the expert launches took 458-470 us per layer against ~365 at the canvas's 2048 rows
+# (benchmarks/results/2026-12-05_dg_norm_folds_h200.md). 128-row tiles read an expert of up to 128 rows once. None:
+# FUSED_BM / FUSED_WARPS in every pass. Not timed. Read at trace time.
+FUSED_LONG_BM: int | None = None
+FUSED_LONG_WARPS = 8
+FUSED_LONG_ROWS = 32
 
 
 def fusable(d: int, f: int) -> bool:
@@ -330,17 +339,19 @@ def fused_blocks(stack: jax.Array):
 def fused_expert_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Array, offsets: jax.Array, layer,
                      act: str, row_scale: jax.Array | None = None) -> jax.Array:
     """The one-launch expert MLP (kernels/grouped_gemm/mlp.grouped_mlp) with the model's settings (tiles, stages,
-    one_dot, FUSED_HEAVY_FIRST; interpret mode on a CPU): sorted rows of x[rows] through their experts -> [M, D].
-    gate_up: a stack in `fuse_gate_up`'s layout, down the model's [L, E, F, D]; layer: the stacks' layer;
-    row_scale: grouped_mlp's."""
+    one_dot, FUSED_HEAVY_FIRST, FUSED_LONG_BM; interpret mode on a CPU): sorted rows of x[rows] through their
+    experts -> [M, D]. gate_up: a stack in `fuse_gate_up`'s layout, down the model's [L, E, F, D]; layer: the stacks'
+    layer; row_scale: grouped_mlp's."""
     from orl_jax_kernels.grouped_gemm.mlp import grouped_mlp
 
     e = offsets.shape[0] - 1
     order = None
     if FUSED_HEAVY_FIRST is not None and rows.shape[0] >= FUSED_HEAVY_FIRST * e:
         order = jnp.argsort(offsets[:-1] - offsets[1:], stable=True).astype(jnp.int32)  # most rows first
+    long = FUSED_LONG_BM is not None and rows.shape[0] >= FUSED_LONG_ROWS * e
+    bm, warps = (FUSED_LONG_BM, FUSED_LONG_WARPS) if long else (FUSED_BM, FUSED_WARPS)
     return grouped_mlp(x, rows, gate_up, down, offsets, layer, ACTIVATIONS[act], *fused_blocks(gate_up),
-                       bm=FUSED_BM, num_warps=FUSED_WARPS, num_stages=FUSED_STAGES, one_dot=FUSED_ONE_DOT,
+                       bm=bm, num_warps=warps, num_stages=FUSED_STAGES, one_dot=FUSED_ONE_DOT,
                        interpret=jax.default_backend() == "cpu", row_scale=row_scale, order=order)
 
 
