@@ -12,8 +12,8 @@ import shutil
 # The models here are tiny, so XLA compile time dominates the suite: compile without LLVM optimization, about twice
 # as fast on CPU. Not quite the same numerics: LLVM's optimizations contract a multiply and an add into one FMA
 # (unrounded product), which hid a sampler bug until session 50, so the tests that hinge on it run in a fresh
-# process without this flag (test_categorical, test_cli_generate_dg), and a machine with a GPU (the `gpu` tests)
-# compiles as a user would. Set before the backend starts; an explicit setting wins.
+# process without this flag (tests/fresh_process.py: test_categorical, test_cli_generate_dg), and a machine with a
+# GPU (the `gpu` tests) compiles as a user would. Set before the backend starts; an explicit setting wins.
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "") and shutil.which("nvidia-smi") is None:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 

@@ -3,8 +3,6 @@ the same key gives the same sample."""
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,8 +106,7 @@ def test_argmax_where_each_pass_recomputes_scaled_logits():
     the second pass's x - max into one FMA: a test z == 0 then found no maximum in most rows (157 of 160, index V,
     outside the vocabulary). Only with LLVM's optimizations, which this suite turns off for compile time
     (conftest), so the check runs in a fresh process with them on."""
-    import subprocess
-    import sys
+    from fresh_process import run_optimized
 
     code = """
 import jax, jax.numpy as jnp, numpy as np
@@ -121,6 +118,5 @@ for t in (0.73, None):
     want = jnp.argmax(jax.jit(lambda lg, tt: lg / (tt if t is None else t))(logits, jnp.float32(0.73)), axis=-1)
     np.testing.assert_array_equal(got, want)
 """
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    out = run_optimized("-c", code, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

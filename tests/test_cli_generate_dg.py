@@ -3,12 +3,10 @@ DiffusionGemmaForBlockDiffusion saved with save_pretrained beside a word-level t
 loader, its generation defaults (uniform sampler) from generation_config.json, streamed block by block."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
+from fresh_process import run_optimized
 
 from orl_jax.diffusion_gemma_config import DG_PRESETS
 
@@ -38,10 +36,8 @@ def test_generate_a_diffusion_gemma_checkpoint(dg_dir):
     samplers' argmax bug of session 50, every committed token id V, showed only there."""
     d, cfg = dg_dir
     steps = json.loads((d / "generation_config.json").read_text()).get("max_denoising_steps")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, "-m", "orl_jax.cli", "generate", "--model", str(d), "--prompt", "w5 w6 w7",
-                          "--max-new-tokens", str(2 * cfg.block_length), "--dtype", "float32", "--seed", "3"],
-                         env=env, capture_output=True, text=True, timeout=600)
+    out = run_optimized("-m", "orl_jax.cli", "generate", "--model", str(d), "--prompt", "w5 w6 w7",
+                        "--max-new-tokens", str(2 * cfg.block_length), "--dtype", "float32", "--seed", "3")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "uniform noise" in out.stderr  # DiffusionGemma's sampler family, from its config
     report = out.stderr.strip().splitlines()[-1]  # "[N tokens, F denoising + C commit forwards, TPF ...; ...]"
