@@ -10,8 +10,15 @@ import numpy as np
 import pytest
 from triton_ir import verified_triton_modules
 
-from orl_jax.model.attention import attention, cache_mask, full_segments, self_mask
-from orl_jax_kernels.decode_attention.kernel import Blocks, blocks_for, cache_extent, cached_attention, supported
+from orl_jax.model.attention import attention, block_segments, cache_mask, full_segments, self_mask, window_mask
+from orl_jax_kernels.decode_attention.kernel import (
+    Blocks,
+    blocks_for,
+    cache_extent,
+    cached_attention,
+    masked_attention,
+    supported,
+)
 
 
 def _inputs(key, b=2, l=32, s=96, n=4, kv=2, h=32, dtype=jnp.float32):
@@ -122,6 +129,61 @@ def test_each_query_tile_streams_to_its_furthest_query(blocks):
                          extent=extent[:, :8])
 
 
+def _fused_pass_inputs(key, b=2, p=48, c=16, n=4, kv=2, h=32, window=40):
+    """q, k, v and the visibility of a cache-free fused pass (diffusion_gemma_vis.fused_vis): p prompt tokens causal
+    within a window, then a canvas of c seeing every valid prompt token and itself; row 1 (if b > 1) left-padded by
+    10."""
+    ks = jax.random.split(key, 3)
+    q = jax.random.normal(ks[0], (b, p + c, n, h))
+    k, v = (jax.random.normal(x, (b, p + c, kv, h)) for x in ks[1:])
+    seg = block_segments(b, p + c, p, c)
+    mask = self_mask(seg, jnp.arange(p + c)[None] >= jnp.array([[0], [10]])[:b]) & window_mask(seg, jnp.arange(p + c),
+                                                                                            window)
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("blocks", [Blocks(bl=16, bs=16, chunks_per_split=1), Blocks(bl=32, bs=16, chunks_per_split=8),
+                                    Blocks(bl=16, bs=16, chunks_per_split=2, balanced=True),
+                                    dataclasses.replace(GROUPED, bs=16, balanced=True),
+                                    Blocks(bl=16, bs=32, chunks_per_split=4)])  # one split: no partials, no merge
+def test_masked_attention_equals_the_reference_in_interpret_mode(blocks):
+    """The cache-free passes' kernel (the keys one part: fixed or balanced splits, grouped heads, one split) under a
+    fused pass's visibility; the check fails on a mask the kernel ignored."""
+    q, k, v, mask = _fused_pass_inputs(jax.random.key(4))
+    want = attention(q, [(k, v, mask)])
+    got = masked_attention(q, k, v, mask, scale=q.shape[-1] ** -0.5, blocks=blocks, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    bad = masked_attention(q, k, v, mask.at[:, :, 40:48].set(False), scale=q.shape[-1] ** -0.5, blocks=blocks,
+                           interpret=True)
+    assert float(jnp.abs(bad - want).max()) > 1e-3
+
+
+@pytest.mark.parametrize("blocks", [Blocks(bl=16, bs=16, chunks_per_split=1),
+                                    Blocks(bl=16, bs=16, chunks_per_split=2, balanced=True)])
+def test_masked_attention_skips_keys_past_a_tiles_reach(blocks):
+    """The prompt's query tiles stream keys up to their furthest visible one: NaN keys and values in the canvas
+    (slots 48..) leave every prompt row exact, while the canvas rows, which see them, turn NaN."""
+    q, k, v, mask = _fused_pass_inputs(jax.random.key(5))
+    want = attention(q, [(k, v, mask)])
+    got = masked_attention(q, k.at[:, 48:].set(jnp.nan), v.at[:, 48:].set(jnp.nan), mask, scale=q.shape[-1] ** -0.5,
+                           blocks=blocks, interpret=True)
+    np.testing.assert_allclose(np.asarray(got[:, :48]), np.asarray(want[:, :48]), atol=2e-5, rtol=2e-5)
+    assert np.isnan(np.asarray(got[:, 48:])).all()
+
+
+@pytest.mark.parametrize("p", [512, 0], ids=["prefill_decode", "prefill"])
+def test_masked_attention_lowers_to_verified_triton_at_the_26b(p):
+    """DiffusionGemma 26B's sliding layers in its cache-free passes: prefill_decode (prompt 512 + canvas 256) and
+    the prefill alone (512), bf16, the blocks the library picks."""
+    l = p + 256 if p else 512
+    blocks = blocks_for(l, l, 256, 2)
+    assert supported(l, l, 256, blocks, 2)
+    sd = jax.ShapeDtypeStruct
+    verified_triton_modules(lambda *a: masked_attention(*a, scale=1.0, blocks=blocks),
+                            sd((1, l, 16, 256), jnp.bfloat16), sd((1, l, 8, 256), jnp.bfloat16),
+                            sd((1, l, 8, 256), jnp.bfloat16), sd((1, l, l), jnp.int8))
+
+
 def test_supported_shapes():
     assert supported(32, 544, 128) and supported(256, 768, 128) and supported(16, 16, 16)
     assert not supported(8, 64, 64)  # a block of 8 queries: below the 16-row dot
@@ -196,6 +258,22 @@ def test_kernel_compiled_on_gpu_bf16(monkeypatch, l, s, n, kv, h, in_input_dtype
     got = cached_attention(q, stack(kc), stack(vc), cm, kself, vself, sm, scale=q.shape[-1] ** -0.5,
                            layer=jnp.int32(1))
     _assert_close_but_the_blind_row(got, want, 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p", [512, 0], ids=["prefill_decode", "prefill"])
+def test_masked_attention_compiled_on_gpu_at_the_26b(p):
+    """The cache-free passes' kernel compiled, bf16, at the 26B's sliding layers (16 heads, 8 kv heads, head dim 256)
+    under prefill_decode's visibility (prompt 512 causal, canvas 256) or the prefill's (512), the library's blocks,
+    against the float32 einsums on the same bf16 inputs."""
+    l, c = (p + 256, 256) if p else (512, 0)
+    q, k, v, mask = _fused_pass_inputs(jax.random.key(6), b=1, p=l - c, c=c, n=16, kv=8, h=256, window=1024)
+    q, k, v = (a.astype(jnp.bfloat16) for a in (q, k, v))
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    want = attention(f32(q), [(f32(k), f32(v), mask)], scale=256 ** -0.5)
+    got = masked_attention(q, k, v, mask.astype(jnp.int8), scale=256 ** -0.5, blocks=blocks_for(l, l, 256, 2))
+    rel = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
+    assert rel < 1e-2, rel
 
 
 @pytest.mark.gpu

@@ -2,10 +2,11 @@
 shapes (Qwen3-4B: 32 query heads, 8 kv heads, head dim 128, batch 1, prompt 512): block 32 over a 544-slot cache
 and canvas 256 over 768; and at DiffusionGemma 26B-A4B's decoder pass (canvas 256 over 768 slots, score scale
 1.0): sliding layers (16 heads, 8 kv heads, head dim 256, 25 layers) and full layers (16 heads, 2 kv heads, head
-dim 512, 5 layers). Writes the tuned table that `kernel.load_tuned` reads.
+dim 512, 5 layers); and masked_attention at the 26B's cache-free passes' sliding layers (dg_prefill_decode: prompt
+512 + canvas 256; dg_prefill: 512). Writes the tuned table that `kernel.load_tuned` reads.
 
-  python kernels/decode_attention/bench.py [--shapes block32,canvas256,dg_sliding,dg_full] [--out attn.jsonl]
-      [--table attn_tuned.json]
+  python kernels/decode_attention/bench.py [--shapes block32,canvas256,dg_sliding,dg_full,dg_prefill_decode,
+      dg_prefill] [--out attn.jsonl] [--table attn_tuned.json]
 
 Why: a profile of the engine step (benchmarks/results/2026-11-30_engine_profile_h200x2.md) puts the kernel at
 6.9 us per layer at block 32 and 30 us at canvas 256, where its default blocks give 7 key splits x 4 query tiles x
@@ -37,12 +38,19 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_io import recorder, write_table  # noqa: E402
 
-from orl_jax.model.attention import cache_mask, full_segments, scaled_attention, self_mask  # noqa: E402
+from orl_jax.model.attention import (  # noqa: E402
+    block_segments,
+    cache_mask,
+    full_segments,
+    scaled_attention,
+    self_mask,
+)
 from orl_jax_kernels.decode_attention.kernel import (  # noqa: E402
     SMEM_LIMIT,
     Blocks,
     blocks_for,
     cached_attention,
+    masked_attention,
     smem_bytes,
     supported,
     tile,
@@ -60,13 +68,18 @@ class Shape:
     h: int  # head dim
     layers: int  # distinct caches timed per call (the model's layer count of this kind)
     scale: float | None = None  # score scale; None: h ** -0.5
+    # > 0: a cache-free pass (masked_attention) over l = s tokens, the first `uncached` a causal prompt, the rest a
+    # canvas seeing all of them (DiffusionGemma's prefill_decode; the prefill alone: uncached = l)
+    uncached: int = 0
 
 
 SHAPES = {"block32": Shape(32, 544, 32, 8, 128, 36), "canvas256": Shape(256, 768, 32, 8, 128, 36),
-          "dg_sliding": Shape(256, 768, 16, 8, 256, 25, 1.0), "dg_full": Shape(256, 768, 16, 2, 512, 5, 1.0)}
+          "dg_sliding": Shape(256, 768, 16, 8, 256, 25, 1.0), "dg_full": Shape(256, 768, 16, 2, 512, 5, 1.0),
+          "dg_prefill_decode": Shape(768, 768, 16, 8, 256, 25, 1.0, uncached=512),
+          "dg_prefill": Shape(512, 512, 16, 8, 256, 25, 1.0, uncached=512)}
 PROMPT = 512  # filled cache slots
 if INTERPRET:
-    SHAPES, PROMPT = {"tiny": Shape(32, 96, 4, 2, 32, 2)}, 64
+    SHAPES, PROMPT = {"tiny": Shape(32, 96, 4, 2, 32, 2), "tiny_uncached": Shape(48, 48, 4, 2, 32, 2, uncached=32)}, 64
 
 
 def per_call(g, *args, calls=10):
@@ -87,11 +100,14 @@ def configs(sh: Shape):
     2026-11-30 sweep). Plus the dataclass defaults and the library's rule (kernel.blocks_for), the baselines."""
     l, s, h, g = sh.l, sh.s, sh.h, sh.n // sh.kv
     out, seen = [], set()
-    for bl, bs, cps, grouped in itertools.product((16, 32, 64, 128), (32, 64, 128), (1, 2, 4, 8), (False, True)):
+    # cache-free passes: their tiles see different key counts (a causal prompt), so balanced splits too
+    grid = (((32, 64, 128), (32, 64), (1, 2, 4, 8), (False, True), (False, True)) if sh.uncached else
+            ((16, 32, 64, 128), (32, 64, 128), (1, 2, 4, 8), (False, True), (False,)))
+    for bl, bs, cps, grouped, balanced in itertools.product(*grid):
         rows = min(bl, l) * (g if grouped else 1)
         b = Blocks(bl=bl, bs=bs, chunks_per_split=cps, num_warps=4 if rows <= 64 else 8, num_stages=2,
-                   group_heads=grouped)
-        eff = (tile(l, bl), tile(s, bs), tile(l, bs), cps, grouped)
+                   group_heads=grouped, balanced=balanced)
+        eff = (tile(l, bl), tile(s, bs), tile(l, bs), cps, grouped, balanced)
         if bl <= l and smem_bytes(b, h, g) <= SMEM_LIMIT and supported(l, s, h, b, g) and eff not in seen:
             seen.add(eff)
             out.append(b)
@@ -118,7 +134,50 @@ def inputs(sh: Shape):
     return q, kc, vc, cm, kself, vself, sm
 
 
+def bench_uncached(name, sh: Shape, record) -> dict:
+    """A cache-free pass's sliding-layer attention: masked_attention's block candidates against the model's einsums
+    (scaled_attention, one part), each layer's keys a separate argument."""
+    l, h, g, layers = sh.l, sh.h, sh.n // sh.kv, sh.layers
+    ks = jax.random.split(jax.random.key(l + h), 2 * layers + 1)
+    q = jax.random.normal(ks[0], (1, l, sh.n, h), jnp.bfloat16)
+    kk, vv = ([jax.random.normal(k, (1, l, sh.kv, h), jnp.bfloat16) for k in ks[a:a + layers]]
+              for a in (1, 1 + layers))
+    mask = self_mask(block_segments(1, l, sh.uncached, max(l - sh.uncached, 1)))  # causal prompt, canvas after it
+    m8 = mask.astype(jnp.int8)
+    scale = h ** -0.5 if sh.scale is None else sh.scale
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    ref = scaled_attention(f32(q), [(f32(kk[0]), f32(vv[0]), mask)], scale)
+    err = lambda out: float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))  # noqa: E731
+    over_layers = lambda f: jax.jit(lambda q, ks, vs: jnp.stack([f(q, a, b) for a, b in zip(ks, vs)]))  # noqa: E731
+    xla = lambda q, k, v: scaled_attention(q, [(k, v, mask)], scale)  # noqa: E731
+    t_xla = per_call(over_layers(xla), q, kk, vv) / layers
+    record(shape=name, l=l, variant="xla", us_per_layer=t_xla * 1e6, rel_err=err(jax.jit(xla)(q, kk[0], vv[0])))
+    results = []
+    for b in configs(sh):
+        f = lambda q, k, v, b=b: masked_attention(q, k, v, m8, scale=scale, blocks=b,  # noqa: E731
+                                                  interpret=INTERPRET)
+        try:
+            rel = err(jax.jit(f)(q, kk[0], vv[0]))
+            if not rel < 0.02:
+                record(shape=name, variant=str(b), error=f"relative error {rel:.3g}")
+                continue
+            results.append((per_call(over_layers(f), q, kk, vv) / layers, b, rel))
+        except Exception as ex:
+            record(shape=name, variant=str(b), error=repr(ex)[:160])
+    results.sort(key=lambda r: r[0])
+    lib = library_blocks(sh)
+    for t, b, rel in results[:8] + [r for r in results[8:] if r[1] == lib]:
+        record(shape=name, l=l, variant=str(b), us_per_layer=t * 1e6, rel_err=rel, blocks=b.__dict__,
+               library=b == lib)
+    best_t, best, _ = results[0]
+    print(f"{name}: L={l} (prompt {sh.uncached})  xla {t_xla * 1e6:.1f} us  best {best_t * 1e6:.1f} us {best}",
+          flush=True)
+    return {"l": l, "s": l, "h": h, "g": g, "blocks": best.__dict__, "us": best_t * 1e6, "xla_us": t_xla * 1e6}
+
+
 def bench_shape(name, sh: Shape, record) -> dict:
+    if sh.uncached:
+        return bench_uncached(name, sh, record)
     l, s, h, g, layers = sh.l, sh.s, sh.h, sh.n // sh.kv, sh.layers
     q, kc, vc, cm, kself, vself, sm = inputs(sh)
     scale = h ** -0.5 if sh.scale is None else sh.scale

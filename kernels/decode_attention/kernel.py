@@ -170,8 +170,11 @@ def supported(l: int, s: int, h: int, blocks: Blocks = Blocks(), g: int = 1) -> 
             and (not blocks.group_heads or pow2(g)))
 
 
-def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref, ms_ref, *refs, scale: float,
-            cs: int, ss: int, cps: int, grouped: bool, stacked: bool, balanced: bool, norm: tuple | None = None):
+def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, *refs, scale: float, cs: int, ss: int, cps: int,
+            grouped: bool, stacked: bool, balanced: bool, own: bool = True, norm: tuple | None = None):
+    # own: the pass's own keys come as a second part (ks, vs, ms); False: the keys are the first part alone
+    # (masked_attention, the cache-free passes)
+    ks_ref, vs_ref, ms_ref, *refs = refs if own else (None, None, None, *refs)
     if norm is not None:  # q, own k and v raw from the projection [1, rows, 1, 1, H] (ungrouped programs only)
         cos_ref, sin_ref, vec_ref, vec_layer_ref, *refs = refs
     o_ref, *stats = refs
@@ -183,7 +186,7 @@ def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref
     layer = layer_ref[0]
     extent = jnp.max(extent_ref[0, :])  # one past the last cache slot any query of the tile sees
     n_cache = ((extent + cs - 1) // cs).astype(jnp.int32)  # chunks up to it
-    n_self = ks_ref.shape[1] // ss
+    n_self = ks_ref.shape[1] // ss if own else 0
     self_first = jnp.int32(0)
     if not stats:  # one split: the cache, then the own keys, normalized here
         first, cache_trips, self_trips = jnp.int32(0), n_cache, jnp.int32(n_self)
@@ -197,10 +200,11 @@ def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref
         self_trips = jnp.maximum(hi - jnp.maximum(first, n_cache), 0).astype(jnp.int32)
     else:
         first = split * cps
-        own = split == pl.num_programs(3) - 1  # the last split holds the pass's own keys, the others the cache
-        # int32 loop bounds: Triton's scf.for needs bounds of one type (where(own, 1, 0) otherwise lowers to i1)
-        cache_trips = ((~own).astype(jnp.int32) * jnp.clip(n_cache - first, 0, cps)).astype(jnp.int32)
-        self_trips = own.astype(jnp.int32) * n_self
+        # the last split holds the pass's own keys, the others the cache
+        last = split == pl.num_programs(3) - 1 if own else jnp.bool_(False)
+        # int32 loop bounds: Triton's scf.for needs bounds of one type (where(last, 1, 0) otherwise lowers to i1)
+        cache_trips = ((~last).astype(jnp.int32) * jnp.clip(n_cache - first, 0, cps)).astype(jnp.int32)
+        self_trips = last.astype(jnp.int32) * n_self
 
     if norm is None:
         q = (q_ref[0].reshape(bl * g, h),) if grouped else (q_ref[0, :, 0, :],)  # one dot over all of H
@@ -260,8 +264,9 @@ def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, ks_ref, vs_ref
     rows = bl * g
     carry = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
              jnp.zeros((rows, h), jnp.float32))
-    carry = stream(load_cache, mc_ref, cs, first, cache_trips, carry)
-    m, l, acc = stream(load_self, ms_ref, ss, self_first, self_trips, carry)
+    m, l, acc = stream(load_cache, mc_ref, cs, first, cache_trips, carry)
+    if own:
+        m, l, acc = stream(load_self, ms_ref, ss, self_first, self_trips, (m, l, acc))
     if not stats:  # o_ref: the block of the [B, L, N, H] output
         out = (acc / l[:, None]).astype(o_ref.dtype)
         if grouped:
@@ -343,6 +348,22 @@ def cached_attention_normed(proj, k_cache, v_cache, cache_mask, self_mask, cos, 
                    norm=(*offsets, eps, gemma))
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
+def masked_attention(q, k, v, mask, *, scale: float, blocks: Blocks = Blocks(), interpret: bool = False,
+                     extent=None):
+    """The kernel over one key sequence, for the cache-free inference passes (DiffusionGemma's prompt `prefill`
+    and `prefill_decode`: hundreds of queries over as many keys, on XLA's einsums ~100 us per 26B sliding layer at
+    768 tokens, the float32 scores written and read four times). q [B, L, N, H]; k, v [B, S, K, H]; mask [B, L, S]
+    (bool or int8); extent [B, L]: cache_extent(mask), computed here when None. Each query tile streams the keys up
+    to its furthest visible one, so a causal prompt's early tiles read few chunks. The keys are the kernel's
+    "cache" part: the same splits, balancing and merge (`supported` and `blocks_for` as for a cache of S slots).
+    A query row with no visible key averages the values its tile streams (the engine never makes one)."""
+    if k.shape != v.shape or k.ndim != 4:
+        raise ValueError(f"masked_attention: k {k.shape} and v {v.shape} must be equal [B, S, K, H]")
+    return _attend(q, k, v, mask, None, None, None, (), n=q.shape[2], scale=scale, blocks=blocks,
+                   interpret=interpret, layer=None, extent=extent)
+
+
 def cache_extent(cache_mask: jax.Array) -> jax.Array:
     """[B, L, S] visibility (bool or int8) -> [B, L] int32: per query, one past the last cache slot it sees (0:
     none). The kernel's `extent` operand; a layer loop computes it once per pass, not once per layer (XLA left the
@@ -364,16 +385,17 @@ def _attend(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask, norm_arg
     g = n // kv
     if not supported(l, s, h, blocks, g):
         raise ValueError(f"cached_attention: L={l}, S={s}, H={h}, G={g} not supported with {blocks}")
+    own = k_self is not None  # False: masked_attention, the keys are the cache part alone
     bl, cs, ss = tile(l, blocks.bl), tile(s, blocks.bs), tile(l, blocks.bs)
     # One split (that program also takes the own keys and normalizes: no partials, no merge), or: balanced, the
     # visible cache and own chunks evenly over the splits (Blocks.balanced); else fixed cache splits and the own keys
     # one more
-    balanced = blocks.balanced and cs == ss
+    balanced = blocks.balanced and (cs == ss or not own)
     if balanced:
-        splits = -(-(s // cs + l // ss) // blocks.chunks_per_split)
+        splits = -(-(s // cs + (l // ss if own else 0)) // blocks.chunks_per_split)
     else:
         cache_splits = -(-(s // cs) // blocks.chunks_per_split)
-        splits = 1 if cache_splits == 1 else cache_splits + 1
+        splits = 1 if cache_splits == 1 else cache_splits + own
     # Per query: one past the last cache slot it sees; each program streams the cache up to its tile's maximum, so
     # slots a generation has not filled yet (a third of a 768-slot cache at a 512-token prompt's first canvas) cost
     # nothing. Callers in a layer loop pass it in, computed once per pass (`cache_extent`).
@@ -388,7 +410,7 @@ def _attend(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask, norm_arg
                   else pl.BlockSpec((1, s, 1, h), lambda i, j, t, p: (i, 0, kvh(j), 0)))
     if norm is None:
         q_spec = pl.BlockSpec((1, bl, nh, h), lambda i, j, t, p: (i, t, j, 0))
-        self_specs = [pl.BlockSpec((1, l, 1, h), lambda i, j, t, p: (i, 0, kvh(j), 0))] * 2
+        self_specs = [pl.BlockSpec((1, l, 1, h), lambda i, j, t, p: (i, 0, kvh(j), 0))] * 2 * own
         norm_specs = []
     else:  # slots of the projection: query head j % g of kv head j // g, then k (slot g) and v (slot g + 1)
         q_spec = pl.BlockSpec((1, bl, 1, 1, h), lambda i, j, t, p: (i, t, j // g, j % g, 0))
@@ -407,7 +429,7 @@ def _attend(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask, norm_arg
         out_specs = (pl.BlockSpec((1, 1, bl, nh, h), lambda i, j, t, p: (p, i, t, j, 0)), stat_spec, stat_spec)
     outs = pl.pallas_call(
         functools.partial(_kernel, scale=scale, cs=cs, ss=ss, cps=blocks.chunks_per_split, grouped=grouped,
-                          stacked=stacked, balanced=balanced, norm=norm),
+                          stacked=stacked, balanced=balanced, own=own, norm=norm),
         out_shape=out_shape,
         grid=(b, kv if grouped else n, l // bl, splits),
         in_specs=[pl.BlockSpec((1,), lambda i, j, t, p: (0,)),
@@ -415,11 +437,11 @@ def _attend(q, k_cache, v_cache, cache_mask, k_self, v_self, self_mask, norm_arg
                   q_spec, cache_spec, cache_spec,
                   pl.BlockSpec((1, bl, s), lambda i, j, t, p: (i, t, 0)),
                   *self_specs,
-                  pl.BlockSpec((1, bl, l), lambda i, j, t, p: (i, t, 0)),
+                  *[pl.BlockSpec((1, bl, l), lambda i, j, t, p: (i, t, 0))] * own,
                   *norm_specs],
         out_specs=out_specs,
         interpret=interpret,
         **triton_params(blocks.num_warps, blocks.num_stages, interpret),
-    )(layer_arr, extent.astype(jnp.int32), q, k_cache, v_cache, cache_mask.astype(jnp.int8), k_self, v_self,
-      self_mask.astype(jnp.int8), *norm_args)
+    )(layer_arr, extent.astype(jnp.int32), q, k_cache, v_cache, cache_mask.astype(jnp.int8),
+      *((k_self, v_self, self_mask.astype(jnp.int8)) if own else ()), *norm_args)
     return outs[0] if splits == 1 else combine(*outs, q.dtype, normalized=outs[0].dtype != f32)

@@ -96,9 +96,9 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
     Scores and softmax run in float32 (as HF's eager attention does). scale: of the scores, head_dim ** -0.5 by
     default (Gemma 4 uses 1.0: its q/k RMSNorms set the scale).
     impl "pallas" (cache + self parts, shapes the kernel supports and is measured faster at: `preferred`):
-    kernels/decode_attention's fused kernel. The cache part's k and v may be StackedWeight (layer i of the cache
-    stacks): the kernel then reads them in place when its blocks say cache_in_place, every other path takes the
-    layer loop's slice.
+    kernels/decode_attention's fused kernel; one part (a cache-free inference pass): its masked_attention. The
+    cache part's k and v may be StackedWeight (layer i of the cache stacks): the kernel then reads them in place
+    when its blocks say cache_in_place, every other path takes the layer loop's slice.
     impl "xla" / "cudnn": jax.nn.dot_product_attention with that implementation, the mask passed whole. With two
     parts (cache + self) their K/V and masks are concatenated first: one copy of the layer's cache per pass, the
     price of a fused kernel (cuDNN's flash attention) that takes one key sequence. cuDNN takes head dims <= 256;
@@ -118,6 +118,15 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
             blocks, kc, vc, layer = plan
             return cached_attention(q, kc, vc, _mask(cm), ks, vs, sm, scale=scale, blocks=blocks, layer=layer,
                                     extent=_extent(cm), interpret=jax.default_backend() == "cpu")
+    if impl == "pallas" and len(parts) == 1 and not forced:  # a cache-free inference pass (DiffusionGemma's
+        # UNCACHED_ATTENTION = "pallas"): the kernel over the pass's own keys alone
+        from orl_jax_kernels.decode_attention.kernel import masked_attention
+
+        (k, v, m), = parts
+        plan = _kernel_plan(k, v, q.shape[1], q.shape[-1], q.shape[2] // k.shape[2])
+        if plan is not None:
+            return masked_attention(q, plan[1], plan[2], _mask(m), scale=scale, blocks=plan[0], extent=_extent(m),
+                                    interpret=jax.default_backend() == "cpu")
     parts = [(k, v, _mask(m)) for k, v, m in parts]
     if impl in ("xla", "cudnn") and not (impl == "cudnn" and q.shape[-1] > CUDNN_MAX_HEAD_DIM):
         k, v, mask = _joined(parts)

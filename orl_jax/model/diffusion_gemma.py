@@ -87,8 +87,13 @@ EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")  # [layers, E, ...] per lay
 # whole) on the layers it takes (head dim <= 256: the sliding layers) where it runs (a GPU of compute capability
 # >= 8.0, bf16 / fp16) and the config's cached_attention_impl allows kernels ("auto", "pallas", "cudnn"; the
 # multi-device "auto" -> "orl_jax" keeps the einsums); elsewhere, and with "orl_jax", the float32 einsums (HF
-# eager's order). Read at trace time (`_uncached_attention`).
+# eager's order). On an H200 "auto" made generate(max_steps=1) 0.53 ms slower (median of 8 rounds alternating,
+# benchmarks/results/2026-12-05_dg_norm_folds_h200.md). "pallas", where the config's cached_attention_impl resolves
+# to "pallas": the sliding layers on kernels/decode_attention's masked_attention (online softmax, each query tile
+# streaming the keys up to its furthest visible one), their q/k/v norms and RoPE in kernels/qk_norm_rope as in
+# cached passes; the full layers (512-wide heads) keep the einsums. Not timed yet (session 52). Read at trace time.
 UNCACHED_ATTENTION = "orl_jax"
+UNCACHED_ATTENTION_CHOICES = ("orl_jax", "auto", "pallas")
 
 
 def _layer_specs(cfg: DiffusionGemmaConfig, n: int, kv: int, hd: int, own_v: bool) -> dict:
@@ -266,9 +271,9 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
 
 def _qk_kernel_offsets(cfg: DiffusionGemmaConfig, layout) -> tuple[int, ...] | None:
     """Where the sliding layers' q and k norm weights lie in their packed vector row, when the sliding layers of a
-    cached pass take kernels/qk_norm_rope (q/k/v norms + RoPE in one launch instead of XLA's slices and fusions):
-    with the Pallas attention (on a GPU by default), full RoPE on sliding layers, shapes the kernel takes, and
-    both weights packed. None otherwise."""
+    cached pass (or of a cache-free one under UNCACHED_ATTENTION "pallas") take kernels/qk_norm_rope (q/k/v norms +
+    RoPE in one launch instead of XLA's slices and fusions): with the Pallas attention (on a GPU by default), full
+    RoPE on sliding layers, shapes the kernel takes, and both weights packed. None otherwise."""
     from orl_jax_kernels.qk_norm_rope.kernel import supported
 
     fits = (qwen3.cached_attention_impl(cfg) == "pallas" and cfg.rope_sliding.partial_rotary_factor == 1.0
@@ -283,8 +288,10 @@ def moe_impl(cfg: DiffusionGemmaConfig) -> str:
 
 def _uncached_attention(cfg: DiffusionGemmaConfig) -> str:
     """The attention impl of a cache-free inference pass under UNCACHED_ATTENTION (see there)."""
-    if UNCACHED_ATTENTION not in ("auto", "orl_jax"):
-        raise ValueError(f"UNCACHED_ATTENTION must be 'auto' or 'orl_jax', got {UNCACHED_ATTENTION!r}")
+    if UNCACHED_ATTENTION not in UNCACHED_ATTENTION_CHOICES:
+        raise ValueError(f"UNCACHED_ATTENTION must be one of {UNCACHED_ATTENTION_CHOICES}, got {UNCACHED_ATTENTION!r}")
+    if UNCACHED_ATTENTION == "pallas":
+        return "pallas" if qwen3.cached_attention_impl(cfg) == "pallas" else "orl_jax"
     if (UNCACHED_ATTENTION == "orl_jax" or cfg.cached_attention_impl not in ("auto", "pallas", "cudnn")
             or cfg.dtype not in ("bfloat16", "float16") or jax.default_backend() != "gpu"):
         return "orl_jax"
@@ -336,15 +343,16 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     stacks = EXPERT_WEIGHTS if moe_impl(cfg) == "pallas" else ()
     sliding_w = {n: a for n, a in params["sliding"].items() if n not in stacks}
     full_w = {n: a for n, a in params["full"].items() if n not in stacks}
+    self_impl = _uncached_attention(cfg) if in_place and cache is None and not remat else "orl_jax"
     if cache is not None and qwen3.cached_attention_impl(cfg) == "pallas":  # int8, the extents: once, not per layer
         vis = kernel_masks(vis, ("cache_" + SLIDING, "cache_" + FULL))
+    elif self_impl == "pallas":  # the sliding layers' keys as the kernel's one part (masked_attention)
+        vis = vis | kernel_masks({SLIDING: vis[SLIDING]}, (SLIDING,))
     sliding_v = full_v = None
     if looped:  # inference: each layer's vectors (norms, scales) as one slice of a packed array
         (sliding_w, sliding_v, sliding_layout), (full_w, full_v, full_layout) = map(pack_vectors, (sliding_w, full_w))
     take = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False, allow_negative_indices=False)  # noqa
-    norm_offsets = _qk_kernel_offsets(cfg, sliding_layout) if cache is not None else None
-
-    self_impl = _uncached_attention(cfg) if in_place and cache is None and not remat else "orl_jax"
+    norm_offsets = _qk_kernel_offsets(cfg, sliding_layout) if cache is not None or self_impl == "pallas" else None
 
     def layer(x, w, rope, kind, part):  # -> (x, k, v), the K/V of the first kv_len tokens
         x, kk, vv = _layer(cfg, x, w, rope, vis[kind], part, scalar, self_impl)
