@@ -41,8 +41,8 @@ from timing import median_seconds  # noqa: E402
 from orl_jax import runtime  # noqa: E402
 from orl_jax.decode.residual import soft_embed  # noqa: E402
 from orl_jax.decode.samplers import UniformSampler  # noqa: E402
+from orl_jax.decode.softcapped import SoftCapped  # noqa: E402
 from orl_jax.diffusion_gemma_config import DG_PRESETS  # noqa: E402
-from orl_jax.model.layers import soft_cap  # noqa: E402
 
 cfg = DG_PRESETS[args.preset].replace(dtype="bfloat16")
 cfg = cfg.replace(vocab_size=args.vocab or cfg.vocab_size, hidden_size=args.hidden or cfg.hidden_size)
@@ -60,7 +60,7 @@ def log(**row):
 
 
 def tail(embed, raw, canvas, state, key):
-    logits = soft_cap(raw.astype(jnp.float32), cfg.final_logit_softcapping)
+    logits = SoftCapped(raw, cfg.final_logit_softcapping)  # as generate() hands it over (softcapped.py)
     out = sampler.step(logits, canvas, state, key, 3, jnp.ones((raw.shape[0],), bool))
     return out, soft_embed({"embed": embed}, cfg, out.probs, out.probs_scale)
 

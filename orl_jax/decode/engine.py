@@ -31,6 +31,7 @@ from orl_jax.checks import int_at_least
 from orl_jax.config import ModelConfig, xla_for_auto
 from orl_jax.decode.residual import NoResidual, ORLResidual, RCDResidual, Residual, soft_embed
 from orl_jax.decode.samplers import MaskSampler, Sampler, UniformSampler
+from orl_jax.decode.softcapped import SoftCapped
 from orl_jax.decode.state import DecodeState, GenerateOutput
 from orl_jax.diffusion_gemma_config import DiffusionGemmaConfig
 from orl_jax.model.registry import model_module
@@ -129,10 +130,15 @@ def _generate_loop(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: Deco
     fused = FUSED_FIRST_STEP and hasattr(model, "prefill_decode") and not shift
     # a finished block's commit and the next block's first forward in one pass
     fused_commits = FUSED_COMMIT and nb > 1 and hasattr(model, "commit_decode") and not shift
+    # a soft-capped model (DiffusionGemma) hands the samplers its LM head's product and the cap (softcapped.py)
+    capped = hasattr(model, "cap_logits")
+    head = (lambda raw: SoftCapped(raw, cfg.final_logit_softcapping)) if capped else None  # noqa: E731
     first_logits = prev_h = None
     if fused:
         x0 = dcfg.residual.embed(params, cfg, canvas, z0, a0)
-        first_logits, cache = model.prefill_decode(params, cfg, prompt, lengths, p + nb * L, canvas, embeds=x0)
+        first_logits, cache = model.prefill_decode(params, cfg, prompt, lengths, p + nb * L, canvas, embeds=x0,
+                                                   **({"capped": False} if capped else {}))
+        first_logits = head(first_logits) if capped else first_logits
     elif shift:
         _, cache, prev_h = model.prefill(params, cfg, prompt, lengths, p + nb * L, return_hidden=True)
     else:
@@ -176,10 +182,12 @@ def _generate_loop(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: Deco
             def plain(c):
                 return model.decode(params, cfg, s.canvas, c, embeds=x, capped=False), c
 
-            # the branches hand out the head's product (bf16 at the 26B: 134 MB), soft-capped here, inside the
-            # sampler's passes, as the plain path does; float32 logits out of the cond were written whole
+            # the branches hand out the head's product (bf16 at the 26B: 134 MB), soft-capped inside the sampler's
+            # passes, as the plain path does; float32 logits out of the cond were written whole
             raw, cache = jax.lax.cond(pending, commit_then, plain, s.cache)
-            return model.cap_logits(cfg, raw), cache
+            return head(raw), cache
+        if capped:
+            return head(model.decode(params, cfg, s.canvas, s.cache, embeds=x, capped=False)), s.cache
         shifted = {"prev_hidden": s.prev_h} if shift else {}
         return model.decode(params, cfg, s.canvas, s.cache, embeds=x, **shifted), s.cache
 

@@ -2,7 +2,8 @@
 
 A sampler is static under jit (hashable). Its methods work on the whole batch:
 - `init(key, batch, length, cfg) -> (canvas [B, L], state)`: the canvas a new block starts from;
-- `step(logits, canvas, state, key, step, active) -> StepOut`: one denoising decision from float32 logits;
+- `step(logits, canvas, state, key, step, active) -> StepOut`: one denoising decision from float32 logits, or from
+  a softcapped.SoftCapped (the LM head's product and its soft-cap);
 - `finalize(canvas, state) -> [B, L]`: the tokens committed when the block is done;
 - `max_steps(length)`: the default step cap per block.
 Rows with `active=False` (finished block or finished sequence) come out unchanged.
@@ -20,6 +21,7 @@ from flax import struct
 
 from orl_jax.checks import int_at_least
 from orl_jax.config import ModelConfig
+from orl_jax.decode.softcapped import SoftCapped, as_logits, softcapped_parts
 
 
 @struct.dataclass
@@ -88,7 +90,8 @@ def softmax_stats(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Ar
     return argmax, z - log_s[..., None], entropy, mass
 
 
-def softmax_parts(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+def softmax_parts(x: jax.Array, m: jax.Array | None = None, key: jax.Array | None = None,
+                  key_max: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """What both samplers need of softmax(x) for float32 logits x [..., V], in two passes over x (XLA's
     log_softmax, entropy and the draw's chunk sums each read it once more: four passes of 155 MB per canvas-256
     step at Qwen3's vocabulary): (argmax [...], z = x - max [..., V] (elementwise, so XLA computes it where it is
@@ -100,9 +103,12 @@ def softmax_parts(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Ar
     occurrence, exactly), per chunk. At DiffusionGemma's [256, 262144] the argmax's own variadic reduction took 111
     us, the plain max takes 99 (benchmarks/results/2026-12-02_dg_generate_parts_s31_h200.md). One pass with each
     chunk's own max, merged online, was slower (a variadic reduction: 1.038 against 0.982 ms for the step's tail;
-    benchmarks/results/2026-12-04_dg_sampler_tail_h200.md)."""
+    benchmarks/results/2026-12-04_dg_sampler_tail_h200.md).
+    m [..., 1]: x's row max when the caller has it; key / key_max [..., 1]: the argmax is the first index where key
+    equals key_max instead of x equals m (softcapped.py: the LM head's product and its max)."""
     v = x.shape[-1]
-    m = jnp.max(x, axis=-1, keepdims=True)
+    m = jnp.max(x, axis=-1, keepdims=True) if m is None else m
+    key, key_max = (x, m) if key is None else (key, key_max)
     z = x - m
     xc = _chunks(x)
     zc = xc - m[..., None]  # _chunks(z): the padding's -inf stays -inf
@@ -115,7 +121,7 @@ def softmax_parts(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Ar
     # where x is a product (logits times 1 / T after its simplifier) LLVM contracts x - m into one FMA, whose
     # unrounded product leaves z ~1e-8 off 0 at the maximum (CPU, [1, 8, 256]: 157 of 160 rows found no maximum
     # and took index V). A comparison has nothing to contract with.
-    first = jnp.min(jnp.where(xc == m[..., None], index, v), axis=-1)
+    first = jnp.min(jnp.where(_chunks(key) == key_max[..., None], index, v), axis=-1)
     # the chunk sums in one multi-output pass: without the barrier XLA folds t's and s's two-level sums into
     # whole-row reductions, which it cannot fuse with the chunk masses' (three passes, 135 us at canvas 256)
     mass, t, first = jax.lax.optimization_barrier((mass, t, first))
@@ -220,7 +226,7 @@ class MaskSampler:
 
     def step(self, logits, canvas, state, key, step, active) -> StepOut:
         # [MASK] is never a prediction: a filled position must leave the masked state.
-        logits = exclude_token(logits, self.mask_token_id)
+        logits = exclude_token(as_logits(logits), self.mask_token_id)
         scaled = logits if self.temperature == 0 else logits / self.temperature
         argmax, logp, ent, mass = softmax_stats(scaled)
         x0 = argmax if self.temperature == 0 else categorical(key, logp, self.rng, mass)
@@ -303,16 +309,21 @@ class UniformSampler:
 
     def step(self, logits, canvas, state, key, step, active) -> StepOut:
         k_sample, k_noise = jax.random.split(key)
-        scaled = logits / self.temperature(step)  # HF's processed logits
-        # argmax of the processed logits, as HF (no rounding ties); entropy [B, L] in nats
-        argmax, z, log_s, ent, mass = softmax_parts(scaled)
+        # HF's processed logits: logits / T. The argmax of them, as HF (no rounding ties); entropy [B, L] in nats.
+        # Given the LM head's product (SoftCapped), softcapped.py may read it instead, the probabilities e then
+        # written by its kernel
+        if isinstance(logits, SoftCapped):
+            argmax, z, log_s, ent, mass, e = softcapped_parts(logits, self.temperature(step))
+        else:
+            (argmax, z, log_s, ent, mass), e = softmax_parts(logits / self.temperature(step)), None
         logp = z - log_s[..., None]  # [B, L, V]
         proposal = argmax if self.greedy else categorical(k_sample, logp, self.rng, mass)
         order = jnp.argsort(ent, axis=-1, stable=True)
         sorted_ent = jnp.take_along_axis(ent, order, axis=-1)
         keep_sorted = jnp.cumsum(sorted_ent, axis=-1) - sorted_ent <= self.entropy_bound
         accept = jnp.zeros_like(keep_sorted).at[jnp.arange(ent.shape[0])[:, None], order].set(keep_sorted)
-        noise = jax.random.randint(k_noise, canvas.shape, 0, logits.shape[-1], jnp.int32)
+        vocab = z.shape[-1]
+        noise = jax.random.randint(k_noise, canvas.shape, 0, vocab, jnp.int32)
         new = jnp.where(accept, proposal, noise)
         hist = state["history"]
         stable = jnp.ones_like(active) if self.stability == 0 else jnp.all(hist == argmax[None], axis=(0, 2))
@@ -323,9 +334,9 @@ class UniformSampler:
         new_state = {"argmax": jnp.where(keep, argmax, state["argmax"]),
                      "history": jnp.where(keep[None], hist, state["history"])}
         return StepOut(canvas=jnp.where(keep, new, canvas), state=new_state, done=stable & confident,
-                       probs=jnp.exp(z) if UNNORMALIZED_PROBS else jnp.exp(logp),
+                       probs=(jnp.exp(z) if e is None else e) if UNNORMALIZED_PROBS else jnp.exp(logp),
                        probs_scale=jnp.exp(-log_s) if UNNORMALIZED_PROBS else None,
-                       entropy=ent / math.log(logits.shape[-1]), resolved=accept & keep)
+                       entropy=ent / math.log(vocab), resolved=accept & keep)
 
 
 Sampler = MaskSampler | UniformSampler

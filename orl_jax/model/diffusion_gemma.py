@@ -465,7 +465,7 @@ def prefill(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, lengths:
 
 
 def prefill_decode(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, lengths: jax.Array, cache_size: int,
-                   canvas: jax.Array, *, embeds: jax.Array | None = None):
+                   canvas: jax.Array, *, embeds: jax.Array | None = None, capped: bool = True):
     """`prefill` of the prompts tokens [B, P] and the first `decode` of canvas [B, L] after them as one pass over
     P + L tokens: the prompt rows are the encoder's (causal, the window on sliding layers, the encoder's
     layer_scalar, their K/V written to the cache), the canvas rows the decoder's (every valid prompt token and the
@@ -475,7 +475,8 @@ def prefill_decode(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, l
     `decode`'s; default `embed`, no self-conditioning, a block's first step).
 
     Returns (float32 logits of the canvas [B, L, V], cache with slots [0, P) written), what `decode` after
-    `prefill` returns, up to rounding (each GEMM sees P + L rows).
+    `prefill` returns, up to rounding (each GEMM sees P + L rows). capped=False: the head's product in place of the
+    logits (`logits`).
     """
     check_tokens(tokens, cfg, prompt=True)
     check_tokens(canvas, cfg, "canvas")
@@ -493,7 +494,7 @@ def prefill_decode(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, l
     valid = jnp.arange(p + l)[None] >= start[:, None]  # [B, P + L]: pad keys are invisible
     h, kv_s, kv_f = backbone(params, cfg, x, positions, fused_vis(cfg, b, p, l, valid), encoder=True,
                              collect_kv=True, in_place=True, decoder_from=p)
-    return logits(params, cfg, h[:, p:]), cache.write(kv_s, kv_f)
+    return logits(params, cfg, h[:, p:], capped), cache.write(kv_s, kv_f)
 
 
 def _fused_input(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, canvas: jax.Array,

@@ -1,0 +1,90 @@
+"""The uniform sampler's statistics pass over soft-capped logits, read from the LM head's bf16 product: one pass
+that writes the unnormalized probabilities and each vocabulary chunk's sums.
+
+Why: at DiffusionGemma's [256, 262144] logits the sampler's two XLA passes took ~100 us each per denoising step
+(benchmarks/results/2026-12-04_dg_sampler_tail_h200.md), ~200 us against ~100 for their bytes (a max over the 134
+MB product, then the product read again and the bf16 probabilities written). Each recomputes the soft-cap's tanh per
+entry. With the row max taken over the raw product (no tanh; orl_jax/decode/softcapped.py), this kernel is the
+second pass: per (row, chunk of W entries), with x = cap * tanh(raw / cap) * inv_t (the processed logits) and m
+their row max,
+- e = exp(x - m), written in bf16 (the probabilities the soft embedding's GEMM reads, unnormalized),
+- mass = sum e and t = sum e * (x - m) (the softmax's sum and entropy terms, as samplers.softmax_parts),
+- first: the chunk's first index where raw equals its row max (the argmax), else V.
+
+Semantics: samplers.softmax_parts' chunk pass on x with the argmax taken on the raw product (softcapped.py says when
+they agree); tanh and exp are Triton's (libdevice), so x differs from XLA's by float32 rounding. Pallas, Triton
+lowering; interpret mode on CPU for tests.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from orl_jax_kernels.pallas_args import triton_params
+
+# Chunks of W entries per program and its warps, read at trace time. At the 26B ([256, 262144], W = 512): 8 chunks
+# and 8 warps, 16384 programs of 4096 entries, 64 registers per thread (pip Triton 3.6's ptxas for sm_90a: 8 blocks
+# per SM); 16 chunks took 254 registers at 4 warps, 127 at 8. Not timed yet.
+CHUNKS_PER_PROGRAM = 8
+NUM_WARPS = 8
+
+
+def supported(v: int, width: int, chunks_per_program: int | None = None) -> bool:
+    """Vocabulary v in chunks of `width` entries, both powers of two (Triton blocks), the chunks a multiple of the
+    chunks per program (CHUNKS_PER_PROGRAM unless given)."""
+    chunks_per_program = chunks_per_program or CHUNKS_PER_PROGRAM
+    pow2 = lambda n: n >= 1 and not n & (n - 1)  # noqa: E731
+    return (pow2(width) and pow2(chunks_per_program) and v % width == 0
+            and (v // width) % min(chunks_per_program, v // width) == 0)
+
+
+def _kernel(inv_t_ref, m_ref, raw_max_ref, raw_ref, e_ref, mass_ref, t_ref, first_ref, *, cap: float, v: int):
+    r = raw_ref[0]  # [chunks, W] in the product's dtype
+    cpp, w = r.shape
+    x = jnp.tanh(r.astype(jnp.float32) / cap) * cap * inv_t_ref[0]  # layers.soft_cap, then / T
+    d = x - m_ref[0]
+    e = jnp.exp(d)
+    e_ref[0] = e.astype(e_ref.dtype)
+    mass_ref[0] = jnp.sum(e, axis=1)
+    t_ref[0] = jnp.sum(jnp.where(e > 0, e * d, 0.0), axis=1)
+    index = ((pl.program_id(1) * cpp + jax.lax.broadcasted_iota(jnp.int32, (cpp, w), 0)) * w
+             + jax.lax.broadcasted_iota(jnp.int32, (cpp, w), 1))
+    first_ref[0] = jnp.min(jnp.where(r == raw_max_ref[0], index, v), axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("cap", "width", "chunks_per_program", "interpret"))
+def softcap_chunk_stats(raw: jax.Array, m: jax.Array, raw_max: jax.Array, inv_t: jax.Array, *, cap: float,
+                        width: int, chunks_per_program: int | None = None, interpret: bool = False):
+    """raw [R, V] (the LM head's product); m [R] float32, the row max of x = cap * tanh(raw / cap) * inv_t;
+    raw_max [R] raw's row max (raw's dtype); inv_t: a float32 scalar (1 / temperature) ->
+    (e [R, V] in raw's dtype, mass [R, C], t [R, C] float32, first [R, C] int32), C = V / width chunks.
+    chunks_per_program: CHUNKS_PER_PROGRAM unless given."""
+    rows, v = raw.shape
+    chunks_per_program = chunks_per_program or CHUNKS_PER_PROGRAM
+    if not supported(v, width, chunks_per_program):
+        raise ValueError(f"softcap_chunk_stats: V={v} in chunks of width={width}, {chunks_per_program} per "
+                         "program, is not supported (powers of two, V a multiple of the chunks a program takes)")
+    if m.shape != (rows,) or raw_max.shape != (rows,):
+        raise ValueError(f"softcap_chunk_stats: m {m.shape} and raw_max {raw_max.shape} must be [R] = [{rows}]")
+    c = v // width
+    cpp = min(chunks_per_program, c)
+    row = pl.BlockSpec((1,), lambda i, j: (i,))
+    stat = pl.BlockSpec((1, cpp), lambda i, j: (i, j))
+    tile = pl.BlockSpec((1, cpp, width), lambda i, j: (i, j, 0))
+    e, mass, t, first = pl.pallas_call(
+        functools.partial(_kernel, cap=float(cap), v=v),
+        out_shape=(jax.ShapeDtypeStruct((rows, c, width), raw.dtype),
+                   jax.ShapeDtypeStruct((rows, c), jnp.float32), jax.ShapeDtypeStruct((rows, c), jnp.float32),
+                   jax.ShapeDtypeStruct((rows, c), jnp.int32)),
+        grid=(rows, c // cpp),
+        in_specs=[pl.BlockSpec((1,), lambda i, j: (0,)), row, row, tile],
+        out_specs=(tile, stat, stat, stat),
+        interpret=interpret,
+        **triton_params(NUM_WARPS, 1, interpret),
+    )(jnp.reshape(jnp.asarray(inv_t, jnp.float32), (1,)), m.astype(jnp.float32), raw_max,
+      raw.reshape(rows, c, width))
+    return e.reshape(rows, v), mass, t, first

@@ -1,0 +1,86 @@
+"""Logits handed to the samplers as the LM head's product before its soft-cap (DiffusionGemma's
+final_logit_softcapping): logits = cap * tanh(raw / cap) in float32, the product rounded to the model dtype first
+(as transformers rounds its lm_head output).
+
+Why: the uniform sampler reads the [256, 262144] logits of a 26B step in two passes of ~100 us each on an H200
+(benchmarks/results/2026-12-04_dg_sampler_tail_h200.md), each recomputing the tanh per entry from the bf16 product,
+against ~100 us for the bytes of both. With the product itself (SOFTCAP_STATS, read at trace time):
+- "xla" (default): the float32 logits, computed where XLA's passes read them (what samplers do with plain logits);
+- "raw_max": the row max over the raw product (a bf16 max, no tanh: 37-40 against 59 us alone in session 48's probe,
+  2026-12-04_dg_swapped_products_h200.md), capped once per row; the argmax is the first index of the raw maximum;
+- "kernel": that, and the statistics pass in kernels/softcap_softmax (one pass writing the bf16 probabilities and
+  the chunk sums) where its shapes fit, else "raw_max". Neither has been timed yet (session 52).
+Approximation of both: the argmax is the raw product's. It equals the argmax of the processed logits (HF's) wherever
+distinct raw values stay distinct after the soft-cap and the temperature in float32: for bf16 products, every raw
+maximum with 4e-37 < |raw| < 200 (tests/test_softcapped_sampler.py enumerates them on the CPU backend; above ~200 the
+float32 tanh saturates and XLA's is not even monotone there). Only bf16 / fp16 products take them; float32 products
+(the parity tests' models) always take "xla".
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from orl_jax.model.layers import soft_cap
+
+SOFTCAP_STATS = "xla"
+SOFTCAP_STATS_CHOICES = ("xla", "raw_max", "kernel")
+
+
+class SoftCapped(NamedTuple):
+    """The LM head's product [..., V] (the model dtype) and its soft-cap: the logits are `logits()`."""
+    raw: jax.Array
+    cap: float
+
+    @property
+    def shape(self):
+        return self.raw.shape
+
+    def logits(self) -> jax.Array:
+        return soft_cap(self.raw.astype(jnp.float32), self.cap)
+
+
+def as_logits(logits) -> jax.Array:
+    """float32 logits from either form a sampler is given."""
+    return logits.logits() if isinstance(logits, SoftCapped) else logits
+
+
+def softcapped_parts(logits: SoftCapped, t) -> tuple:
+    """samplers.softmax_parts of logits.logits() / t under SOFTCAP_STATS, and the probabilities exp(z) when the
+    kernel wrote them (bf16; else None: the caller computes them from z). t: the temperature (a traced scalar)."""
+    from orl_jax.decode.samplers import _chunk_width, softmax_parts
+
+    if SOFTCAP_STATS not in SOFTCAP_STATS_CHOICES:
+        raise ValueError(f"SOFTCAP_STATS must be one of {SOFTCAP_STATS_CHOICES}, got {SOFTCAP_STATS!r}")
+    raw = logits.raw
+    x = logits.logits() / t
+    if SOFTCAP_STATS == "xla" or raw.dtype not in (jnp.bfloat16, jnp.float16):
+        return (*softmax_parts(x), None)
+    raw_max = jnp.max(raw, axis=-1, keepdims=True)  # exact in any dtype
+    m = soft_cap(raw_max.astype(jnp.float32), logits.cap) / t  # x's own expression at its maximal entry
+    if SOFTCAP_STATS == "raw_max" or logits.cap is None or not _kernel_fits(raw.shape[-1]):
+        return (*softmax_parts(x, m, key=raw, key_max=raw_max), None)
+    from orl_jax_kernels.softcap_softmax.kernel import softcap_chunk_stats
+
+    *lead, v = raw.shape
+    rows = raw.reshape(-1, v)
+    e, mass, tsum, first = softcap_chunk_stats(
+        rows, m.reshape(-1), raw_max.reshape(-1), 1.0 / t, cap=logits.cap, width=_chunk_width(v),
+        interpret=jax.default_backend() == "cpu")
+    unflat = lambda a: a.reshape(*lead, a.shape[-1])  # noqa: E731
+    mass, tsum = unflat(mass), unflat(tsum)
+    s, tsum = jnp.sum(mass, axis=-1), jnp.sum(tsum, axis=-1)  # as softmax_parts, from the chunk sums
+    log_s = jnp.log(s)
+    entropy = jnp.maximum(log_s - tsum / s, 0.0)
+    return jnp.min(unflat(first), axis=-1), x - m, log_s, entropy, mass / s[..., None], unflat(e)
+
+
+def _kernel_fits(v: int) -> bool:
+    from orl_jax.decode.samplers import _chunk_width
+    from orl_jax_kernels.softcap_softmax.kernel import supported
+
+    w = _chunk_width(v)
+    return bool(w) and supported(v, w)
