@@ -125,6 +125,11 @@ def softmax_parts(x: jax.Array, m: jax.Array | None = None, key: jax.Array | Non
     # the chunk sums in one multi-output pass: without the barrier XLA folds t's and s's two-level sums into
     # whole-row reductions, which it cannot fuse with the chunk masses' (three passes, 135 us at canvas 256)
     mass, t, first = jax.lax.optimization_barrier((mass, t, first))
+    return chunk_totals(first, z, mass, t)
+
+
+def chunk_totals(first, z, mass, t) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """softmax_parts' result from its per-chunk first maxima, sums of exp(z) and of exp(z) z ([..., C] each)."""
     s, t = jnp.sum(mass, axis=-1), jnp.sum(t, axis=-1)
     log_s = jnp.log(s)
     entropy = jnp.maximum(log_s - t / s, 0.0)

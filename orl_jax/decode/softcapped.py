@@ -51,7 +51,7 @@ def as_logits(logits) -> jax.Array:
 def softcapped_parts(logits: SoftCapped, t) -> tuple:
     """samplers.softmax_parts of logits.logits() / t under SOFTCAP_STATS, and the probabilities exp(z) when the
     kernel wrote them (bf16; else None: the caller computes them from z). t: the temperature (a traced scalar)."""
-    from orl_jax.decode.samplers import _chunk_width, softmax_parts
+    from orl_jax.decode.samplers import _chunk_width, chunk_totals, softmax_parts
 
     if SOFTCAP_STATS not in SOFTCAP_STATS_CHOICES:
         raise ValueError(f"SOFTCAP_STATS must be one of {SOFTCAP_STATS_CHOICES}, got {SOFTCAP_STATS!r}")
@@ -71,11 +71,7 @@ def softcapped_parts(logits: SoftCapped, t) -> tuple:
         rows, m.reshape(-1), raw_max.reshape(-1), 1.0 / t, cap=logits.cap, width=_chunk_width(v),
         interpret=jax.default_backend() == "cpu")
     unflat = lambda a: a.reshape(*lead, a.shape[-1])  # noqa: E731
-    mass, tsum = unflat(mass), unflat(tsum)
-    s, tsum = jnp.sum(mass, axis=-1), jnp.sum(tsum, axis=-1)  # as softmax_parts, from the chunk sums
-    log_s = jnp.log(s)
-    entropy = jnp.maximum(log_s - tsum / s, 0.0)
-    return jnp.min(unflat(first), axis=-1), x - m, log_s, entropy, mass / s[..., None], unflat(e)
+    return (*chunk_totals(unflat(first), x - m, unflat(mass), unflat(tsum)), unflat(e))
 
 
 def _kernel_fits(v: int) -> bool:
