@@ -19,10 +19,9 @@ float32 tanh saturates and XLA's is not even monotone there). Only bf16 / fp16 p
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from orl_jax.model.layers import soft_cap
 
@@ -30,14 +29,12 @@ SOFTCAP_STATS = "xla"
 SOFTCAP_STATS_CHOICES = ("xla", "raw_max", "kernel")
 
 
-class SoftCapped(NamedTuple):
-    """The LM head's product [..., V] (the model dtype) and its soft-cap: the logits are `logits()`."""
+@struct.dataclass
+class SoftCapped:
+    """The LM head's product [..., V] (the model dtype) and its soft-cap (static: a pytree of one array leaf, so it
+    may cross jit boundaries): the logits are `logits()`."""
     raw: jax.Array
-    cap: float
-
-    @property
-    def shape(self):
-        return self.raw.shape
+    cap: float | None = struct.field(pytree_node=False)
 
     def logits(self) -> jax.Array:
         return soft_cap(self.raw.astype(jnp.float32), self.cap)
