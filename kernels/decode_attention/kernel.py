@@ -22,6 +22,8 @@ normalized output: no partial results and no merge.
 
 `cached_attention_normed` is the same kernel fed the raw fused projection: it applies the q/k RMSNorms and RoPE
 (kernels/qk_norm_rope's orders) as it loads q and the own keys, one launch per layer fewer for block decoding.
+`masked_attention` is the same kernel over one key sequence (the "cache" part alone, no own keys), for passes
+without a cache: DiffusionGemma's prompt prefill and `prefill_decode`.
 
 Pallas, Triton lowering (pallas.triton); interpret mode on CPU for tests.
 """
