@@ -65,3 +65,25 @@ def test_choice_resolves_and_is_checked(monkeypatch):
     monkeypatch.setattr(dg, "UNCACHED_ATTENTION", "flash")
     with pytest.raises(ValueError, match="UNCACHED_ATTENTION.*'flash'"):
         dg._uncached_attention(CFG)
+
+
+def test_generate_with_the_kernel_equals_the_einsums(setup, monkeypatch):
+    """generate() (the fused first step, two blocks: a fused commit too) under "pallas" against "orl_jax", token for
+    token, the kernel called in the prompt's pass."""
+    from orl_jax.decode.engine import generate
+    from orl_jax.decode.samplers import UniformSampler
+    from orl_jax_kernels.decode_attention import kernel as dk
+
+    params = setup[0]
+    calls, real = [], dk.masked_attention
+    monkeypatch.setattr(dk, "masked_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    kw = dict(key=jax.random.key(4), max_new_tokens=32, sampler=UniformSampler(max_denoising_steps=3),
+              eos_token_id=())
+    out = {}
+    for choice in ("orl_jax", "pallas"):
+        monkeypatch.setattr(dg, "UNCACHED_ATTENTION", choice)
+        jax.clear_caches()
+        out[choice] = np.asarray(generate(params, CFG, [list(range(3, 19)), list(range(40, 49))], **kw).tokens)
+        assert bool(calls) == (choice == "pallas")
+    jax.clear_caches()
+    np.testing.assert_array_equal(out["pallas"], out["orl_jax"])
