@@ -134,6 +134,32 @@ def inputs(sh: Shape):
     return q, kc, vc, cm, kself, vself, sm
 
 
+def rel_err(out, ref) -> float:
+    return float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+
+
+def over_layers(f):
+    """f(q, k, v) over every layer's keys, each a separate argument: nothing sliced."""
+    return jax.jit(lambda q, ks, vs: jnp.stack([f(q, a, b) for a, b in zip(ks, vs)]))
+
+
+def sweep(name, sh: Shape, kernel, q, ks, vs, ref, record) -> list:
+    """(seconds per layer, blocks, relative error) of kernel(q, k, v, blocks) for every candidate of configs(sh),
+    checked against ref on the first layer, then timed over the layers; fastest first."""
+    results = []
+    for b in configs(sh):
+        f = lambda q, k, v, b=b: kernel(q, k, v, b)  # noqa: E731
+        try:
+            rel = rel_err(jax.jit(f)(q, ks[0], vs[0]), ref)
+            if not rel < 0.02:  # bf16 rounding is ~0.002; more is a wrong result
+                record(shape=name, variant=str(b), error=f"relative error {rel:.3g}")
+                continue
+            results.append((per_call(over_layers(f), q, ks, vs) / sh.layers, b, rel))
+        except Exception as ex:  # a block config the lowering or the chip rejects
+            record(shape=name, variant=str(b), error=repr(ex)[:160])
+    return sorted(results, key=lambda r: r[0])
+
+
 def bench_uncached(name, sh: Shape, record) -> dict:
     """A cache-free pass's sliding-layer attention: masked_attention's block candidates against the model's einsums
     (scaled_attention, one part), each layer's keys a separate argument."""
@@ -147,24 +173,12 @@ def bench_uncached(name, sh: Shape, record) -> dict:
     scale = h ** -0.5 if sh.scale is None else sh.scale
     f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
     ref = scaled_attention(f32(q), [(f32(kk[0]), f32(vv[0]), mask)], scale)
-    err = lambda out: float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))  # noqa: E731
-    over_layers = lambda f: jax.jit(lambda q, ks, vs: jnp.stack([f(q, a, b) for a, b in zip(ks, vs)]))  # noqa: E731
     xla = lambda q, k, v: scaled_attention(q, [(k, v, mask)], scale)  # noqa: E731
     t_xla = per_call(over_layers(xla), q, kk, vv) / layers
-    record(shape=name, l=l, variant="xla", us_per_layer=t_xla * 1e6, rel_err=err(jax.jit(xla)(q, kk[0], vv[0])))
-    results = []
-    for b in configs(sh):
-        f = lambda q, k, v, b=b: masked_attention(q, k, v, m8, scale=scale, blocks=b,  # noqa: E731
-                                                  interpret=INTERPRET)
-        try:
-            rel = err(jax.jit(f)(q, kk[0], vv[0]))
-            if not rel < 0.02:
-                record(shape=name, variant=str(b), error=f"relative error {rel:.3g}")
-                continue
-            results.append((per_call(over_layers(f), q, kk, vv) / layers, b, rel))
-        except Exception as ex:
-            record(shape=name, variant=str(b), error=repr(ex)[:160])
-    results.sort(key=lambda r: r[0])
+    record(shape=name, l=l, variant="xla", us_per_layer=t_xla * 1e6,
+           rel_err=rel_err(jax.jit(xla)(q, kk[0], vv[0]), ref))
+    results = sweep(name, sh, lambda q, k, v, b: masked_attention(q, k, v, m8, scale=scale, blocks=b,
+                                                                  interpret=INTERPRET), q, kk, vv, ref, record)
     lib = library_blocks(sh)
     for t, b, rel in results[:8] + [r for r in results[8:] if r[1] == lib]:
         record(shape=name, l=l, variant=str(b), us_per_layer=t * 1e6, rel_err=rel, blocks=b.__dict__,
@@ -185,30 +199,14 @@ def bench_shape(name, sh: Shape, record) -> dict:
     f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
     ref = scaled_attention(f32(q), [(f32(kc[0]), f32(vc[0]), cm != 0), (f32(kself), f32(vself), sm != 0)], scale)
 
-    def err(out):
-        return float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
-
-    def over_layers(f):  # every layer's cache a separate argument: nothing sliced
-        return jax.jit(lambda q, kcs, vcs: jnp.stack([f(q, a, b) for a, b in zip(kcs, vcs)]))
-
     def row(variant, seconds, rel, **kw):
         record(shape=name, l=l, s=s, variant=variant, us_per_layer=seconds * 1e6, rel_err=rel, **kw)
 
     t_xla = per_call(over_layers(xla), q, kc, vc) / layers
-    row("xla", t_xla, err(jax.jit(xla)(q, kc[0], vc[0])))
-    results = []
-    for b in configs(sh):
-        f = lambda q, a, c, b=b: cached_attention(q, a, c, cm, kself, vself, sm, scale=scale, blocks=b,  # noqa: E731
-                                                  interpret=INTERPRET)
-        try:
-            rel = err(jax.jit(f)(q, kc[0], vc[0]))
-            if not rel < 0.02:  # bf16 rounding is ~0.002; more is a wrong result
-                record(shape=name, variant=str(b), error=f"relative error {rel:.3g}")
-                continue
-            results.append((per_call(over_layers(f), q, kc, vc) / layers, b, rel))
-        except Exception as ex:  # a block config the lowering or the chip rejects
-            record(shape=name, variant=str(b), error=repr(ex)[:160])
-    results.sort(key=lambda r: r[0])
+    row("xla", t_xla, rel_err(jax.jit(xla)(q, kc[0], vc[0]), ref))
+    results = sweep(name, sh, lambda q, a, c, b: cached_attention(q, a, c, cm, kself, vself, sm, scale=scale,
+                                                                  blocks=b, interpret=INTERPRET), q, kc, vc, ref,
+                    record)
     base = [r for r in results if r[1] in (Blocks(), library_blocks(sh)) and r not in results[:8]]
     for t, b, rel in results[:8] + base:
         row(str(b), t, rel, blocks=b.__dict__, default=b == Blocks(), library=b == library_blocks(sh))
@@ -240,7 +238,7 @@ def bench_shape(name, sh: Shape, record) -> dict:
             placed = lambda yes, b=b: Blocks(**(b.__dict__ | {"cache_in_place": yes}))  # noqa: E731
             row(f"pallas_scan_{tag} {placed(False)}", scan_t[tag, False], best_rel)
             row(f"pallas_scan_{tag} {placed(True)}", scan_t[tag, True],
-                err(in_place(b)(q, kst, vst)[0]))
+                rel_err(in_place(b)(q, kst, vst)[0], ref))
     best = Blocks(**(best.__dict__ | {"cache_in_place": scan_t["best", True] < scan_t["best", False]}))
     print(f"{name}: L={l} S={s}  xla {t_xla * 1e6:.1f} us  best {best_t * 1e6:.1f} us {best}  default "
           f"{default[0] * 1e6 if default else float('nan'):.1f} us", flush=True)

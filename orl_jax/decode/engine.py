@@ -132,13 +132,14 @@ def _generate_loop(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: Deco
     fused_commits = FUSED_COMMIT and nb > 1 and hasattr(model, "commit_decode") and not shift
     # a soft-capped model (DiffusionGemma) hands the samplers its LM head's product and the cap (softcapped.py)
     capped = hasattr(model, "cap_logits")
-    head = (lambda raw: SoftCapped(raw, cfg.final_logit_softcapping)) if capped else None  # noqa: E731
+    head = (lambda raw: SoftCapped(raw, cfg.final_logit_softcapping)) if capped else (lambda logits: logits)  # noqa: E731
+    raw_out = {"capped": False} if capped else {}  # the passes' keyword for the head's product
     first_logits = prev_h = None
     if fused:
         x0 = dcfg.residual.embed(params, cfg, canvas, z0, a0)
         first_logits, cache = model.prefill_decode(params, cfg, prompt, lengths, p + nb * L, canvas, embeds=x0,
-                                                   **({"capped": False} if capped else {}))
-        first_logits = head(first_logits) if capped else first_logits
+                                                   **raw_out)
+        first_logits = head(first_logits)
     elif shift:
         _, cache, prev_h = model.prefill(params, cfg, prompt, lengths, p + nb * L, return_hidden=True)
     else:
@@ -186,10 +187,8 @@ def _generate_loop(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: Deco
             # passes, as the plain path does; float32 logits out of the cond were written whole
             raw, cache = jax.lax.cond(pending, commit_then, plain, s.cache)
             return head(raw), cache
-        if capped:
-            return head(model.decode(params, cfg, s.canvas, s.cache, embeds=x, capped=False)), s.cache
         shifted = {"prev_hidden": s.prev_h} if shift else {}
-        return model.decode(params, cfg, s.canvas, s.cache, embeds=x, **shifted), s.cache
+        return head(model.decode(params, cfg, s.canvas, s.cache, embeds=x, **shifted, **raw_out)), s.cache
 
     def advance(s: DecodeState, logits, cache) -> DecodeState:  # the step's decisions from its forward's output
         key, k_step, k_init = jax.random.split(s.key, 3)

@@ -58,22 +58,14 @@ def softcapped_parts(logits: SoftCapped, t) -> tuple:
         return (*softmax_parts(x), None)
     raw_max = jnp.max(raw, axis=-1, keepdims=True)  # exact in any dtype
     m = soft_cap(raw_max.astype(jnp.float32), logits.cap) / t  # x's own expression at its maximal entry
-    if SOFTCAP_STATS == "raw_max" or logits.cap is None or not _kernel_fits(raw.shape[-1]):
-        return (*softmax_parts(x, m, key=raw, key_max=raw_max), None)
-    from orl_jax_kernels.softcap_softmax.kernel import softcap_chunk_stats
+    from orl_jax_kernels.softcap_softmax.kernel import softcap_chunk_stats, supported
 
     *lead, v = raw.shape
-    rows = raw.reshape(-1, v)
+    width = _chunk_width(v)  # samplers' chunks (0: none near sqrt(V), padded there)
+    if SOFTCAP_STATS == "raw_max" or logits.cap is None or not (width and supported(v, width)):
+        return (*softmax_parts(x, m, key=raw, key_max=raw_max), None)
     e, mass, tsum, first = softcap_chunk_stats(
-        rows, m.reshape(-1), raw_max.reshape(-1), 1.0 / t, cap=logits.cap, width=_chunk_width(v),
+        raw.reshape(-1, v), m.reshape(-1), raw_max.reshape(-1), 1.0 / t, cap=logits.cap, width=width,
         interpret=jax.default_backend() == "cpu")
     unflat = lambda a: a.reshape(*lead, a.shape[-1])  # noqa: E731
     return (*chunk_totals(unflat(first), x - m, unflat(mass), unflat(tsum)), unflat(e))
-
-
-def _kernel_fits(v: int) -> bool:
-    from orl_jax.decode.samplers import _chunk_width
-    from orl_jax_kernels.softcap_softmax.kernel import supported
-
-    w = _chunk_width(v)
-    return bool(w) and supported(v, w)

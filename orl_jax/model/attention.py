@@ -125,7 +125,8 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
         (k, v, m), = parts
         plan = _kernel_plan(k, v, q.shape[1], q.shape[-1], q.shape[2] // k.shape[2])
         if plan is not None:
-            return masked_attention(q, plan[1], plan[2], _mask(m), scale=scale, blocks=plan[0], extent=_extent(m),
+            blocks, k, v, _ = plan
+            return masked_attention(q, k, v, _mask(m), scale=scale, blocks=blocks, extent=_extent(m),
                                     interpret=jax.default_backend() == "cpu")
     parts = [(k, v, _mask(m)) for k, v, m in parts]
     if impl in ("xla", "cudnn") and not (impl == "cudnn" and q.shape[-1] > CUDNN_MAX_HEAD_DIM):
