@@ -132,7 +132,10 @@ def _generate_loop(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: Deco
     fused_commits = FUSED_COMMIT and nb > 1 and hasattr(model, "commit_decode") and not shift
     # a soft-capped model (DiffusionGemma) hands the samplers its LM head's product and the cap (softcapped.py)
     capped = hasattr(model, "cap_logits")
-    head = (lambda raw: SoftCapped(raw, cfg.final_logit_softcapping)) if capped else (lambda logits: logits)  # noqa: E731
+
+    def head(out):  # a pass's output as the samplers take it
+        return SoftCapped(out, cfg.final_logit_softcapping) if capped else out
+
     raw_out = {"capped": False} if capped else {}  # the passes' keyword for the head's product
     first_logits = prev_h = None
     if fused:
