@@ -164,7 +164,8 @@ def test_moe_fused_path_with_narrower_tiles(bm, monkeypatch):
                                   StackedWeight(down, jnp.int32(0)), "gelu_tanh", "pallas")
     want = moe.dense_experts_mlp(x, weights, experts, gate_up[0], down[0], "gelu_tanh")
     np.testing.assert_allclose(np.asarray(run()), np.asarray(want), rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(moe, "FUSED_HEAVY_FIRST", 20)  # 80 rows over 4 experts: taken most rows first
+    monkeypatch.setattr(moe, "FUSED_HEAVY_FIRST", True)
+    monkeypatch.setattr(moe, "FUSED_LONG_ROWS", 20)  # 80 rows over 4 experts: a long pass, taken most rows first
     assert "sort" in str(jax.make_jaxpr(run)())
     np.testing.assert_allclose(np.asarray(run()), np.asarray(want), rtol=1e-5, atol=1e-5)
 
@@ -296,7 +297,7 @@ def test_row_scale_and_order_on_gpu_at_the_26b_expert_shapes():
     # the experts most rows first (moe.FUSED_HEAVY_FIRST): each work item's arithmetic is unchanged
     from unittest import mock
 
-    with mock.patch.object(moe, "FUSED_HEAVY_FIRST", 1):
+    with mock.patch.object(moe, "FUSED_HEAVY_FIRST", True), mock.patch.object(moe, "FUSED_LONG_ROWS", 1):
         jax.clear_caches()
         ordered = np.asarray(run(x, r, tiles, down, weights, experts), np.float32)
     jax.clear_caches()

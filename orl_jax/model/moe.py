@@ -290,22 +290,23 @@ FUSED_STAGES = 3
 # 14.435 / 14.440 against 14.480 / 14.464 ms, alternating in one process (benchmarks/dg_fused_one_dot_sweep.json;
 # benchmarks/results/2026-12-04_dg_one_dot_ffw_tail_h200.md). Read at trace time.
 FUSED_ONE_DOT = True
-# Passes with at least this many rows per expert on average (the 26B's prefill: 32, prefill_decode: 48; the canvas:
-# 16) hand the one-launch kernel its experts in descending order of rows (`grouped_mlp(order=)`): an expert of
-# several 64-row tiles runs them one after another in each of its work items (in the 512-token prefill the
+# Long passes: at least FUSED_LONG_ROWS rows per expert on average (the 26B's prefill 32, prefill_decode 48; the
+# canvas 16 never). Both switches below act on them alone. Read at trace time.
+FUSED_LONG_ROWS = 32
+# Long passes hand the one-launch kernel its experts in descending order of rows (`grouped_mlp(order=)`): an expert
+# of several 64-row tiles runs them one after another in each of its work items (in the 512-token prefill the
 # heaviest expert per layer got 51-221 rows, benchmarks/results/2026-12-03_dg_expert_loads_h200.md), so taking it
-# first keeps it from setting the launch's last wave. Costs a sort of E sizes before the launch. None: never.
-# Not timed (session 49 had no device). Read at trace time.
-FUSED_HEAVY_FIRST: int | None = None
-# Rows per tile and warps of the one-launch expert MLP in passes with at least FUSED_LONG_ROWS rows per expert on
-# average (the 26B's prefill 32, prefill_decode 48; the canvas 16 never). An expert past FUSED_BM rows runs its row
+# first keeps it from setting the launch's last wave. Costs a sort of E sizes before the launch. Timed in session 51
+# (then as a threshold of 32, the same passes): -0.11 ms on `generate(max_steps=1)`, range -0.46 to +0.35, noise
+# (benchmarks/results/2026-12-05_dg_norm_folds_h200.md). Off.
+FUSED_HEAVY_FIRST = False
+# Rows per tile and warps of the one-launch expert MLP in long passes. An expert past FUSED_BM rows runs its row
 # tiles one after another, each streaming the expert's weights again: in session 51's trace of prefill_decode (768
 # tokens, 6144 rows) the expert launches took 458-470 us per layer against ~365 at the canvas's 2048 rows
 # (benchmarks/results/2026-12-05_dg_norm_folds_h200.md). 128-row tiles read an expert of up to 128 rows once. None:
-# FUSED_BM / FUSED_WARPS in every pass. Not timed. Read at trace time.
+# FUSED_BM / FUSED_WARPS in every pass. Not timed.
 FUSED_LONG_BM: int | None = None
 FUSED_LONG_WARPS = 8
-FUSED_LONG_ROWS = 32
 
 
 def fusable(d: int, f: int) -> bool:
@@ -345,11 +346,11 @@ def fused_expert_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: ja
     from orl_jax_kernels.grouped_gemm.mlp import grouped_mlp
 
     e = offsets.shape[0] - 1
+    long = rows.shape[0] >= FUSED_LONG_ROWS * e
     order = None
-    if FUSED_HEAVY_FIRST is not None and rows.shape[0] >= FUSED_HEAVY_FIRST * e:
+    if long and FUSED_HEAVY_FIRST:
         order = jnp.argsort(offsets[:-1] - offsets[1:], stable=True).astype(jnp.int32)  # most rows first
-    long = FUSED_LONG_BM is not None and rows.shape[0] >= FUSED_LONG_ROWS * e
-    bm, warps = (FUSED_LONG_BM, FUSED_LONG_WARPS) if long else (FUSED_BM, FUSED_WARPS)
+    bm, warps = (FUSED_LONG_BM, FUSED_LONG_WARPS) if long and FUSED_LONG_BM is not None else (FUSED_BM, FUSED_WARPS)
     return grouped_mlp(x, rows, gate_up, down, offsets, layer, ACTIVATIONS[act], *fused_blocks(gate_up),
                        bm=bm, num_warps=warps, num_stages=FUSED_STAGES, one_dot=FUSED_ONE_DOT,
                        interpret=jax.default_backend() == "cpu", row_scale=row_scale, order=order)
