@@ -1,9 +1,11 @@
 """Probe: jax's own Hopper matmul (jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu: Mosaic GPU, TMA, wgmma,
 warp-specialized, persistent over the SMs) against XLA's GEMM (cuBLAS) at the canvas-256 projections that cuBLAS
 runs at ~54% of its rate (Qwen3-4B o and down, DiffusionGemma o and dense down), M = 256, and at DiffusionGemma's LM
-head (`--shapes dg_head`: 378 GFLOP per step, where a few % of the GEMM rate is ~20-60 us per step).
+head (`--shapes dg_head`: 378 GFLOP per step, where a few % of the GEMM rate is ~20-60 us per step). XLA's GEMM
+also with the weight as [N, K] ("xla_nt", x @ w^T: the model's LM head, the embedding [V, D]; the "xla" row takes
+[K, N], as diffusion_gemma_inference.transposed_head's copy): which layout cuBLAS runs faster.
 
-  python benchmarks/mgpu_matmul_probe.py [--shapes qwen_o,dg_o] [--out mgpu_probe.jsonl]
+  python benchmarks/mgpu_matmul_probe.py [--shapes qwen_o,dg_o] [--xla-only] [--out mgpu_probe.jsonl]
 
 Decides whether a library kernel could take those GEMMs (our own Triton split-K kernel could not:
 benchmarks/results/2026-12-03_splitk_canvas_h200.md). Each variant is checked against the float32 product, then timed
@@ -49,6 +51,7 @@ def main():
     ap.add_argument("--m", type=int, default=256)
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {', '.join(SHAPES)}")
     ap.add_argument("--out", default="mgpu_probe.jsonl")
+    ap.add_argument("--xla-only", action="store_true", help="XLA's two layouts alone (no library configs to compile)")
     args = ap.parse_args()
     record = recorder(args.out)
     record(what="chip", device=jax.devices()[0].device_kind, jax=jax.__version__, **chip_rates())
@@ -62,7 +65,7 @@ def main():
         ref = jnp.dot(x.astype(jnp.float32), ws[0].astype(jnp.float32))
         tflop = 2 * m * k * n / 1e12
 
-        def timed(f):
+        def timed(f, ws=ws):
             return median_seconds(jax.jit(lambda x, ws: tuple(f(x, w) for w in ws)), x, ws, calls=3) / reps
 
         def err(out):
@@ -70,8 +73,15 @@ def main():
 
         t = timed(jnp.dot)
         record(shape=name, m=m, k=k, n=n, variant="xla", us=t * 1e6, tflop_s=tflop / t, rel_err=err(jnp.dot(x, ws[0])))
+        # the weight as [N, K] (x @ w^T: how the models hold the LM head, the embedding [V, D]), the same products
+        wt = [w.T for w in ws]
+        nt = lambda x, w: jnp.einsum("mk,nk->mn", x, w)  # noqa: E731
+        t_nt = timed(nt, wt)
+        record(shape=name, m=m, k=k, n=n, variant="xla_nt", us=t_nt * 1e6, tflop_s=tflop / t_nt,
+               rel_err=err(nt(x, wt[0])))
+        del wt
         best = (float("inf"), None)
-        for cfg in configs():
+        for cfg in [] if args.xla_only else configs():
             f = lambda x, w, cfg=cfg: hm.matmul(x, w, None, cfg)  # noqa: E731
             try:
                 rel = err(jax.jit(f)(x, ws[0]))
@@ -82,7 +92,8 @@ def main():
             record(shape=name, m=m, k=k, n=n, variant=repr(cfg), us=tc * 1e6, tflop_s=tflop / tc, rel_err=rel)
             if rel < 5e-3 and tc < best[0]:
                 best = (tc, cfg)
-        print(f"{name:14s} xla {t * 1e6:6.1f} us  library best {best[0] * 1e6:6.1f} us  {best[1]}", flush=True)
+        print(f"{name:14s} xla {t * 1e6:6.1f} us (weight [N, K]: {t_nt * 1e6:6.1f})  "
+              f"library best {best[0] * 1e6:6.1f} us  {best[1]}", flush=True)
 
 
 if __name__ == "__main__":

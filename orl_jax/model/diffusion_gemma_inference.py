@@ -28,6 +28,13 @@ FOLD_SCALE = 16.0  # fold_attention_norms' c: a power of two (exact in any float
 # dependency chain) and the three normed copies of x (one XLA fusion, ~3 us on the chain) are gone. Read by
 # inference_params.
 FOLD_FFW_NORMS = True
+# ... and a second copy of the LM head, transposed to [D, V] ("head_t", `transposed_head`; the 26B's: 1.47 GB), so
+# that the head's GEMM multiplies h [L, D] by a row-major [D, V] operand as the soft embedding's GEMM does (p [L, V]
+# by E [V, D]). Why: on an H200 cuBLAS ran the head ([256, 2816] x E^T) at ~695 TFLOP/s, 544 us per step
+# (benchmarks/results/2026-12-04_dg_sampler_tail_h200.md), and the soft embedding's GEMM, the same FLOPs over the
+# same matrix, at 765 (494 us, 2026-12-02_dg_generate_parts_s31_h200.md): ~50 us per step if the layout is what
+# differs. Not timed (session 53 had no device). Read by inference_params.
+HEAD_TRANSPOSED = False
 # The norm vectors each fold drops from the layer stacks (what `applied` reads).
 FOLDED = {"attention": ("attn_norm",), "ffw": ("mlp_norm", "router_scale", "moe_norm")}
 
@@ -105,13 +112,24 @@ def fold_ffw_norms(params: dict, donate_experts: bool = False) -> dict:
     return out
 
 
+def transposed_head(params: dict, cfg: DiffusionGemmaConfig) -> dict:
+    """params with "head_t": the LM head (the embedding when tied) as a [D, V] copy, which `diffusion_gemma.logits`
+    then multiplies instead (the same products and sums: only the operand's layout differs). The embedding stays for
+    the input and soft embeddings. Inference only, as the folds."""
+    if "head_t" in params:
+        raise ValueError("transposed_head: params already carry head_t")
+    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    return params | {"head_t": jax.jit(jnp.transpose)(head)}
+
+
 def applied(params) -> list[str]:
     """Which of inference_params' transforms `params` carry, in words ([] for the model's own params)."""
     layers = params.get("sliding") if isinstance(params, dict) else None
     if not isinstance(layers, dict):
         return []
     done = ["fused expert layout"] if getattr(layers.get("experts_gate_up"), "ndim", 4) == 5 else []
-    return done + [f"folded norms {list(vectors)}" for vectors in FOLDED.values() if not set(vectors) & set(layers)]
+    done += [f"folded norms {list(vectors)}" for vectors in FOLDED.values() if not set(vectors) & set(layers)]
+    return done + (["transposed head"] if "head_t" in params else [])
 
 
 def inference_params(params: dict, cfg: DiffusionGemmaConfig) -> dict:
@@ -119,7 +137,8 @@ def inference_params(params: dict, cfg: DiffusionGemmaConfig) -> dict:
     "pallas" (on a GPU) and the expert shapes fit the fused kernel's tiles (moe.fuse_gate_up); else, and for expert
     stacks sharded over several devices (expert parallelism keeps the model's layout), params unchanged. With
     FOLD_ATTENTION_NORMS / FOLD_FFW_NORMS, a bf16 / fp16 model's params also go through `fold_attention_norms` /
-    `fold_ffw_norms` (any backend; float32 models stay as they are)."""
+    `fold_ffw_norms` (any backend; float32 models stay as they are), and with HEAD_TRANSPOSED through
+    `transposed_head` (any backend and dtype)."""
     stack = params["sliding"]["experts_gate_up"]
     sharded = len(getattr(stack, "sharding", None) and stack.sharding.device_set or ()) > 1
     low = cfg.dtype in ("bfloat16", "float16")
@@ -130,4 +149,6 @@ def inference_params(params: dict, cfg: DiffusionGemmaConfig) -> dict:
         params = fused_expert_params(params)
     if FOLD_FFW_NORMS and low and "moe_norm" in params["sliding"]:
         params = fold_ffw_norms(params, donate_experts=fuse)  # the fused stacks are this function's own copies
+    if HEAD_TRANSPOSED and not sharded:
+        params = transposed_head(params, cfg)
     return params
