@@ -234,7 +234,8 @@ jax.block_until_ready(params)
 n = sum(int(np.prod(s.shape)) for s in leaves)
 log(what="init", params_b=n / 1e9, seconds=time.perf_counter() - t)
 if args.fused_experts:  # what inference_params hands generate(); the old gate/up stacks go with the old tree
-    params = jax.block_until_ready(diffusion_gemma_inference.inference_params(params, cfg.replace(moe_impl="pallas")))
+    params = jax.block_until_ready(diffusion_gemma_inference.inference_params(params, cfg.replace(moe_impl="pallas"),
+                                                                              donate=True))
     log(what="inference_params", applied=diffusion_gemma_inference.applied(params))
 
 prompt = np.random.default_rng(0).integers(0, min(200000, cfg.vocab_size) - 8, (1, args.prompt)).astype(np.int32)

@@ -50,7 +50,7 @@ def _generate(args) -> int:
     else:
         cfg, params = hf.load_hf(model, dtype=args.dtype or "bfloat16")
     if isinstance(cfg, DiffusionGemmaConfig):  # its experts in the fused kernel's layout on a GPU (inference only)
-        params = diffusion_gemma_inference.inference_params(params, cfg)
+        params = diffusion_gemma_inference.inference_params(params, cfg, donate=True)  # the loaded params go
     tok = load_tokenizer(args.tokenizer or model)
     # the prompt and stop tokens exactly as the recipe trains and evaluates them (data/prompt_format.py)
     ids = tok.encode(args.prompt) if args.raw else format_prompt(tok, args.prompt)

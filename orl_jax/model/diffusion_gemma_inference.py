@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from orl_jax.diffusion_gemma_config import DiffusionGemmaConfig
 from orl_jax.model.diffusion_gemma import moe_impl
+from orl_jax.model.layerwise import map_layers
 from orl_jax.model.moe import fusable, fuse_gate_up
 
 # inference_params folds a bf16 / fp16 model's attention-input RMSNorms into the q/k/v projections
@@ -39,32 +40,24 @@ HEAD_TRANSPOSED = False
 FOLDED = {"attention": ("attn_norm",), "ffw": ("mlp_norm", "router_scale", "moe_norm")}
 
 
-def fused_expert_params(params: dict) -> dict:
+def fused_expert_params(params: dict, donate: bool = False) -> dict:
     """params with both expert gate/up stacks in moe.fuse_gate_up's layout, so that passes with moe_impl "pallas"
     run each layer's experts in one launch (kernels/grouped_gemm/mlp.py) instead of two grouped GEMMs and XLA's
     activation: on an H200 the 26B's denoising forward took 14.96-15.01 ms against 15.17-15.20, alternating in one
     process on two machines (benchmarks/results/2026-12-04_dg_fused_expert_mlp_h200.md). A new copy of those stacks
-    (the 26B: 30 GB; the old ones go when the caller drops them); inference only: training, export and the other
-    moe_impls take the model's layout (moe.experts_mlp refuses it there)."""
-    return params | {t: params[t] | {"experts_gate_up": fuse_gate_up(params[t]["experts_gate_up"])}
+    (the 26B: 30 GB; the old ones go when the caller drops them), or with donate those stacks themselves, rewritten
+    in place (`params`' stacks are then consumed); inference only: training, export and the other moe_impls take
+    the model's layout (moe.experts_mlp refuses it there)."""
+    return params | {t: params[t] | {"experts_gate_up": fuse_gate_up(params[t]["experts_gate_up"], donate)}
                      for t in ("sliding", "full")}
 
 
 _fold = jax.jit(lambda w, g: (g * w).astype(w.dtype))  # w times float32 g (broadcast), rounded once
 
 
-def _fold_experts_impl(stack, g):
-    """An expert gate/up stack [L, E, ..., D, N] times g [L, D] along D, layer by layer (the 26B's sliding stack is
-    24 GB)."""
-    def layer(a):
-        w, gl = a
-        return (gl.reshape((1,) * (w.ndim - 2) + (-1, 1)) * w).astype(w.dtype)
-
-    return jax.lax.map(layer, (stack, g))
-
-
-_fold_experts = jax.jit(_fold_experts_impl)
-_fold_experts_donated = jax.jit(_fold_experts_impl, donate_argnums=(0,))
+def _fold_expert_layer(w, g):
+    """One layer of an expert gate/up stack [E, ..., D, N] times g [D] along D, rounded once."""
+    return (g.reshape((1,) * (w.ndim - 2) + (-1, 1)) * w).astype(w.dtype)
 
 
 def fold_attention_norms(params: dict) -> dict:
@@ -97,7 +90,8 @@ def fold_ffw_norms(params: dict, donate_experts: bool = False) -> dict:
     router and the experts the residual stream x itself and multiplies their products by each token's
     r(x) = rsqrt(mean(x^2) + eps): RMSNorm(x) * w @ W = r(x) * (x @ (w W)) exactly, so this is the model up to
     rounding. donate_experts: the expert gate/up stacks are the caller's to give up (inference_params' own fused
-    copies): folded in place, no second 30 GB copy for the 26B. Inference only, as fold_attention_norms."""
+    copies): folded in place, no second 30 GB copy for the 26B (layerwise.map_layers: one layer at a time, in
+    place either way). Inference only, as fold_attention_norms."""
     out = dict(params)
     for t in ("sliding", "full"):
         layers = dict(params[t])
@@ -106,8 +100,8 @@ def fold_ffw_norms(params: dict, donate_experts: bool = False) -> dict:
         mlp, scale, moe_norm = (layers.pop(n).astype(jnp.float32) for n in FOLDED["ffw"])
         layers["gate_up"] = _fold(layers["gate_up"], mlp[:, :, None, None])
         layers["router"] = _fold(layers["router"], scale[:, :, None] * layers["router"].shape[1] ** -0.5)
-        fold_experts = _fold_experts_donated if donate_experts else _fold_experts
-        layers["experts_gate_up"] = fold_experts(layers["experts_gate_up"], moe_norm)
+        layers["experts_gate_up"] = map_layers(layers["experts_gate_up"], _fold_expert_layer, moe_norm,
+                                               donate=donate_experts)
         out[t] = layers
     return out
 
@@ -132,13 +126,16 @@ def applied(params) -> list[str]:
     return done + (["transposed head"] if "head_t" in params else [])
 
 
-def inference_params(params: dict, cfg: DiffusionGemmaConfig) -> dict:
+def inference_params(params: dict, cfg: DiffusionGemmaConfig, donate: bool = False) -> dict:
     """The params generate() runs fastest with on one device: fused_expert_params where moe_impl resolves to
     "pallas" (on a GPU) and the expert shapes fit the fused kernel's tiles (moe.fuse_gate_up); else, and for expert
     stacks sharded over several devices (expert parallelism keeps the model's layout), params unchanged. With
     FOLD_ATTENTION_NORMS / FOLD_FFW_NORMS, a bf16 / fp16 model's params also go through `fold_attention_norms` /
     `fold_ffw_norms` (any backend; float32 models stay as they are), and with HEAD_TRANSPOSED through
-    `transposed_head` (any backend and dtype)."""
+    `transposed_head` (any backend and dtype).
+    Memory: the expert stacks are rewritten one layer at a time (layerwise.map_layers), in a copy of each, or with
+    donate in `params`' own buffers: `params` is then consumed (its expert gate/up stacks deleted) and the 26B (50.5
+    GB) reaches this layout within ~52 GB, where a copy of its stacks needs ~81 (more than an 80 GB GPU holds)."""
     stack = params["sliding"]["experts_gate_up"]
     sharded = len(getattr(stack, "sharding", None) and stack.sharding.device_set or ()) > 1
     low = cfg.dtype in ("bfloat16", "float16")
@@ -146,9 +143,9 @@ def inference_params(params: dict, cfg: DiffusionGemmaConfig) -> dict:
         params = fold_attention_norms(params)
     fuse = moe_impl(cfg) == "pallas" and fusable(cfg.hidden_size, cfg.moe_intermediate_size) and not sharded
     if fuse:
-        params = fused_expert_params(params)
+        params = fused_expert_params(params, donate)
     if FOLD_FFW_NORMS and low and "moe_norm" in params["sliding"]:
-        params = fold_ffw_norms(params, donate_experts=fuse)  # the fused stacks are this function's own copies
+        params = fold_ffw_norms(params, donate_experts=fuse or donate)  # fused stacks: this function's own
     if HEAD_TRANSPOSED and not sharded:
         params = transposed_head(params, cfg)
     return params

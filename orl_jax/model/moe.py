@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from orl_jax.model.layers import ACTIVATIONS, einsum, rms_norm_fp32
+from orl_jax.model.layerwise import map_layers
 from orl_jax.model.streamed import StackedWeight, as_stacked, xla_ragged_dot
 
 ROUTER_TOPK_F32 = True  # read at trace time; see route
@@ -315,18 +316,20 @@ def fusable(d: int, f: int) -> bool:
     return f % FUSED_TILE == 0 and d % 128 == 0
 
 
-def fuse_gate_up(stack: jax.Array) -> jax.Array:
+def fuse_gate_up(stack: jax.Array, donate: bool = False) -> jax.Array:
     """An expert gate/up stack [L, E, D, 2F] (gate | up) in kernels/grouped_gemm's `tile_gated` layout [L, E,
     F / FUSED_TILE, D, 2 FUSED_TILE], for the pallas path's one-launch expert MLP (kernels/grouped_gemm/mlp.py):
     the activation in gate/up's programs and down's programs waiting per expert, instead of two grouped GEMMs with
-    XLA's activation between them. Inference only: the other paths, training and export take the model's layout."""
+    XLA's activation between them. Inference only: the other paths, training and export take the model's layout.
+    Layer by layer in one buffer (layerwise.map_layers): donate: the stack's own (consumed), else a copy of it."""
     from orl_jax_kernels.grouped_gemm.mlp import tile_gated
 
     if stack.ndim != 4 or stack.shape[-1] % 2 or not fusable(stack.shape[-2], stack.shape[-1] // 2):
         raise ValueError(f"fuse_gate_up: a gate/up stack [L, E, D, 2F] with F a multiple of {FUSED_TILE} and D of "
                          f"128 (the kernel's tiles), got {stack.shape}")
-    # layer by layer (the 26B's 24 GB sliding stack in one transpose ran out of memory in XLA's autotuning)
-    return jax.jit(lambda s: jax.lax.map(lambda w: tile_gated(w, FUSED_TILE), s))(stack)
+    n, e, d, f2 = stack.shape
+    return map_layers(stack, lambda w: tile_gated(w, FUSED_TILE), donate=donate,
+                      out_shape=(n, e, f2 // (2 * FUSED_TILE), d, 2 * FUSED_TILE))
 
 
 def fused_blocks(stack: jax.Array):
