@@ -236,7 +236,9 @@ log(what="init", params_b=n / 1e9, seconds=time.perf_counter() - t)
 if args.fused_experts:  # what inference_params hands generate(); the old gate/up stacks go with the old tree
     params = jax.block_until_ready(diffusion_gemma_inference.inference_params(params, cfg.replace(moe_impl="pallas"),
                                                                               donate=True))
-    log(what="inference_params", applied=diffusion_gemma_inference.applied(params))
+    stats = jax.devices()[0].memory_stats() or {}  # None on a CPU
+    log(what="inference_params", applied=diffusion_gemma_inference.applied(params),
+        peak_gb=stats.get("peak_bytes_in_use", 0) / 1e9, in_use_gb=stats.get("bytes_in_use", 0) / 1e9)
 
 prompt = np.random.default_rng(0).integers(0, min(200000, cfg.vocab_size) - 8, (1, args.prompt)).astype(np.int32)
 sampler = UniformSampler(max_denoising_steps=48, t_max=0.8, t_min=0.4, entropy_bound=0.1, stability=1,
