@@ -16,6 +16,9 @@ Before building that, this probe asks whether it pays, with the device image's o
                     zeros and are never stored); x gathered in sorted order beforehand, outside the timed kernel
   WS=True           the K loop warp-specialized (tl.range(warp_specialize=True): a producer warp group issuing the
                     loads ahead of the MMA warps)
+  balanced=True     every expert t k / E rows (16 at the 26B), x=gather as above, and x=static: the same product
+                    without the gather's two dependent loads before its first weight load (offsets, then row ids):
+                    rows at e R, x in sorted order. Session 53's question: does that chain cost the read?
 
 Each variant is checked against a float32 torch reference first, then timed alternately with the others (rounds of
 triton.testing.do_bench medians) on 256 tokens x top-8 routed uniformly, sorted by expert.
@@ -110,6 +113,30 @@ def _gate_up_tma(x_ptr, w_ptr, h_ptr, off_ptr, E, D: tl.constexpr, F: tl.constex
 
 
 @triton.jit
+def _gate_up_static(x_ptr, w_ptr, h_ptr, D: tl.constexpr, F: tl.constexpr, R: tl.constexpr, BM: tl.constexpr,
+                    BK: tl.constexpr, BW: tl.constexpr, STAGES: tl.constexpr):
+    """The gather kernel without its dependent loads: every expert has R rows (a balanced routing), so a program's
+    rows start at e R (no offsets to load) and x comes in sorted order (no row ids to load): its first weight loads
+    issue at once, where the gather kernel's wait for two dependent loads (offsets, then row ids)."""
+    tiles: tl.constexpr = F // BW
+    pid = tl.program_id(0)
+    e, j = pid // tiles, pid % tiles
+    rm, rk, rn = tl.arange(0, BM), tl.arange(0, BK), tl.arange(0, 2 * BW)
+    w_tile = w_ptr + ((e * tiles + j) * D).to(tl.int64) * 2 * BW
+    for m0 in range(0, R, BM):
+        r = m0 + rm
+        live = r < R
+        x_rows = x_ptr + (e * R + r)[:, None].to(tl.int64) * D
+        acc = tl.zeros((BM, 2 * BW), tl.float32)
+        for k in tl.range(0, D, BK, num_stages=STAGES):
+            xt = tl.load(x_rows + (k + rk)[None, :], mask=live[:, None], other=0.0)
+            acc = tl.dot(xt, tl.load(w_tile + (k + rk)[:, None] * (2 * BW) + rn[None, :]), acc)
+        cols = j * BW + tl.arange(0, BW)
+        tl.store(h_ptr + (e * R + r)[:, None].to(tl.int64) * F + cols[None, :],
+                 _gated(acc, BM, BW).to(h_ptr.dtype.element_ty), mask=live[:, None])
+
+
+@triton.jit
 def _flat_sum(w_ptr, out_ptr, n, BLOCK: tl.constexpr, PER: tl.constexpr):
     """Each program sums PER blocks of BLOCK contiguous elements (a plain stream of the bytes)."""
     base = tl.program_id(0).to(tl.int64) * BLOCK * PER
@@ -127,9 +154,15 @@ def tile_gated(w: torch.Tensor, bw: int) -> torch.Tensor:
     return gu.permute(0, 3, 1, 2, 4).reshape(e, f2 // (2 * bw), d, 2 * bw).contiguous()
 
 
-def case(e: int, t: int, k: int, d: int, f: int, device: str, dtype=torch.bfloat16, seed: int = 0) -> dict:
+def case(e: int, t: int, k: int, d: int, f: int, device: str, dtype=torch.bfloat16, seed: int = 0,
+         balanced: bool = False) -> dict:
+    """256 tokens' top-k experts, routed at random, or (balanced) token i to experts (i k + c) mod E: every expert
+    t k / E rows (distinct per token where E >= k), the `_gate_up_static` kernel's case."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    experts = torch.topk(torch.randn(t, e, generator=g), k).indices.reshape(-1)
+    if balanced:
+        experts = (torch.arange(t)[:, None] * k + torch.arange(k)[None, :]).reshape(-1) % e
+    else:
+        experts = torch.topk(torch.randn(t, e, generator=g), k).indices.reshape(-1)
     order = torch.argsort(experts, stable=True)
     counts = torch.bincount(experts, minlength=e)
     offsets = torch.zeros(e + 1, dtype=torch.int32)
@@ -165,6 +198,9 @@ def variants(tiny: bool) -> list[dict]:
     out += [dict(x="tma", w="tma", BM=bm, BK=bk, STAGES=s, warps=4, WS=ws) for ws in (False, True) for s in stages]
     if not tiny:
         out += [dict(x="tma", w="tma", BM=64, BK=128, STAGES=3, warps=4, WS=ws) for ws in (False, True)]
+    # the balanced routing (every expert t k / E rows): the gather kernel, and the same without its dependent loads
+    out += [dict(x=x, w="ptr", BM=bm, BK=bk, STAGES=stages[min(1, len(stages) - 1)], warps=4, WS=False, balanced=True)
+            for x in ("gather", "static")]
     return out
 
 
@@ -174,14 +210,17 @@ def compiled(v: dict, d: int = 2816, f: int = 704, bw: int = 64):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    gather = v["x"] == "gather"
-    args = {"x_ptr": "*bf16"} | ({"rows_ptr": "*i32"} if gather else {}) | {"w_ptr": "*bf16", "h_ptr": "*bf16",
-                                                                            "off_ptr": "*i32", "E": "i32"}
-    const = dict(D=d, F=f, BM=v["BM"], BK=v["BK"], BW=bw, STAGES=v["STAGES"])
-    if gather:
-        const["W_TMA"] = v["w"] == "tma"
-    const["WS"] = v["WS"]
-    fn = _gate_up_gather if gather else _gate_up_tma
+    gather, static = v["x"] == "gather", v["x"] == "static"
+    args = {"x_ptr": "*bf16"} | ({"rows_ptr": "*i32"} if gather else {}) | {"w_ptr": "*bf16", "h_ptr": "*bf16"}
+    if static:  # the 26B's balanced routing: 256 x 8 rows over 128 experts
+        const = dict(D=d, F=f, R=16, BM=v["BM"], BK=v["BK"], BW=bw, STAGES=v["STAGES"])
+    else:
+        args |= {"off_ptr": "*i32", "E": "i32"}
+        const = dict(D=d, F=f, BM=v["BM"], BK=v["BK"], BW=bw, STAGES=v["STAGES"])
+        if gather:
+            const["W_TMA"] = v["w"] == "tma"
+        const["WS"] = v["WS"]
+    fn = _gate_up_static if static else _gate_up_gather if gather else _gate_up_tma
     sig = args | {name: "constexpr" for name in const}
     aligned = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(args.values()) if t.startswith("*")}
     return triton.compile(ASTSource(fn, sig, const, aligned), target=GPUTarget("cuda", 90, 32),
@@ -191,6 +230,9 @@ def compiled(v: dict, d: int = 2816, f: int = 704, bw: int = 64):
 def launch(v: dict, c: dict, h: torch.Tensor, d: int, f: int, bw: int):
     e = c["w_t"].shape[0]
     grid = (e * (f // bw),)
+    if v["x"] == "static":
+        return _gate_up_static[grid](c["xs"], c["w_t"], h, d, f, c["xs"].shape[0] // e, v["BM"], v["BK"], bw,
+                                     v["STAGES"], num_warps=v["warps"])
     if v["x"] == "gather":
         return _gate_up_gather[grid](c["x"], c["rows"], c["w_t"], h, c["offsets"], e, d, f, v["BM"], v["BK"], bw,
                                      v["STAGES"], v["w"] == "tma", v["WS"], num_warps=v["warps"])
@@ -220,18 +262,23 @@ def main():
     if device == "cuda":  # device-side TMA descriptors take their workspace from this allocator
         triton.set_allocator(lambda size, align, stream: torch.empty(size, device="cuda", dtype=torch.int8))
     # float16 in the interpreter, whose bf16 dots are wrong (Triton 3.7.1 on a CPU); the kernels take either
-    c = case(e, t, k, d, f, device, torch.float16 if interpret else torch.bfloat16)
+    dtype = torch.float16 if interpret else torch.bfloat16
+    cases = {False: case(e, t, k, d, f, device, dtype)}
+    c = cases[False]
     c["w_t"] = tile_gated(c["w"], bw)
+    cases[True] = case(e, t, k, d, f, device, dtype, balanced=True) | {"w": c["w"], "w_t": c["w_t"]}  # same weights
     nbytes = c["w"].numel() * 2
-    want = reference(c, f)
-    record(what="case", experts=e, tokens=t, top_k=k, d=d, f=f, bytes=nbytes,
-           rows_per_expert=[int(c["counts"].min()), int(c["counts"].max())])
+    want = {b: reference(cb, f) for b, cb in cases.items()}
+    for b, cb in cases.items():
+        record(what="case", experts=e, tokens=t, top_k=k, d=d, f=f, bytes=nbytes, balanced=b,
+               rows_per_expert=[int(cb["counts"].min()), int(cb["counts"].max())])
     ok = []
     for v in variants(args.tiny):
+        b = v.get("balanced", False)
         h = torch.full((c["xs"].shape[0], f), float("nan"), dtype=c["xs"].dtype, device=device)  # poisoned
         try:
-            launch(v, c, h, d, f, bw)
-            err = float((h.float() - want).norm() / want.norm())
+            launch(v, cases[b], h, d, f, bw)
+            err = float((h.float() - want[b]).norm() / want[b].norm())
         except Exception as ex:  # noqa: BLE001 (a variant this Triton or chip refuses; the probe goes on)
             record(what="check", **v, error=repr(ex)[:300])
             continue
@@ -247,7 +294,8 @@ def main():
     timed = [("flat_sum torch", lambda: torch.sum(w_flat, dtype=torch.float32)),
              ("flat_sum triton", lambda: _flat_sum[(partial.numel(),)](w_flat, partial, w_flat.numel(), block, per))]
     h = torch.empty((c["xs"].shape[0], f), dtype=torch.bfloat16, device="cuda")
-    timed += [(" ".join(f"{a}={b}" for a, b in v.items()), lambda v=v: launch(v, c, h, d, f, bw)) for v in ok]
+    timed += [(" ".join(f"{a}={b}" for a, b in v.items()),
+               lambda v=v: launch(v, cases[v.get("balanced", False)], h, d, f, bw)) for v in ok]
     for r in range(args.rounds):  # alternating: each round times every variant once
         for name, fn in timed:
             ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
