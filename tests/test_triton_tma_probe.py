@@ -1,6 +1,7 @@
 """benchmarks/triton_tma_probe.py (issue #4's expert-read question, timed on the device): its gate/up kernels (four
-load paths, and the balanced routing's gather and static kernels) agree with torch in Triton's interpreter, and each compiles for sm_90 with the load path it is there to
-time. Needs the `triton` package (the cuda extras; CI's CPU install has none, so these skip there)."""
+load paths, and the balanced routing's gather and static kernels) agree with torch in Triton's interpreter, and each
+compiles for sm_90 with the load path it is there to time. Needs the `triton` package (the cuda extras; CI's CPU
+install has none, so these skip there)."""
 
 import os
 import subprocess
