@@ -48,7 +48,8 @@ def map_layers(stack: jax.Array, fn: Callable, *per_layer: jax.Array, donate: bo
     if got.dtype != stack.dtype or got.size != layer_struct.size:
         raise ValueError(f"map_layers: fn must return {layer_struct.size} elements of {stack.dtype} per layer, "
                          f"got {got.shape} {got.dtype}")
-    step = jax.jit(lambda w, *a: fn(w, *a).reshape(stack.shape[1:]))
+    layer_shape = stack.shape[1:]
+    step = jax.jit(lambda w, *a: fn(w, *a).reshape(layer_shape))
     out = stack if donate else jnp.copy(stack)
     for i in range(n):
         out = _put(out, step(_take(out, i), *(_take(a, i) for a in per_layer)), i)
