@@ -307,7 +307,8 @@ def test_row_scale_and_order_on_gpu_at_the_26b_expert_shapes():
 @pytest.mark.gpu
 def test_long_pass_tiles_on_gpu_at_prefill_decode_shapes(monkeypatch):
     """moe.FUSED_LONG_BM = 128 with 8 warps at prefill_decode's 768 tokens (6144 sorted rows, 48 per expert on
-    average: many experts past 64 rows) against the default 64-row tiles, both bf16: within a rounding."""
+    average: many experts past 64 rows; the default) against 64-row tiles (FUSED_LONG_BM None), both bf16: within a
+    rounding."""
     from orl_jax.model import moe
     from orl_jax.model.streamed import StackedWeight
 
@@ -322,6 +323,7 @@ def test_long_pass_tiles_on_gpu_at_prefill_decode_shapes(monkeypatch):
         lambda x, g, dn, w, ex: moe.experts_mlp(x, w, ex, StackedWeight(g, jnp.int32(0)),
                                                 StackedWeight(dn, jnp.int32(0)), "gelu_tanh", "pallas",
                                                 distinct=True))(x, tiles, down, weights, experts), np.float32)
+    monkeypatch.setattr(moe, "FUSED_LONG_BM", None)
     want = run()
     monkeypatch.setattr(moe, "FUSED_LONG_BM", 128)
     jax.clear_caches()

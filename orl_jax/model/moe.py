@@ -304,9 +304,11 @@ FUSED_HEAVY_FIRST = False
 # Rows per tile and warps of the one-launch expert MLP in long passes. An expert past FUSED_BM rows runs its row
 # tiles one after another, each streaming the expert's weights again: in session 51's trace of prefill_decode (768
 # tokens, 6144 rows) the expert launches took 458-470 us per layer against ~365 at the canvas's 2048 rows
-# (benchmarks/results/2026-12-05_dg_norm_folds_h200.md). 128-row tiles read an expert of up to 128 rows once. None:
-# FUSED_BM / FUSED_WARPS in every pass. Not timed.
-FUSED_LONG_BM: int | None = None
+# (benchmarks/results/2026-12-05_dg_norm_folds_h200.md). 128-row tiles read an expert of up to 128 rows once. On an
+# H100, generate(max_steps=1) (the 26B's fused first step) took 30.69 against 33.77 ms, faster in 8 of 8 rounds
+# alternating in one process (benchmarks/results/2026-12-05_dg_long_tiles_h100.md). None: FUSED_BM / FUSED_WARPS in
+# every pass.
+FUSED_LONG_BM: int | None = 128
 FUSED_LONG_WARPS = 8
 
 
