@@ -135,7 +135,8 @@ def inference_params(params: dict, cfg: DiffusionGemmaConfig, donate: bool = Fal
     `transposed_head` (any backend and dtype).
     Memory: the expert stacks are rewritten one layer at a time (layerwise.map_layers), in a copy of each, or with
     donate in `params`' own buffers: `params` is then consumed (its expert gate/up stacks deleted) and the 26B (50.5
-    GB) reaches this layout within ~52 GB, where a copy of its stacks needs ~81 (more than an 80 GB GPU holds)."""
+    GB) reaches this layout within a 56 GB peak on an H100 (benchmarks/results/2026-12-05_dg_long_tiles_h100.md),
+    where a copy of its stacks needs ~81 (more than an 80 GB GPU holds)."""
     stack = params["sliding"]["experts_gate_up"]
     sharded = len(getattr(stack, "sharding", None) and stack.sharding.device_set or ()) > 1
     low = cfg.dtype in ("bfloat16", "float16")
