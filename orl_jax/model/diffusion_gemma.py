@@ -419,6 +419,11 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     return h, cat(kv_s, jnp.concatenate), cat(kv_f, jnp.stack)
 
 
+def head_matrix(params: dict, cfg: DiffusionGemmaConfig) -> jax.Array:
+    """The LM head [V, D]: the embedding when tied, else lm_head."""
+    return params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+
+
 def logits(params: dict, cfg: DiffusionGemmaConfig, h: jax.Array, capped: bool = True) -> jax.Array:
     """[B, L, D] -> soft-capped float32 logits [B, L, V] (capped=False: the head's product, `cap_logits` of it are
     the logits). The head's product (float32 sums) is rounded to the model
@@ -429,8 +434,7 @@ def logits(params: dict, cfg: DiffusionGemmaConfig, h: jax.Array, capped: bool =
     if "head_t" in params:  # diffusion_gemma_inference.transposed_head: the head as a [D, V] copy
         z = jnp.einsum("bld,dv->blv", h, params["head_t"].astype(h.dtype), preferred_element_type=h.dtype)
     else:
-        head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-        z = jnp.einsum("bld,vd->blv", h, head.astype(h.dtype), preferred_element_type=h.dtype)
+        z = jnp.einsum("bld,vd->blv", h, head_matrix(params, cfg).astype(h.dtype), preferred_element_type=h.dtype)
     return cap_logits(cfg, z) if capped else z
 
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from orl_jax.diffusion_gemma_config import DiffusionGemmaConfig
-from orl_jax.model.diffusion_gemma import moe_impl
+from orl_jax.model.diffusion_gemma import head_matrix, moe_impl
 from orl_jax.model.layerwise import map_layers
 from orl_jax.model.moe import fusable, fuse_gate_up
 
@@ -112,8 +112,7 @@ def transposed_head(params: dict, cfg: DiffusionGemmaConfig) -> dict:
     the input and soft embeddings. Inference only, as the folds."""
     if "head_t" in params:
         raise ValueError("transposed_head: params already carry head_t")
-    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    return params | {"head_t": jax.jit(jnp.transpose)(head)}
+    return params | {"head_t": jax.jit(jnp.transpose)(head_matrix(params, cfg))}
 
 
 def applied(params) -> list[str]:

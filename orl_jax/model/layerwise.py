@@ -43,12 +43,12 @@ def map_layers(stack: jax.Array, fn: Callable, *per_layer: jax.Array, donate: bo
     if out_shape[:1] != (n,) or math.prod(out_shape) != stack.size:
         raise ValueError(f"map_layers: out_shape {out_shape} must hold the stack's {stack.shape} elements, "
                          f"layer by layer")
-    layer_struct = jax.ShapeDtypeStruct(stack.shape[1:], stack.dtype)
-    got = jax.eval_shape(fn, layer_struct, *(jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in per_layer))
-    if got.dtype != stack.dtype or got.size != layer_struct.size:
-        raise ValueError(f"map_layers: fn must return {layer_struct.size} elements of {stack.dtype} per layer, "
-                         f"got {got.shape} {got.dtype}")
     layer_shape = stack.shape[1:]
+    got = jax.eval_shape(fn, jax.ShapeDtypeStruct(layer_shape, stack.dtype),
+                         *(jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in per_layer))
+    if got.dtype != stack.dtype or got.size != math.prod(layer_shape):
+        raise ValueError(f"map_layers: fn must return {math.prod(layer_shape)} elements of {stack.dtype} per "
+                         f"layer, got {got.shape} {got.dtype}")
     step = jax.jit(lambda w, *a: fn(w, *a).reshape(layer_shape))
     out = stack if donate else jnp.copy(stack)
     for i in range(n):
