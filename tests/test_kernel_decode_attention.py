@@ -171,12 +171,17 @@ def test_masked_attention_skips_keys_past_a_tiles_reach(blocks):
     assert np.isnan(np.asarray(got[:, 48:])).all()
 
 
+@pytest.mark.parametrize("blocks", [None, Blocks(bl=64, bs=64, chunks_per_split=2),
+                                    Blocks(bl=64, bs=64, chunks_per_split=2, group_heads=True, balanced=True)],
+                         ids=["library", "fixed_splits", "grouped_balanced"])
 @pytest.mark.parametrize("p", [512, 0], ids=["prefill_decode", "prefill"])
-def test_masked_attention_lowers_to_verified_triton_at_the_26b(p):
+def test_masked_attention_lowers_to_verified_triton_at_the_26b(p, blocks):
     """DiffusionGemma 26B's sliding layers in its cache-free passes: prefill_decode (prompt 512 + canvas 256) and
-    the prefill alone (512), bf16, the blocks the library picks."""
+    the prefill alone (512), bf16: the blocks the library picks, and fixed splits (no own keys: under jax 0.11 a
+    constant `~False` there reached Triton's lowering as a literal and failed every such candidate of the block
+    sweep, session 54) and grouped balanced ones."""
     l = p + 256 if p else 512
-    blocks = blocks_for(l, l, 256, 2)
+    blocks = blocks or blocks_for(l, l, 256, 2)
     assert supported(l, l, 256, blocks, 2)
     sd = jax.ShapeDtypeStruct
     verified_triton_modules(lambda *a: masked_attention(*a, scale=1.0, blocks=blocks),

@@ -202,11 +202,13 @@ def _kernel(layer_ref, extent_ref, q_ref, kc_ref, vc_ref, mc_ref, *refs, scale: 
         self_trips = jnp.maximum(hi - jnp.maximum(first, n_cache), 0).astype(jnp.int32)
     else:
         first = split * cps
-        # the last split holds the pass's own keys, the others the cache
-        last = split == pl.num_programs(3) - 1 if own else jnp.bool_(False)
-        # int32 loop bounds: Triton's scf.for needs bounds of one type (where(last, 1, 0) otherwise lowers to i1)
-        cache_trips = ((~last).astype(jnp.int32) * jnp.clip(n_cache - first, 0, cps)).astype(jnp.int32)
-        self_trips = last.astype(jnp.int32) * n_self
+        cache_trips = jnp.clip(n_cache - first, 0, cps).astype(jnp.int32)
+        self_trips = jnp.int32(0)
+        if own:  # the last split holds the pass's own keys, the others the cache
+            last = split == pl.num_programs(3) - 1
+            # int32 loop bounds: Triton's scf.for needs bounds of one type (where(last, 1, 0) otherwise lowers to i1)
+            cache_trips = ((~last).astype(jnp.int32) * cache_trips).astype(jnp.int32)
+            self_trips = last.astype(jnp.int32) * n_self
 
     if norm is None:
         q = (q_ref[0].reshape(bl * g, h),) if grouped else (q_ref[0, :, 0, :],)  # one dot over all of H
