@@ -1,7 +1,8 @@
 """The uniform sampler given the LM head's product (softcapped.SoftCapped): SOFTCAP_STATS "raw_max" (the row max and
-argmax over the raw bf16 product) and "kernel" (kernels/softcap_softmax in interpret mode) against the default "xla"
-path on the float32 logits: the same decisions, statistics within float32 rounding, the probabilities within bf16's;
-the kernel against a direct computation; and generate() token for token in each mode."""
+argmax over the raw bf16 product) and "kernel" (kernels/softcap_softmax in interpret mode) against the "xla" path on
+the float32 logits: the same decisions, statistics within float32 rounding, the probabilities within bf16's; the
+default "auto" ("kernel" on a GPU, "xla" elsewhere); the kernel against a direct computation; and generate() token
+for token in each mode."""
 
 from __future__ import annotations
 
@@ -77,6 +78,19 @@ def test_modes_decide_as_the_xla_path(mode):
     assert (got.probs.dtype == jnp.bfloat16) == (mode == "kernel")
 
 
+def test_auto_takes_the_kernel_on_a_gpu_only():
+    """The default "auto": the kernel (bf16 probabilities) on a GPU; elsewhere the float32 logits' path, exactly
+    (on a CPU the kernel would run in Pallas' interpreter)."""
+    assert softcapped.SOFTCAP_STATS == "auto"
+    raw = _raw(v=1024)
+    got, want = _step("auto", raw), _step("xla", raw)
+    on_gpu = jax.default_backend() == "gpu"
+    assert (got.probs.dtype == jnp.bfloat16) == on_gpu
+    if not on_gpu:
+        for a, b in ((got.canvas, want.canvas), (got.probs, want.probs), (got.entropy, want.entropy)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_float32_products_keep_the_xla_path():
     """A float32 product (the parity tests' models) takes the float32 logits in every mode: no kernel."""
     raw = _raw(v=256).astype(jnp.float32)
@@ -125,7 +139,7 @@ def test_kernel_lowers_to_verified_triton_at_the_26b():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["raw_max", "kernel"])
+@pytest.mark.parametrize("mode", ["raw_max", "kernel", "auto"])
 def test_modes_on_gpu_at_the_26b(mode):
     """The 26B's canvas (256 x 262144, bf16) compiled on a GPU: the same decisions as the float32 logits' path."""
     assert _chunk_width(262144) == 512

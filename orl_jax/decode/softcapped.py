@@ -5,11 +5,13 @@ final_logit_softcapping): logits = cap * tanh(raw / cap) in float32, the product
 Why: the uniform sampler reads the [256, 262144] logits of a 26B step in two passes of ~100 us each on an H200
 (benchmarks/results/2026-12-04_dg_sampler_tail_h200.md), each recomputing the tanh per entry from the bf16 product,
 against ~100 us for the bytes of both. With the product itself (SOFTCAP_STATS, read at trace time):
-- "xla" (default): the float32 logits, computed where XLA's passes read them (what samplers do with plain logits);
+- "xla": the float32 logits, computed where XLA's passes read them (what samplers do with plain logits);
 - "raw_max": the row max over the raw product (a bf16 max, no tanh: 37-40 against 59 us alone in session 48's probe,
   2026-12-04_dg_swapped_products_h200.md), capped once per row; the argmax is the first index of the raw maximum;
 - "kernel": that, and the statistics pass in kernels/softcap_softmax (one pass writing the bf16 probabilities and
-  the chunk sums) where its shapes fit, else "raw_max". Neither has been timed yet (session 52).
+  the chunk sums) where its shapes fit, else "raw_max". On an H200 it made the 26B's generate() 1.6 ms faster (6 of
+  6 alternating rounds, benchmarks/results/2026-12-05_dg_softcap_masked_h200.md);
+- "auto" (default): "kernel" on a GPU, "xla" elsewhere (on a CPU the kernel would run in Pallas' interpreter).
 Approximation of both: the argmax is the raw product's. It equals the argmax of the processed logits (HF's) wherever
 distinct raw values stay distinct after the soft-cap and the temperature in float32: for bf16 products, every raw
 maximum with 4e-37 < |raw| < 200 (tests/test_softcapped_sampler.py enumerates them on the CPU backend; above ~200 the
@@ -25,8 +27,8 @@ from flax import struct
 
 from orl_jax.model.layers import soft_cap
 
-SOFTCAP_STATS = "xla"
-SOFTCAP_STATS_CHOICES = ("xla", "raw_max", "kernel")
+SOFTCAP_STATS = "auto"
+SOFTCAP_STATS_CHOICES = ("auto", "xla", "raw_max", "kernel")
 
 
 @struct.dataclass
@@ -52,9 +54,12 @@ def softcapped_parts(logits: SoftCapped, t) -> tuple:
 
     if SOFTCAP_STATS not in SOFTCAP_STATS_CHOICES:
         raise ValueError(f"SOFTCAP_STATS must be one of {SOFTCAP_STATS_CHOICES}, got {SOFTCAP_STATS!r}")
+    stats = SOFTCAP_STATS
+    if stats == "auto":
+        stats = "kernel" if jax.default_backend() == "gpu" else "xla"
     raw = logits.raw
     x = logits.logits() / t
-    if SOFTCAP_STATS == "xla" or raw.dtype not in (jnp.bfloat16, jnp.float16):
+    if stats == "xla" or raw.dtype not in (jnp.bfloat16, jnp.float16):
         return (*softmax_parts(x), None)
     raw_max = jnp.max(raw, axis=-1, keepdims=True)  # exact in any dtype
     m = soft_cap(raw_max.astype(jnp.float32), logits.cap) / t  # x's own expression at its maximal entry
@@ -62,7 +67,7 @@ def softcapped_parts(logits: SoftCapped, t) -> tuple:
 
     *lead, v = raw.shape
     width = _chunk_width(v)  # samplers' chunks (0: none near sqrt(V), padded there)
-    if SOFTCAP_STATS == "raw_max" or logits.cap is None or not (width and supported(v, width)):
+    if stats == "raw_max" or logits.cap is None or not (width and supported(v, width)):
         return (*softmax_parts(x, m, key=raw, key_max=raw_max), None)
     e, mass, tsum, first = softcap_chunk_stats(
         raw.reshape(-1, v), m.reshape(-1), raw_max.reshape(-1), 1.0 / t, cap=logits.cap, width=width,

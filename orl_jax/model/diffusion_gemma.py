@@ -91,8 +91,10 @@ EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")  # [layers, E, ...] per lay
 # benchmarks/results/2026-12-05_dg_norm_folds_h200.md). "pallas", where the config's cached_attention_impl resolves
 # to "pallas": the sliding layers on kernels/decode_attention's masked_attention (online softmax, each query tile
 # streaming the keys up to its furthest visible one), their q/k/v norms and RoPE in kernels/qk_norm_rope as in
-# cached passes; the full layers (512-wide heads) keep the einsums. Not timed yet (session 52). Read at trace time.
-UNCACHED_ATTENTION = "orl_jax"
+# cached passes; the full layers (512-wide heads) keep the einsums. The default: on an H200 it made the 26B's first
+# step, generate(max_steps=1), 1.57 ms faster (6 of 6 alternating rounds,
+# benchmarks/results/2026-12-05_dg_softcap_masked_h200.md). Read at trace time.
+UNCACHED_ATTENTION = "pallas"
 UNCACHED_ATTENTION_CHOICES = ("orl_jax", "auto", "pallas")
 
 
