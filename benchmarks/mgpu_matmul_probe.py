@@ -3,7 +3,9 @@ warp-specialized, persistent over the SMs) against XLA's GEMM (cuBLAS) at the ca
 runs at ~54% of its rate (Qwen3-4B o and down, DiffusionGemma o and dense down), M = 256, and at DiffusionGemma's LM
 head (`--shapes dg_head`: 378 GFLOP per step, where a few % of the GEMM rate is ~20-60 us per step). XLA's GEMM
 also with the weight as [N, K] ("xla_nt", x @ w^T: the model's LM head, the embedding [V, D]; the "xla" row takes
-[K, N], as diffusion_gemma_inference.transposed_head's copy): which layout cuBLAS runs faster.
+[K, N], the projections' layout): which layout cuBLAS runs faster. Session 54 (benchmarks/results/
+2026-12-05_dg_softcap_masked_h200.md): [N, K] faster at the head, o and dense down alone (570 against 586, 16.4
+against 18.0, 13.6 against 14.2 us); a [K, N] copy of the head changed nothing in the forward.
 
   python benchmarks/mgpu_matmul_probe.py [--shapes qwen_o,dg_o] [--xla-only] [--out mgpu_probe.jsonl]
 

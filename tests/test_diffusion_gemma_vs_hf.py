@@ -510,42 +510,13 @@ def test_round_trip_exact(dg_ours, dg_hf, tmp_path):
     assert (a - b).abs().max() < 1e-5
 
 
-def test_transposed_head_keeps_the_logits(dg_ours, dg_hf, monkeypatch):
-    """diffusion_gemma_inference.transposed_head (HEAD_TRANSPOSED): the head as a [D, V] copy gives prefill_decode's
-    logits the untransposed head gives (float32: the same products and sums, up to the order XLA adds them) and
-    transformers' rows (1e-4); inference_params adds it under the switch, tied or not; a second copy is refused."""
-    cfg, params = dg_ours
-    monkeypatch.setattr(dgi, "HEAD_TRANSPOSED", True)
-    with_t = dgi.inference_params(params, cfg.replace(moe_impl="bucketed"))
-    assert dgi.applied(with_t) == ["transposed head"] and dgi.applied(params) == []
-    np.testing.assert_array_equal(np.asarray(with_t["head_t"]), np.asarray(params["embed"]).T)
-    with pytest.raises(ValueError, match="head_t"):
-        dgi.transposed_head(with_t, cfg)
-    untied = params | {"lm_head": params["embed"][::-1]}
-    got_t = dgi.transposed_head(untied, cfg.replace(tie_word_embeddings=False))["head_t"]
-    np.testing.assert_array_equal(np.asarray(got_t), np.asarray(untied["lm_head"]).T)
-    model, _ = dg_hf
-    lengths = [11, 6]
-    prompts, padded = _left_padded(lengths, 80)
-    canvas = _tokens((2, cfg.block_length), 81)
-    pd = jax.jit(dg.prefill_decode, static_argnums=(1, 4))
-    args = (jnp.asarray(padded), jnp.asarray(lengths, jnp.int32), max(lengths) + cfg.block_length, jnp.asarray(canvas))
-    (got, _), (want, _), (other, _) = (pd(p, cfg, *args) for p in (
-        with_t, params, with_t | {"head_t": with_t["head_t"][:, ::-1]}))  # the last: the copy is what is read
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
-    assert np.abs(np.asarray(other) - np.asarray(want)).max() > 1e-2
-    for r in range(2):
-        assert np.abs(np.asarray(got)[r] - _hf_row(model, prompts[r], [canvas[r]], [None], [])[0]).max() < 1e-4
-
-
 def test_export_refuses_inference_params(dg_ours, tmp_path):
-    """save_hf of params from inference_params (folded norms, the fused expert layout, the transposed head) names
-    the cause and leaves no directory behind."""
+    """save_hf of params from inference_params (folded norms, the fused expert layout) names the cause and leaves no
+    directory behind."""
     cfg, params = dg_ours
     for p, what in ((dgi.fold_attention_norms(params), "attn_norm"), (dgi.fold_ffw_norms(params), "moe_norm"),
                     (params | {"sliding": params["sliding"] | {"experts_gate_up": params["sliding"][
-                        "experts_gate_up"][..., None]}}, "fused expert layout"),
-                   (dgi.transposed_head(params, cfg), "transposed head")):
+                        "experts_gate_up"][..., None]}}, "fused expert layout")):
         with pytest.raises(ValueError, match=f"inference params.*{what}|{what}.*export"):
             save_hf(tmp_path / "export", cfg, p)
         assert not (tmp_path / "export").exists()

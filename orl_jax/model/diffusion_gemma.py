@@ -433,10 +433,7 @@ def logits(params: dict, cfg: DiffusionGemmaConfig, h: jax.Array, capped: bool =
     The GEMM writes that dtype itself (one rounding in its epilogue, as a bf16 lm_head in PyTorch does): the 26B's
     [256, 262144] product is then 134 MB instead of 268 of float32 sums converted after it; in the forward
     15.600 / 15.603 against 15.617 / 15.617 ms (benchmarks/results/2026-12-01_dg_graph_loops_h200.md, call 4)."""
-    if "head_t" in params:  # diffusion_gemma_inference.transposed_head: the head as a [D, V] copy
-        z = jnp.einsum("bld,dv->blv", h, params["head_t"].astype(h.dtype), preferred_element_type=h.dtype)
-    else:
-        z = jnp.einsum("bld,vd->blv", h, head_matrix(params, cfg).astype(h.dtype), preferred_element_type=h.dtype)
+    z = jnp.einsum("bld,vd->blv", h, head_matrix(params, cfg).astype(h.dtype), preferred_element_type=h.dtype)
     return cap_logits(cfg, z) if capped else z
 
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from orl_jax.diffusion_gemma_config import DiffusionGemmaConfig
-from orl_jax.model.diffusion_gemma import head_matrix, moe_impl
+from orl_jax.model.diffusion_gemma import moe_impl
 from orl_jax.model.layerwise import map_layers
 from orl_jax.model.moe import fusable, fuse_gate_up
 
@@ -29,13 +29,6 @@ FOLD_SCALE = 16.0  # fold_attention_norms' c: a power of two (exact in any float
 # dependency chain) and the three normed copies of x (one XLA fusion, ~3 us on the chain) are gone. Read by
 # inference_params.
 FOLD_FFW_NORMS = True
-# ... and a second copy of the LM head, transposed to [D, V] ("head_t", `transposed_head`; the 26B's: 1.47 GB), so
-# that the head's GEMM multiplies h [L, D] by a row-major [D, V] operand as the soft embedding's GEMM does (p [L, V]
-# by E [V, D]). Why: on an H200 cuBLAS ran the head ([256, 2816] x E^T) at ~695 TFLOP/s, 544 us per step
-# (benchmarks/results/2026-12-04_dg_sampler_tail_h200.md), and the soft embedding's GEMM, the same FLOPs over the
-# same matrix, at 765 (494 us, 2026-12-02_dg_generate_parts_s31_h200.md): ~50 us per step if the layout is what
-# differs. Not timed (session 53 had no device). Read by inference_params.
-HEAD_TRANSPOSED = False
 # The norm vectors each fold drops from the layer stacks (what `applied` reads).
 FOLDED = {"attention": ("attn_norm",), "ffw": ("mlp_norm", "router_scale", "moe_norm")}
 
@@ -106,15 +99,6 @@ def fold_ffw_norms(params: dict, donate_experts: bool = False) -> dict:
     return out
 
 
-def transposed_head(params: dict, cfg: DiffusionGemmaConfig) -> dict:
-    """params with "head_t": the LM head (the embedding when tied) as a [D, V] copy, which `diffusion_gemma.logits`
-    then multiplies instead (the same products and sums: only the operand's layout differs). The embedding stays for
-    the input and soft embeddings. Inference only, as the folds."""
-    if "head_t" in params:
-        raise ValueError("transposed_head: params already carry head_t")
-    return params | {"head_t": jax.jit(jnp.transpose)(head_matrix(params, cfg))}
-
-
 def applied(params) -> list[str]:
     """Which of inference_params' transforms `params` carry, in words ([] for the model's own params)."""
     layers = params.get("sliding") if isinstance(params, dict) else None
@@ -122,7 +106,7 @@ def applied(params) -> list[str]:
         return []
     done = ["fused expert layout"] if getattr(layers.get("experts_gate_up"), "ndim", 4) == 5 else []
     done += [f"folded norms {list(vectors)}" for vectors in FOLDED.values() if not set(vectors) & set(layers)]
-    return done + (["transposed head"] if "head_t" in params else [])
+    return done
 
 
 def inference_params(params: dict, cfg: DiffusionGemmaConfig, donate: bool = False) -> dict:
@@ -130,8 +114,7 @@ def inference_params(params: dict, cfg: DiffusionGemmaConfig, donate: bool = Fal
     "pallas" (on a GPU) and the expert shapes fit the fused kernel's tiles (moe.fuse_gate_up); else, and for expert
     stacks sharded over several devices (expert parallelism keeps the model's layout), params unchanged. With
     FOLD_ATTENTION_NORMS / FOLD_FFW_NORMS, a bf16 / fp16 model's params also go through `fold_attention_norms` /
-    `fold_ffw_norms` (any backend; float32 models stay as they are), and with HEAD_TRANSPOSED through
-    `transposed_head` (any backend and dtype).
+    `fold_ffw_norms` (any backend; float32 models stay as they are).
     Memory: the expert stacks are rewritten one layer at a time (layerwise.map_layers), in a copy of each, or with
     donate in `params`' own buffers: `params` is then consumed (its expert gate/up stacks deleted) and the 26B (50.5
     GB) reaches this layout within a 56 GB peak on an H100 (benchmarks/results/2026-12-05_dg_long_tiles_h100.md),
@@ -146,6 +129,4 @@ def inference_params(params: dict, cfg: DiffusionGemmaConfig, donate: bool = Fal
         params = fused_expert_params(params, donate)
     if FOLD_FFW_NORMS and low and "moe_norm" in params["sliding"]:
         params = fold_ffw_norms(params, donate_experts=fuse or donate)  # fused stacks: this function's own
-    if HEAD_TRANSPOSED and not sharded:
-        params = transposed_head(params, cfg)
     return params
