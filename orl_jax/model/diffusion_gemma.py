@@ -242,7 +242,9 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
     impl = self_impl if cache_part is None else qwen3.cached_attention_impl(cfg)
-    attn = einsum("blnh,nhd->bld", attention(q, parts, impl, scale=1.0), w["o"])
+    attn = attention(q, parts, impl, scale=1.0)
+    # diffusion_gemma_inference.transposed_projections: o (and the dense down) stored as [out, in]
+    attn = einsum("blnh,dnh->bld", attn, w["o_t"]) if "o_t" in w else einsum("blnh,nhd->bld", attn, w["o"])
     x = x + rms_norm_fp32(attn, w["post_attn_norm"], eps)
 
     flat = x.reshape(b * l, d)  # [T, D]
@@ -261,7 +263,8 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     moe = experts_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT, impl,
                       distinct=True, row_scale=rs)  # a top-k's choices
     moe = moe.reshape(b, l, d)  # [B, L, D]
-    mlp = fused_gated_mlp(mlp_in, w["gate_up"], w["down"], ACT, None if rs is None else rs.reshape(b, l, 1))
+    mlp = fused_gated_mlp(mlp_in, w["gate_up"], w["down_t"] if "down_t" in w else w["down"], ACT,
+                          None if rs is None else rs.reshape(b, l, 1), down_transposed="down_t" in w)
     ffw = rms_norm_fp32(mlp, w["post_mlp_norm"], eps) + rms_norm_fp32(moe, w["post_moe_norm"], eps)
     if isinstance(scalar, str):
         scale = w[scalar][0]

@@ -29,6 +29,11 @@ FOLD_SCALE = 16.0  # fold_attention_norms' c: a power of two (exact in any float
 # dependency chain) and the three normed copies of x (one XLA fusion, ~3 us on the chain) are gone. Read by
 # inference_params.
 FOLD_FFW_NORMS = True
+# ... and the attention output and dense-down projections stored as [out, in] ("o_t" [L, D, N, H], "down_t" [L, D,
+# F]; `transposed_projections`): alone, XLA's GEMM (cuBLAS) ran o's shape in 16.4 against 18.0 us and dense down's in
+# 13.6 against 14.2 with the weight as [N, K] (benchmarks/results/2026-12-05_dg_softcap_masked_h200.md): ~3 ms per
+# generate() if that holds in the forward (for the LM head it did not). Not timed. Read by inference_params.
+TRANSPOSED_PROJECTIONS = False
 # The norm vectors each fold drops from the layer stacks (what `applied` reads).
 FOLDED = {"attention": ("attn_norm",), "ffw": ("mlp_norm", "router_scale", "moe_norm")}
 
@@ -99,6 +104,24 @@ def fold_ffw_norms(params: dict, donate_experts: bool = False) -> dict:
     return out
 
 
+_transpose_o = jax.jit(lambda a: jnp.transpose(a, (0, 3, 1, 2)))  # [L, N, H, D] -> [L, D, N, H]
+_transpose_down = jax.jit(lambda a: jnp.swapaxes(a, 1, 2))  # [L, F, D] -> [L, D, F]
+
+
+def transposed_projections(params: dict) -> dict:
+    """params with each layer's attention output and dense-down projections stored as [out, in]: "o" [L, N, H, D]
+    becomes "o_t" [L, D, N, H] and "down" [L, F, D] "down_t" [L, D, F], which `diffusion_gemma._layer` multiplies
+    instead (the same products and sums; only the operands' layout differs). Inference only, as the folds."""
+    out = dict(params)
+    for t in ("sliding", "full"):
+        layers = dict(params[t])
+        if "o" not in layers or "down" not in layers:
+            raise ValueError(f"transposed_projections: params['{t}'] has no 'o' / 'down' (transposed already?)")
+        layers["o_t"], layers["down_t"] = _transpose_o(layers.pop("o")), _transpose_down(layers.pop("down"))
+        out[t] = layers
+    return out
+
+
 def applied(params) -> list[str]:
     """Which of inference_params' transforms `params` carry, in words ([] for the model's own params)."""
     layers = params.get("sliding") if isinstance(params, dict) else None
@@ -106,7 +129,7 @@ def applied(params) -> list[str]:
         return []
     done = ["fused expert layout"] if getattr(layers.get("experts_gate_up"), "ndim", 4) == 5 else []
     done += [f"folded norms {list(vectors)}" for vectors in FOLDED.values() if not set(vectors) & set(layers)]
-    return done
+    return done + (["transposed projections"] if "o_t" in layers else [])
 
 
 def inference_params(params: dict, cfg: DiffusionGemmaConfig, donate: bool = False) -> dict:
@@ -114,7 +137,8 @@ def inference_params(params: dict, cfg: DiffusionGemmaConfig, donate: bool = Fal
     "pallas" (on a GPU) and the expert shapes fit the fused kernel's tiles (moe.fuse_gate_up); else, and for expert
     stacks sharded over several devices (expert parallelism keeps the model's layout), params unchanged. With
     FOLD_ATTENTION_NORMS / FOLD_FFW_NORMS, a bf16 / fp16 model's params also go through `fold_attention_norms` /
-    `fold_ffw_norms` (any backend; float32 models stay as they are).
+    `fold_ffw_norms` (any backend; float32 models stay as they are), and with TRANSPOSED_PROJECTIONS through
+    `transposed_projections` (any backend and dtype).
     Memory: the expert stacks are rewritten one layer at a time (layerwise.map_layers), in a copy of each, or with
     donate in `params`' own buffers: `params` is then consumed (its expert gate/up stacks deleted) and the 26B (50.5
     GB) reaches this layout within a 56 GB peak on an H100 (benchmarks/results/2026-12-05_dg_long_tiles_h100.md),
@@ -129,4 +153,6 @@ def inference_params(params: dict, cfg: DiffusionGemmaConfig, donate: bool = Fal
         params = fused_expert_params(params, donate)
     if FOLD_FFW_NORMS and low and "moe_norm" in params["sliding"]:
         params = fold_ffw_norms(params, donate_experts=fuse or donate)  # fused stacks: this function's own
+    if TRANSPOSED_PROJECTIONS and not sharded:
+        params = transposed_projections(params)
     return params
