@@ -111,6 +111,10 @@ ap.add_argument("--ab-fold", type=lambda v: v.split(","), default=[], metavar="a
                      "fold_attention_norms / fold_ffw_norms; not on params that inference_params folded already), "
                      "o and the dense down stored as [out, in] (proj: transposed_projections); first the decoder "
                      "forward (48 per loop, --ab-rounds each, alternating) and the two logits' gap")
+ap.add_argument("--ab-fold-forward-only", action="store_true",
+                help="--ab-fold: time the transforms in the decoder forward only; --generate-ab's B side then runs on "
+                     "the defaults' params (two A/Bs in one process: the transforms' forward, the switches' "
+                     "generate())")
 ap.add_argument("--ab-rounds", type=int, default=8, help="--generate-ab: timed calls of each program")
 ap.add_argument("--ab-max-steps", type=int, action="append", default=[], metavar="N",
                 help="--generate-ab: then the same A/B with generate(max_steps=N) (repeatable): the difference of two "
@@ -133,6 +137,8 @@ if args.blocks < 1:
     ap.error(f"--blocks must be >= 1, got {args.blocks}")
 if any(n < 1 for n in args.ab_max_steps):
     ap.error(f"--ab-max-steps must be >= 1, got {args.ab_max_steps}")
+if args.ab_fold_forward_only and not (args.ab_fold and args.generate_ab):
+    ap.error("--ab-fold-forward-only needs --ab-fold and --generate-ab")
 if args.ab_steps_only and not args.ab_max_steps:
     ap.error("--ab-steps-only needs --ab-max-steps")
 if args.ab_rounds < 1:
@@ -649,6 +655,8 @@ for impl in IMPLS:
         write_generate_hlo(c, kw)
     if args.generate_ab or args.ab_compiler_options or args.ab_fold:
         folded = fold_ab(c) if args.ab_fold else None
+        if args.ab_fold_forward_only:
+            folded = None
         # fewer steps: what a step costs apart from the rest
         for steps in ([] if args.ab_steps_only else [None]) + args.ab_max_steps:
             generate_ab(c, kw if steps is None else kw | {"max_steps": steps}, folded)
