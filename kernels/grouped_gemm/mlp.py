@@ -138,8 +138,8 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, *refs,
                                      preferred_element_type=jnp.float32)
 
             acc = jax.lax.fori_loop(0, f // dn.bk, chunk, jnp.zeros((bm, dn.bn), jnp.float32))
-            if scattered:  # row r to dest[r]; masked lanes aim at the spare row past M (interpret mode writes them)
-                at = plt.load(dest_ref.at[pl.ds(r0, bm)], mask=live, other=dest_ref.shape[0] - bm)
+            if scattered:  # row r to dest[r]; masked lanes aim at row M (the spare row of interpret mode)
+                at = plt.load(dest_ref.at[pl.ds(r0, bm)], mask=live, other=o_ref.shape[0] - (bm if interpret else 0))
                 plt.store(o_ref.at[at[:, None], (j * dn.bn + jnp.arange(dn.bn))[None, :]], acc.astype(o_ref.dtype),
                           mask=live[:, None])
             else:
@@ -194,8 +194,9 @@ def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Arr
     m = rows.shape[0]
     if dest is not None and (dest.shape != (m,) or dest.dtype != jnp.int32):
         raise ValueError(f"grouped_mlp: dest {dest.dtype}{dest.shape} must be int32 ({m},)")
-    # interpret mode clamps windows that leave the array (kernel.py); a scattered store's masked lanes need a row
-    spare = bm if interpret or dest is not None else 0
+    # interpret mode clamps windows that leave the array (kernel.py) and writes a scattered store's masked lanes (at
+    # the spare row M); compiled, masked lanes are not stored
+    spare = bm if interpret else 0
     rows_p = jnp.pad(rows, (0, spare))
     items = e * (f_tiles + d // dn_blocks.bn)
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, n=a.ndim: (0,) * n)  # noqa: E731
