@@ -81,23 +81,6 @@ def test_order_takes_the_experts_in_that_order_with_the_same_values():
         run(order=order[1:])
 
 
-def test_dest_stores_each_row_at_its_destination_with_the_same_values():
-    """dest (moe.FUSED_TOKEN_ORDER): row r's product at row dest[r], exactly the values of the unscattered kernel
-    permuted; rows past the groups (4 here) stay zero wherever dest puts them; a wrong dest is refused."""
-    sizes, offsets, x, rows, gu, dn, bm = _case(jnp.bfloat16, key=4)
-    tiles, layer = tile_gated(gu, GU.bn // 2), jnp.int32(1)
-    run = lambda **kw: grouped_mlp(x, rows, tiles, dn, offsets, layer, ACT, GU, DN, bm=bm, one_dot=True,  # noqa
-                                   interpret=True, **kw)
-    m = rows.shape[0]
-    dest = jax.random.permutation(jax.random.key(5), m).astype(jnp.int32)
-    want = np.asarray(run(), np.float32)
-    got = np.asarray(run(dest=dest), np.float32)
-    np.testing.assert_array_equal(got[np.asarray(dest)], want)
-    assert not got[np.asarray(dest[-4:])].any() and np.abs(want).max() > 0.1
-    with pytest.raises(ValueError, match="dest"):
-        run(dest=dest[1:])
-
-
 def test_rejects_mismatched_inputs():
     sizes, offsets, x, rows, gu, dn, bm = _case(jnp.float32)
     tgu = tile_gated(gu, 64)
@@ -112,17 +95,15 @@ def test_rejects_mismatched_inputs():
         grouped_mlp(x, rows, tgu, dn, offsets[1:], jnp.int32(0), ACT, GU, DN, interpret=True)
 
 
-@pytest.mark.parametrize("one_dot,scaled,ordered,tokens,bm,warps,dest", [
-    (False, False, False, 256, 64, 4, False), (True, False, False, 256, 64, 4, False),
-    (True, True, True, 256, 64, 4, False), (True, True, False, 256, 64, 4, True),
-    (True, True, True, 768, 128, 8, False), (True, True, False, 768, 128, 8, True)])  # 768: prefill_decode's rows
-def test_triton_ir_at_diffusion_gemma_shapes(one_dot, scaled, ordered, tokens, bm, warps, dest):
+@pytest.mark.parametrize("one_dot,scaled,ordered,tokens,bm,warps", [
+    (False, False, False, 256, 64, 4), (True, False, False, 256, 64, 4), (True, True, True, 256, 64, 4),
+    (True, True, True, 768, 128, 8)])  # the last: prefill_decode's rows with moe.FUSED_LONG_BM's tiles
+def test_triton_ir_at_diffusion_gemma_shapes(one_dot, scaled, ordered, tokens, bm, warps):
     sd = jax.ShapeDtypeStruct
     verified_triton_modules(
         lambda x, r, gu, dn, o, i, s, order: grouped_mlp(
             x, r, gu, dn, o, i, ACT, GU, Blocks(bn=128, bk=64, splits=1), one_dot=one_dot,
-            row_scale=s if scaled else None, order=order if ordered else None, bm=bm, num_warps=warps,
-            dest=r if dest else None),
+            row_scale=s if scaled else None, order=order if ordered else None, bm=bm, num_warps=warps),
         sd((tokens, 2816), jnp.bfloat16), sd((8 * tokens,), jnp.int32), sd((25, 128, 11, 2816, 128), jnp.bfloat16),
         sd((25, 128, 704, 2816), jnp.bfloat16), sd((129,), jnp.int32), sd((), jnp.int32), sd((tokens,), jnp.float32),
         sd((128,), jnp.int32))
@@ -156,40 +137,6 @@ def test_moe_fused_path_equals_the_dense_path():
         run(tiles, "bucketed")
     with pytest.raises(ValueError, match="multiple of"):
         moe.fuse_gate_up(gate_up[..., :96])
-
-
-@pytest.mark.parametrize("distinct,xla_sort", [(False, False), (True, False), (False, True)])
-def test_moe_token_order_equals_the_gathered_combine(distinct, xla_sort, monkeypatch):
-    """moe.FUSED_TOKEN_ORDER: the kernel stores each row at its (token, choice) row (expert_sort's dest; by token
-    where each token's experts are distinct; XLA's sort's order where the sort kernel does not take the pass) and
-    the combine sums them without the gather: exactly the default's values (bf16), the dest handed to the kernel."""
-    import orl_jax_kernels.expert_sort.kernel as sort_kernel
-    import orl_jax_kernels.grouped_gemm.mlp as mlp
-    from orl_jax.model import moe
-    from orl_jax.model.streamed import StackedWeight
-
-    if xla_sort:
-        monkeypatch.setattr(sort_kernel, "MAX_ASSIGNMENTS", 8)
-
-    ks = jax.random.split(jax.random.key(8), 4)
-    t, d, e, f, k = 40, 128, 8, 64, 3
-    x = jax.random.normal(ks[0], (t, d), jnp.bfloat16)
-    gate_up = (jax.random.normal(ks[1], (1, e, d, 2 * f)) * 0.1).astype(jnp.bfloat16)
-    down = (jax.random.normal(ks[2], (1, e, f, d)) * 0.1).astype(jnp.bfloat16)
-    experts = jax.lax.top_k(jax.random.normal(ks[3], (t, e)), k)[1].astype(jnp.int32)
-    weights = jax.nn.softmax(jax.random.normal(ks[3], (t, k)), axis=-1)
-    tiles = moe.fuse_gate_up(gate_up)
-    dests, real = [], mlp.grouped_mlp
-    monkeypatch.setattr(mlp, "grouped_mlp", lambda *a, **kw: dests.append(kw.get("dest")) or real(*a, **kw))
-    run = lambda: np.asarray(moe.experts_mlp(  # noqa: E731
-        x, weights, experts, StackedWeight(tiles, jnp.int32(0)), StackedWeight(down, jnp.int32(0)), "gelu_tanh",
-        "pallas", distinct=distinct), np.float32)
-    want = run()
-    monkeypatch.setattr(moe, "FUSED_TOKEN_ORDER", True)
-    got = run()
-    assert dests[0] is None and dests[1] is not None
-    np.testing.assert_array_equal(got, want)
-    assert np.abs(want).max() > 0.01
 
 
 @pytest.mark.parametrize("bm", [64, 16])
@@ -383,34 +330,6 @@ def test_long_pass_tiles_on_gpu_at_prefill_decode_shapes(monkeypatch):
     got = run()
     jax.clear_caches()
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t", [256, 768], ids=["canvas", "prefill_decode"])
-def test_token_order_on_gpu_at_the_26b_expert_shapes(t, monkeypatch):
-    """moe.FUSED_TOKEN_ORDER compiled at a 26B layer's shapes (the canvas; prefill_decode with its long tiles): the
-    default's values exactly."""
-    from orl_jax.model import moe
-    from orl_jax.model.streamed import StackedWeight
-
-    ks = jax.random.split(jax.random.key(14), 5)
-    d, e, f, k = 2816, 128, 704, 8
-    x = jax.random.normal(ks[0], (t, d), jnp.bfloat16)
-    tiles = moe.fuse_gate_up(jax.random.normal(ks[1], (1, e, d, 2 * f), jnp.bfloat16) * 0.02)
-    down = jax.random.normal(ks[2], (1, e, f, d), jnp.bfloat16) * 0.02
-    experts = jax.lax.top_k(jax.random.normal(ks[3], (t, e)), k)[1].astype(jnp.int32)
-    weights = jax.nn.softmax(jax.random.normal(ks[4], (t, k)), axis=-1)
-    run = lambda: np.asarray(jax.jit(  # noqa: E731 (arrays as arguments: a closure would embed them as constants)
-        lambda x, g, dn, w, ex: moe.experts_mlp(x, w, ex, StackedWeight(g, jnp.int32(0)),
-                                                StackedWeight(dn, jnp.int32(0)), "gelu_tanh", "pallas",
-                                                distinct=True))(x, tiles, down, weights, experts), np.float32)
-    want = run()
-    monkeypatch.setattr(moe, "FUSED_TOKEN_ORDER", True)
-    jax.clear_caches()
-    got = run()
-    jax.clear_caches()
-    np.testing.assert_array_equal(got, want)
-    assert np.abs(want).max() > 0.01
 
 
 def test_inference_params_fuse_only_where_the_kernel_runs(monkeypatch):

@@ -36,7 +36,7 @@ from orl_jax_kernels.pallas_args import pow2, triton_params
 MAX_ASSIGNMENTS = 1 << 13
 
 
-def _kernel(e_ref, pos_ref, off_ref, src_ref, *dst_ref, m: int, total: int, num_experts: int, k: int):
+def _kernel(e_ref, pos_ref, off_ref, src_ref, *, m: int, total: int, num_experts: int, k: int):
     from jax.experimental.pallas import triton as plt
 
     e = pl.program_id(0)
@@ -47,10 +47,7 @@ def _kernel(e_ref, pos_ref, off_ref, src_ref, *dst_ref, m: int, total: int, num_
     plt.store(pos_ref.at[pl.ds(0, m)], row, mask=hit)
     # the inverse: row -> assignment // k; other experts' lanes aim at a row outside this expert's (see above)
     past = (start + jnp.sum(hit.astype(jnp.int32))) % m
-    at = jnp.where(hit, row, past)
-    plt.store(src_ref.at[at], jnp.arange(m, dtype=jnp.int32) // k, mask=hit)
-    for ref in dst_ref:  # dest: the row's assignment itself
-        plt.store(ref.at[at], jnp.arange(m, dtype=jnp.int32), mask=hit)
+    plt.store(src_ref.at[jnp.where(hit, row, past)], jnp.arange(m, dtype=jnp.int32) // k, mask=hit)
     _offsets(off_ref, e, start, total, num_experts)
 
 
@@ -63,7 +60,7 @@ def _offsets(off_ref, e, start, total: int, num_experts: int):
         off_ref[pl.ds(num_experts, 1)] = jnp.full((1,), total, jnp.int32)
 
 
-def _token_kernel(e_ref, pos_ref, off_ref, src_ref, *dst_ref, m: int, num_experts: int, k: int):
+def _token_kernel(e_ref, pos_ref, off_ref, src_ref, *, m: int, num_experts: int):
     """by_token: ids [T, k] whose rows hold distinct experts. A token holds at most one of expert e's assignments, so
     their ranks are a cumsum over the T tokens instead of the T * k assignments, and the token is the row's source."""
     from jax.experimental.pallas import triton as plt
@@ -77,47 +74,39 @@ def _token_kernel(e_ref, pos_ref, off_ref, src_ref, *dst_ref, m: int, num_expert
     plt.store(pos_ref, jnp.broadcast_to(row[:, None], ids.shape), mask=hit)
     past = (start + jnp.sum(token_hit)) % m  # as in _kernel: other tokens' lanes aim outside this expert's rows
     has = token_hit > 0
-    at = jnp.where(has, row, past)
-    token = jax.lax.broadcasted_iota(jnp.int32, row.shape, 0)
-    plt.store(src_ref.at[at], token, mask=has)
-    for ref in dst_ref:  # dest: the assignment token * k + choice, the choice the one column that hit
-        choice = jnp.sum(jnp.where(hit, jax.lax.broadcasted_iota(jnp.int32, ids.shape, 1), 0), axis=1)
-        plt.store(ref.at[at], token * k + choice, mask=has)
+    plt.store(src_ref.at[jnp.where(has, row, past)], jax.lax.broadcasted_iota(jnp.int32, row.shape, 0), mask=has)
     _offsets(off_ref, e, start, m, num_experts)
 
 
-@functools.partial(jax.jit, static_argnames=("num_experts", "k", "by_token", "interpret", "dest"))
-def expert_sort(experts: jax.Array, num_experts: int, k: int = 1, by_token: bool = False, interpret: bool = False,
-                dest: bool = False):
+@functools.partial(jax.jit, static_argnames=("num_experts", "k", "by_token", "interpret"))
+def expert_sort(experts: jax.Array, num_experts: int, k: int = 1, by_token: bool = False, interpret: bool = False):
     """experts [M] int32 in [0, E), M <= MAX_ASSIGNMENTS -> (source [M]: the assignment in each sorted row divided by
     k (k = choices per token: the row's token; k = 1: the assignment), pos [M]: the sorted row of each assignment,
-    offsets [E + 1]: each expert's first row, then M), and with `dest` a fourth [M]: the assignment in each sorted
-    row (pos's inverse: where the grouped kernel may store the row's product, in (token, choice) order). by_token: the
-    M / k tokens' k choices are distinct experts (a router's top-k): ranks counted over the tokens
-    (`_token_kernel`), the same results."""
+    offsets [E + 1]: each expert's first row, then M). by_token: the M / k tokens' k choices are distinct experts (a
+    router's top-k): ranks counted over the tokens (`_token_kernel`), the same results."""
     if experts.ndim != 1 or experts.dtype != jnp.int32:
         raise ValueError(f"expert_sort: experts must be a 1-D int32 array, got {experts.dtype}{list(experts.shape)}")
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"expert_sort: k must be a positive int, got {k!r}")
     m = experts.shape[0]
     if by_token:
-        return _by_token(experts, num_experts, k, interpret, dest)
+        return _by_token(experts, num_experts, k, interpret)
     mp = pow2(m, 16)  # Triton's vectors have power-of-two sizes: pad with id E, no expert's
     if mp > MAX_ASSIGNMENTS:
         raise ValueError(f"expert_sort: {m} assignments, more than MAX_ASSIGNMENTS={MAX_ASSIGNMENTS}")
     ids = jnp.pad(experts, (0, mp - m), constant_values=num_experts) if mp > m else experts
     vec = lambda n: jax.ShapeDtypeStruct((n,), jnp.int32)  # noqa: E731
     whole = lambda n: pl.BlockSpec((n,), lambda e: (0,))  # noqa: E731
-    pos, offsets, source, *dst = pl.pallas_call(
+    pos, offsets, source = pl.pallas_call(
         functools.partial(_kernel, m=mp, total=m, num_experts=num_experts, k=k),
-        out_shape=(vec(mp), vec(num_experts + 1), vec(mp)) + (vec(mp),) * dest,
+        out_shape=(vec(mp), vec(num_experts + 1), vec(mp)),
         grid=(num_experts,),
         in_specs=[whole(mp)],
-        out_specs=(whole(mp), whole(num_experts + 1), whole(mp)) + (whole(mp),) * dest,
+        out_specs=(whole(mp), whole(num_experts + 1), whole(mp)),
         interpret=interpret,
         **triton_params(4, 1, interpret),
     )(ids)
-    return (source[:m], pos[:m], offsets, *(a[:m] for a in dst))
+    return source[:m], pos[:m], offsets
 
 
 def _token_tile(t: int, k: int) -> tuple[int, int]:
@@ -131,7 +120,7 @@ def by_token_fits(tokens: int, k: int) -> bool:
     return tp * kp <= MAX_ASSIGNMENTS
 
 
-def _by_token(experts: jax.Array, num_experts: int, k: int, interpret: bool, dest: bool):
+def _by_token(experts: jax.Array, num_experts: int, k: int, interpret: bool):
     m = experts.shape[0]
     if m % k:
         raise ValueError(f"expert_sort: by_token needs M={m} a multiple of k={k}")
@@ -145,18 +134,16 @@ def _by_token(experts: jax.Array, num_experts: int, k: int, interpret: bool, des
         ids = jnp.pad(ids, ((0, tp - t), (0, kp - k)), constant_values=num_experts)
     mp = pow2(m, 16)
     whole = lambda *n: pl.BlockSpec(n, lambda e: (0,) * len(n))  # noqa: E731
-    vec = jax.ShapeDtypeStruct((mp,), jnp.int32)
-    pos, offsets, source, *dst = pl.pallas_call(
-        functools.partial(_token_kernel, m=m, num_experts=num_experts, k=k),
+    pos, offsets, source = pl.pallas_call(
+        functools.partial(_token_kernel, m=m, num_experts=num_experts),
         out_shape=(jax.ShapeDtypeStruct((tp, kp), jnp.int32), jax.ShapeDtypeStruct((num_experts + 1,), jnp.int32),
-                   vec) + (vec,) * dest,
+                   jax.ShapeDtypeStruct((mp,), jnp.int32)),
         grid=(num_experts,),
         in_specs=[whole(tp, kp)],
-        out_specs=(whole(tp, kp), whole(num_experts + 1), whole(mp)) + (whole(mp),) * dest,
+        out_specs=(whole(tp, kp), whole(num_experts + 1), whole(mp)),
         interpret=interpret,
         name="expert_sort_by_token",
         **triton_params(4, 1, interpret),
     )(ids)
     pos = pos[:t, :k] if (tp, kp) != (t, k) else pos
-    cut = (lambda a: a[:m]) if mp > m else (lambda a: a)  # noqa: E731
-    return (cut(source), pos.reshape(-1), offsets, *map(cut, dst))
+    return (source[:m] if mp > m else source), pos.reshape(-1), offsets

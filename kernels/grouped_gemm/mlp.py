@@ -57,12 +57,10 @@ def _halves(acc: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, *refs,
-            bm: int, gu: Blocks, dn: Blocks, act, one_dot: bool, interpret: bool, scaled: bool, ordered: bool,
-            scattered: bool):
+            bm: int, gu: Blocks, dn: Blocks, act, one_dot: bool, interpret: bool, scaled: bool, ordered: bool):
     refs = list(refs)
     rs_ref = refs.pop(0) if scaled else None
     order_ref = refs.pop(0) if ordered else None
-    dest_ref = refs.pop(0) if scattered else None
     count_in, h_ref, o_ref, count_ref = refs
     del count_in  # aliased to count_ref
     from jax.experimental.pallas import triton as plt
@@ -138,12 +136,7 @@ def _kernel(layer_ref, off_ref, rows_ref, x_ref, gu_ref, dn_ref, *refs,
                                      preferred_element_type=jnp.float32)
 
             acc = jax.lax.fori_loop(0, f // dn.bk, chunk, jnp.zeros((bm, dn.bn), jnp.float32))
-            if scattered:  # row r to dest[r]; masked lanes aim at row M (the spare row of interpret mode)
-                at = plt.load(dest_ref.at[pl.ds(r0, bm)], mask=live, other=o_ref.shape[0] - (bm if interpret else 0))
-                plt.store(o_ref.at[at[:, None], (j * dn.bn + jnp.arange(dn.bn))[None, :]], acc.astype(o_ref.dtype),
-                          mask=live[:, None])
-            else:
-                plt.store(o_ref.at[pl.ds(r0, bm), cols], acc.astype(o_ref.dtype), mask=live[:, None])
+            plt.store(o_ref.at[pl.ds(r0, bm), cols], acc.astype(o_ref.dtype), mask=live[:, None])
             return carry
 
         jax.lax.fori_loop(0, n_tiles, tile, 0)
@@ -155,8 +148,7 @@ def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Arr
                 layer: jax.Array, act, gu_blocks: Blocks = TILES,
                 dn_blocks: Blocks = TILES, bm: int = 64, num_warps: int = 4,
                 num_stages: int = 3, one_dot: bool = False, interpret: bool = False,
-                row_scale: jax.Array | None = None, order: jax.Array | None = None,
-                dest: jax.Array | None = None) -> jax.Array:
+                row_scale: jax.Array | None = None, order: jax.Array | None = None) -> jax.Array:
     """Sorted row r of x[rows] through its expert's MLP: act(x_r @ gate_e) * (x_r @ up_e) @ down_e -> [M, D] in
     x's dtype (M = rows.shape[0]; rows past offsets[-1] are 0).
 
@@ -170,9 +162,7 @@ def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Arr
     then an unnormed input whose RMSNorm weight was folded into gate/up: moe.experts_mlp). order [E] int32 (a
     permutation): the experts' work items in this order, gate/up and down alike (e.g. the most rows first, so that
     an expert of several row tiles, whose items run them one after another, does not start last); the same
-    values. dest [M] int32 (a permutation of [0, M)): row r's product is stored at row dest[r] of the result instead
-    of row r (expert_sort's `dest`: the (token, choice) order the MoE's combine reads, so that it sums contiguous
-    rows instead of gathering them; the same values, permuted)."""
+    values."""
     _, d = x.shape
     layer_arr = layer_operand("grouped_mlp", True, layer, gate_up.shape)
     if gate_up.ndim != 5 or down.ndim != 4:
@@ -192,23 +182,17 @@ def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Arr
     if order is not None and (order.shape != (e,) or order.dtype != jnp.int32):
         raise ValueError(f"grouped_mlp: order {order.dtype}{order.shape} must be int32 ({e},)")
     m = rows.shape[0]
-    if dest is not None and (dest.shape != (m,) or dest.dtype != jnp.int32):
-        raise ValueError(f"grouped_mlp: dest {dest.dtype}{dest.shape} must be int32 ({m},)")
-    # interpret mode clamps windows that leave the array (kernel.py) and writes a scattered store's masked lanes (at
-    # the spare row M); compiled, masked lanes are not stored
-    spare = bm if interpret else 0
+    spare = bm if interpret else 0  # interpret mode clamps windows that leave the array (kernel.py)
     rows_p = jnp.pad(rows, (0, spare))
     items = e * (f_tiles + d // dn_blocks.bn)
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, n=a.ndim: (0,) * n)  # noqa: E731
     count = jnp.zeros((e + 1,), jnp.int32)
     h_shape, o_shape = (m + spare, f), (m + spare, d)
     scale = () if row_scale is None else (row_scale.astype(jnp.float32),)
-    dest_p = () if dest is None else (jnp.pad(dest, (0, spare), constant_values=m),)
-    operands = (layer_arr, offsets, rows_p, x, gate_up, down, *scale, *(() if order is None else (order,)), *dest_p,
-                count)
+    operands = (layer_arr, offsets, rows_p, x, gate_up, down, *scale, *(() if order is None else (order,)), count)
     _, out, _ = pl.pallas_call(
         functools.partial(_kernel, bm=bm, gu=gu_blocks, dn=dn_blocks, act=act, one_dot=one_dot, interpret=interpret,
-                          scaled=row_scale is not None, ordered=order is not None, scattered=dest is not None),
+                          scaled=row_scale is not None, ordered=order is not None),
         out_shape=(jax.ShapeDtypeStruct(h_shape, x.dtype), jax.ShapeDtypeStruct(o_shape, x.dtype),
                    jax.ShapeDtypeStruct(count.shape, count.dtype)),
         grid=(items,),
@@ -220,6 +204,4 @@ def grouped_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Arr
         **triton_params(num_warps, num_stages, interpret),
     )(*operands)
     live = jnp.arange(m) < offsets[-1]
-    if dest is not None:  # the live rows' destinations
-        live = jnp.zeros((m,), bool).at[dest].set(live)
     return jnp.where(live[:, None], out[:m] if spare else out, 0)

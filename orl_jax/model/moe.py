@@ -238,22 +238,22 @@ def sort_by_expert(experts: jax.Array, num_experts: int):
     return order, pos, sizes
 
 
-def _sorted_rows(experts: jax.Array, num_experts: int, kernel: bool, by_token: bool = False, dest: bool = False):
+def _sorted_rows(experts: jax.Array, num_experts: int, kernel: bool, by_token: bool = False):
     """experts [T, k] -> (tokens [M]: the token of each sorted row, pos, sizes as in sort_by_expert, the group
-    offsets [E + 1], and the assignment of each sorted row (pos's inverse) where `dest`, else None): from
-    kernels/expert_sort when `kernel` and the assignments fit it (MAX_ASSIGNMENTS), else from XLA (offsets None: the
-    grouped kernel derives them). by_token: each token's experts are distinct (see expert_sort)."""
+    offsets [E + 1]): from kernels/expert_sort when `kernel` and the assignments fit it (MAX_ASSIGNMENTS), else from
+    XLA (offsets None: the grouped kernel derives them). by_token: each token's experts are distinct (see
+    expert_sort)."""
     t, k = experts.shape
     if kernel:
         from orl_jax_kernels.expert_sort.kernel import MAX_ASSIGNMENTS, by_token_fits, expert_sort
 
         by_token = by_token and by_token_fits(t, k)
         if by_token or experts.size <= MAX_ASSIGNMENTS:
-            tokens, pos, offsets, *assignment = expert_sort(experts.reshape(-1), num_experts, k, by_token=by_token,
-                                                            interpret=jax.default_backend() == "cpu", dest=dest)
-            return tokens, pos, offsets[1:] - offsets[:-1], offsets, (assignment[0] if dest else None)
+            tokens, pos, offsets = expert_sort(experts.reshape(-1), num_experts, k, by_token=by_token,
+                                               interpret=jax.default_backend() == "cpu")
+            return tokens, pos, offsets[1:] - offsets[:-1], offsets
     order, pos, sizes = sort_by_expert(experts, num_experts)
-    return order // k, pos, sizes, None, (order if dest else None)
+    return order // k, pos, sizes, None
 
 
 # The pallas path's gate/up kernel gathers each sorted row from its token's row of x in its loads (GATHER_IN_KERNEL;
@@ -310,12 +310,6 @@ FUSED_HEAVY_FIRST = False
 # every pass.
 FUSED_LONG_BM: int | None = 128
 FUSED_LONG_WARPS = 8
-# The one-launch expert MLP stores each sorted row's product at its (token, choice) row (grouped_mlp's `dest`, from
-# expert_sort's inverse permutation), so that the combine sums k contiguous rows per token instead of gathering them
-# from the sorted order: in session 54's H200 trace of generate() that gather-and-sum took 9.1 us per 26B layer at the
-# canvas, on the path between a layer's experts and the next layer's attention. The same values, permuted (the
-# combine's sums are unchanged). Not timed yet (session 54). Read at trace time.
-FUSED_TOKEN_ORDER = False
 
 
 def fusable(d: int, f: int) -> bool:
@@ -349,11 +343,11 @@ def fused_blocks(stack: jax.Array):
 
 
 def fused_expert_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: jax.Array, offsets: jax.Array, layer,
-                     act: str, row_scale: jax.Array | None = None, dest: jax.Array | None = None) -> jax.Array:
+                     act: str, row_scale: jax.Array | None = None) -> jax.Array:
     """The one-launch expert MLP (kernels/grouped_gemm/mlp.grouped_mlp) with the model's settings (tiles, stages,
     one_dot, FUSED_HEAVY_FIRST, FUSED_LONG_BM; interpret mode on a CPU): sorted rows of x[rows] through their
-    experts -> [M, D] (row r at dest[r] where dest is given). gate_up: a stack in `fuse_gate_up`'s layout, down the
-    model's [L, E, F, D]; layer: the stacks' layer; row_scale, dest: grouped_mlp's."""
+    experts -> [M, D]. gate_up: a stack in `fuse_gate_up`'s layout, down the model's [L, E, F, D]; layer: the stacks'
+    layer; row_scale: grouped_mlp's."""
     from orl_jax_kernels.grouped_gemm.mlp import grouped_mlp
 
     e = offsets.shape[0] - 1
@@ -364,7 +358,7 @@ def fused_expert_mlp(x: jax.Array, rows: jax.Array, gate_up: jax.Array, down: ja
     bm, warps = (FUSED_LONG_BM, FUSED_LONG_WARPS) if long and FUSED_LONG_BM is not None else (FUSED_BM, FUSED_WARPS)
     return grouped_mlp(x, rows, gate_up, down, offsets, layer, ACTIVATIONS[act], *fused_blocks(gate_up),
                        bm=bm, num_warps=warps, num_stages=FUSED_STAGES, one_dot=FUSED_ONE_DOT,
-                       interpret=jax.default_backend() == "cpu", row_scale=row_scale, order=order, dest=dest)
+                       interpret=jax.default_backend() == "cpu", row_scale=row_scale, order=order)
 
 
 def fused_stack(w) -> bool:
@@ -375,16 +369,14 @@ def fused_stack(w) -> bool:
 def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False,
                         by_token: bool = False, row_scale: jax.Array | None = None) -> jax.Array:
     """Rows sorted by expert and multiplied group by group (`grouped_matmul`): work proportional to T * k. The
-    outputs come back by a gather (each assignment reads its sorted row; with FUSED_TOKEN_ORDER the one-launch kernel
-    stores them in that order itself), weighted and summed over the k choices.
+    outputs come back by a gather (each assignment reads its sorted row), weighted and summed over the k choices.
     sort_kernel: sort with kernels/expert_sort (one launch, and the group offsets the grouped kernel needs) up to its
     MAX_ASSIGNMENTS, instead of sort_by_expert's XLA fusions (by_token: each token's experts distinct, see
     _sorted_rows). row_scale: experts_mlp's, taken by the one-launch kernel only."""
     t, k = experts.shape
     if row_scale is not None and not fused_stack(gate_up):
         raise ValueError("grouped_experts_mlp: row_scale needs gate_up in fuse_gate_up's layout")
-    token_order = FUSED_TOKEN_ORDER and fused_stack(gate_up)
-    tokens, pos, sizes, offsets, dest = _sorted_rows(experts, gate_up.shape[0], sort_kernel, by_token, token_order)
+    tokens, pos, sizes, offsets = _sorted_rows(experts, gate_up.shape[0], sort_kernel, by_token)
     # Indices from the sort kernel (offsets given) take bare gathers. XLA's sort keeps jnp.take: a gather whose index
     # is used once fused the whole counting sort into itself (170 us per 26B layer, session 16).
     take = in_bounds_take if offsets is not None else (lambda a, i: jnp.take(a, i, axis=0))  # noqa: E731
@@ -393,12 +385,10 @@ def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kerne
 
         offsets = group_offsets(sizes) if offsets is None else offsets
         y = fused_expert_mlp(x, tokens, gate_up.stack, as_stacked(down).stack, offsets, gate_up.index, act,
-                             row_scale, dest)
+                             row_scale)
     else:
         xs, rows = (x, tokens) if GATHER_IN_KERNEL else (take(x, tokens), None)
         g, u = jnp.split(grouped_matmul(xs, gate_up, sizes, offsets, rows=rows), 2, axis=-1)  # [M, F] each
         y = grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes, offsets)  # [M, D] in sorted order
-    if dest is None:
-        y = take(y, pos)  # [M, D] in (token, choice) order (with dest the kernel stored it so)
-    y = y.astype(jnp.float32) * weights.reshape(-1, 1)
+    y = take(y, pos).astype(jnp.float32) * weights.reshape(-1, 1)  # [M, D] in (token, choice) order
     return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)  # [T, D]
