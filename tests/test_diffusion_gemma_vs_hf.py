@@ -525,6 +525,13 @@ def test_transposed_projections_keep_the_logits(dg_ours, dg_hf, monkeypatch):
         np.testing.assert_array_equal(np.asarray(with_t[t]["down_t"]), np.asarray(params[t]["down"]).swapaxes(1, 2))
     with pytest.raises(ValueError, match="transposed already"):
         dgi.transposed_projections(with_t)
+    monkeypatch.setattr(dgi, "TRANSPOSED_PROJECTIONS", "auto")  # the default: on a GPU only
+    kept = dgi.inference_params(params, cfg.replace(moe_impl="bucketed")) is params
+    assert kept == (jax.default_backend() != "gpu")
+    monkeypatch.setattr(dgi, "TRANSPOSED_PROJECTIONS", "yes")
+    with pytest.raises(ValueError, match="TRANSPOSED_PROJECTIONS.*'yes'"):
+        dgi.inference_params(params, cfg)
+    monkeypatch.setattr(dgi, "TRANSPOSED_PROJECTIONS", True)
     model, _ = dg_hf
     lengths = [11, 6]
     prompts, padded = _left_padded(lengths, 82)

@@ -31,9 +31,11 @@ FOLD_SCALE = 16.0  # fold_attention_norms' c: a power of two (exact in any float
 FOLD_FFW_NORMS = True
 # ... and the attention output and dense-down projections stored as [out, in] ("o_t" [L, D, N, H], "down_t" [L, D,
 # F]; `transposed_projections`): alone, XLA's GEMM (cuBLAS) ran o's shape in 16.4 against 18.0 us and dense down's in
-# 13.6 against 14.2 with the weight as [N, K] (benchmarks/results/2026-12-05_dg_softcap_masked_h200.md): ~3 ms per
-# generate() if that holds in the forward (for the LM head it did not). Not timed. Read by inference_params.
-TRANSPOSED_PROJECTIONS = False
+# 13.6 against 14.2 with the weight as [N, K] (benchmarks/results/2026-12-05_dg_softcap_masked_h200.md). In the 26B
+# forward on an H100: 19.310 against 19.342 ms at 48 per loop, -0.029 ms, faster in 6 of 6 alternating rounds, the
+# logits bitwise equal (benchmarks/results/2026-12-05_dg_token_order_h100.md). "auto": on a GPU (a layout for cuBLAS;
+# elsewhere the model's params stay as they are); True / False: always / never. Read by inference_params.
+TRANSPOSED_PROJECTIONS: bool | str = "auto"
 # The norm vectors each fold drops from the layer stacks (what `applied` reads).
 FOLDED = {"attention": ("attn_norm",), "ffw": ("mlp_norm", "router_scale", "moe_norm")}
 
@@ -137,8 +139,8 @@ def inference_params(params: dict, cfg: DiffusionGemmaConfig, donate: bool = Fal
     "pallas" (on a GPU) and the expert shapes fit the fused kernel's tiles (moe.fuse_gate_up); else, and for expert
     stacks sharded over several devices (expert parallelism keeps the model's layout), params unchanged. With
     FOLD_ATTENTION_NORMS / FOLD_FFW_NORMS, a bf16 / fp16 model's params also go through `fold_attention_norms` /
-    `fold_ffw_norms` (any backend; float32 models stay as they are), and with TRANSPOSED_PROJECTIONS through
-    `transposed_projections` (any backend and dtype).
+    `fold_ffw_norms` (any backend; float32 models stay as they are), and under TRANSPOSED_PROJECTIONS (on a GPU by
+    default, any dtype) through `transposed_projections`.
     Memory: the expert stacks are rewritten one layer at a time (layerwise.map_layers), in a copy of each, or with
     donate in `params`' own buffers: `params` is then consumed (its expert gate/up stacks deleted) and the 26B (50.5
     GB) reaches this layout within a 56 GB peak on an H100 (benchmarks/results/2026-12-05_dg_long_tiles_h100.md),
@@ -153,6 +155,9 @@ def inference_params(params: dict, cfg: DiffusionGemmaConfig, donate: bool = Fal
         params = fused_expert_params(params, donate)
     if FOLD_FFW_NORMS and low and "moe_norm" in params["sliding"]:
         params = fold_ffw_norms(params, donate_experts=fuse or donate)  # fused stacks: this function's own
-    if TRANSPOSED_PROJECTIONS and not sharded:
+    if TRANSPOSED_PROJECTIONS not in (True, False, "auto"):
+        raise ValueError(f"TRANSPOSED_PROJECTIONS must be True, False or 'auto', got {TRANSPOSED_PROJECTIONS!r}")
+    transpose = jax.default_backend() == "gpu" if TRANSPOSED_PROJECTIONS == "auto" else TRANSPOSED_PROJECTIONS
+    if transpose and not sharded:
         params = transposed_projections(params)
     return params
