@@ -510,39 +510,50 @@ def test_round_trip_exact(dg_ours, dg_hf, tmp_path):
     assert (a - b).abs().max() < 1e-5
 
 
-def test_transposed_projections_keep_the_logits(dg_ours, dg_hf, monkeypatch):
-    """diffusion_gemma_inference.transposed_projections (TRANSPOSED_PROJECTIONS): o and the dense down stored as [out,
-    in] give prefill_decode's logits the model's layout gives (float32: the same products and sums, up to the order
-    XLA adds them) and transformers' rows (1e-4); inference_params applies it under the switch; the copies are what
-    is read; a second transpose is refused."""
+@pytest.mark.parametrize("inputs", [False, True], ids=["o_down", "all"])
+def test_transposed_projections_keep_the_logits(dg_ours, dg_hf, monkeypatch, inputs):
+    """diffusion_gemma_inference.transposed_projections (TRANSPOSED_PROJECTIONS; TRANSPOSE_INPUTS adds qkv / qk and
+    gate/up): the projections stored as [out, in] give prefill_decode's logits the model's layout gives (float32: the
+    same products and sums, up to the order XLA adds them) and transformers' rows (1e-4); inference_params applies
+    them under the switches; the copies are what is read; a second transpose is refused."""
     cfg, params = dg_ours
     monkeypatch.setattr(dgi, "TRANSPOSED_PROJECTIONS", True)
+    monkeypatch.setattr(dgi, "TRANSPOSE_INPUTS", inputs)
     with_t = dgi.inference_params(params, cfg.replace(moe_impl="bucketed"))
-    assert dgi.applied(with_t) == ["transposed projections"] and dgi.applied(params) == []
+    names = ["o", "down"] + (["qkv", "qk", "gate_up"] if inputs else [])
+    # applied reads the sliding layers (the full layers' qk is their qkv)
+    assert dgi.applied(with_t) == [f"transposed {n}" for n in dgi.TRANSPOSES if n in names and n in params["sliding"]]
+    assert dgi.applied(params) == []
     for t in ("sliding", "full"):
-        assert "o" not in with_t[t] and "down" not in with_t[t]
-        np.testing.assert_array_equal(np.asarray(with_t[t]["o_t"]), np.asarray(params[t]["o"]).transpose(0, 3, 1, 2))
-        np.testing.assert_array_equal(np.asarray(with_t[t]["down_t"]), np.asarray(params[t]["down"]).swapaxes(1, 2))
+        for n in names:
+            if n in params[t]:
+                assert n not in with_t[t]
+                np.testing.assert_array_equal(np.asarray(with_t[t][n + "_t"]),
+                                              np.asarray(params[t][n]).transpose(dgi.TRANSPOSES[n]))
     with pytest.raises(ValueError, match="transposed already"):
         dgi.transposed_projections(with_t)
+    with pytest.raises(ValueError, match="unknown names.*'router'"):
+        dgi.transposed_projections(params, ("o", "router"))
     monkeypatch.setattr(dgi, "TRANSPOSED_PROJECTIONS", "auto")  # the default: on a GPU only
     kept = dgi.inference_params(params, cfg.replace(moe_impl="bucketed")) is params
     assert kept == (jax.default_backend() != "gpu")
     monkeypatch.setattr(dgi, "TRANSPOSED_PROJECTIONS", "yes")
     with pytest.raises(ValueError, match="TRANSPOSED_PROJECTIONS.*'yes'"):
         dgi.inference_params(params, cfg)
-    monkeypatch.setattr(dgi, "TRANSPOSED_PROJECTIONS", True)
     model, _ = dg_hf
     lengths = [11, 6]
     prompts, padded = _left_padded(lengths, 82)
     canvas = _tokens((2, cfg.block_length), 83)
     pd = jax.jit(dg.prefill_decode, static_argnums=(1, 4))
     args = (jnp.asarray(padded), jnp.asarray(lengths, jnp.int32), max(lengths) + cfg.block_length, jnp.asarray(canvas))
-    flipped = {t: with_t[t] | {"o_t": with_t[t]["o_t"][:, ::-1], "down_t": with_t[t]["down_t"][:, :, ::-1]}
-               for t in ("sliding", "full")}
-    (got, _), (want, _), (other, _) = (pd(p, cfg, *args) for p in (with_t, params, with_t | flipped))
+    (got, _), (want, _) = (pd(p, cfg, *args) for p in (with_t, params))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
-    assert np.abs(np.asarray(other) - np.asarray(want)).max() > 1e-2  # the copies are what is read
+    for t in ("sliding", "full"):  # each copy is what is read: reversing its last axis changes the logits
+        for n in names:
+            if n + "_t" in with_t[t]:
+                flipped = with_t | {t: with_t[t] | {n + "_t": with_t[t][n + "_t"][..., ::-1]}}
+                other, _ = pd(flipped, cfg, *args)
+                assert np.abs(np.asarray(other) - np.asarray(want)).max() > 1e-3, (t, n)
     for r in range(2):
         assert np.abs(np.asarray(got)[r] - _hf_row(model, prompts[r], [canvas[r]], [None], [])[0]).max() < 1e-4
 
@@ -554,7 +565,7 @@ def test_export_refuses_inference_params(dg_ours, tmp_path):
     for p, what in ((dgi.fold_attention_norms(params), "attn_norm"), (dgi.fold_ffw_norms(params), "moe_norm"),
                     (params | {"sliding": params["sliding"] | {"experts_gate_up": params["sliding"][
                         "experts_gate_up"][..., None]}}, "fused expert layout"),
-                    (dgi.transposed_projections(params), "transposed projections")):
+                    (dgi.transposed_projections(params), "transposed o")):
         with pytest.raises(ValueError, match=f"inference params.*{what}|{what}.*export"):
             save_hf(tmp_path / "export", cfg, p)
         assert not (tmp_path / "export").exists()

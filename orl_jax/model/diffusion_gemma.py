@@ -226,8 +226,10 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     # folded params (diffusion_gemma_inference.fold_attention_norms): the norm's weight is in the projection, its
     # per-token scale cancels in the head norms below
     h = rms_norm_fp32(x, w["attn_norm"], eps) if "attn_norm" in w else x
-    own_v = "qkv" in w  # full layers: "qk", K = V
-    proj = einsum("bld,dkth->blkth", h, w["qkv" if own_v else "qk"])  # [B, L, K, G + 2 (or + 1), H]
+    own_v = "qkv" in w or "qkv_t" in w  # full layers: "qk", K = V
+    name = "qkv" if own_v else "qk"  # diffusion_gemma_inference.transposed_projections: NAME_t as [out, in]
+    proj = (einsum("bld,kthd->blkth", h, w[name + "_t"]) if name + "_t" in w
+            else einsum("bld,dkth->blkth", h, w[name]))  # [B, L, K, G + 2 (or + 1), H]
     g = cfg.num_heads // proj.shape[2]
     if own_v and "packed_vectors" in w:  # sliding layers of cached passes on a GPU: q/k/v norms + RoPE, one kernel
         from orl_jax_kernels.qk_norm_rope import kernel as qk_kernel
@@ -263,8 +265,9 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     moe = experts_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT, impl,
                       distinct=True, row_scale=rs)  # a top-k's choices
     moe = moe.reshape(b, l, d)  # [B, L, D]
-    mlp = fused_gated_mlp(mlp_in, w["gate_up"], w["down_t"] if "down_t" in w else w["down"], ACT,
-                          None if rs is None else rs.reshape(b, l, 1), down_transposed="down_t" in w)
+    mlp = fused_gated_mlp(mlp_in, w.get("gate_up_t", w.get("gate_up")), w.get("down_t", w.get("down")), ACT,
+                          None if rs is None else rs.reshape(b, l, 1), gate_up_transposed="gate_up_t" in w,
+                          down_transposed="down_t" in w)
     ffw = rms_norm_fp32(mlp, w["post_mlp_norm"], eps) + rms_norm_fp32(moe, w["post_moe_norm"], eps)
     if isinstance(scalar, str):
         scale = w[scalar][0]

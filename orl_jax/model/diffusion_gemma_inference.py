@@ -36,6 +36,10 @@ FOLD_FFW_NORMS = True
 # logits bitwise equal (benchmarks/results/2026-12-05_dg_token_order_h100.md). "auto": on a GPU (a layout for cuBLAS;
 # elsewhere the model's params stay as they are); True / False: always / never. Read by inference_params.
 TRANSPOSED_PROJECTIONS: bool | str = "auto"
+# ... and the input projections too (qkv / qk [L, K, G + 2, H, D], gate/up [L, 2, F, D]: `transposed_projections`
+# with INPUT_PROJECTIONS), where TRANSPOSED_PROJECTIONS applies. qkv is the layer's longest GEMM at the canvas (21.8 us
+# in session 54's trace, on the chain); not probed alone, not timed. Read by inference_params.
+TRANSPOSE_INPUTS = False
 # The norm vectors each fold drops from the layer stacks (what `applied` reads).
 FOLDED = {"attention": ("attn_norm",), "ffw": ("mlp_norm", "router_scale", "moe_norm")}
 
@@ -106,20 +110,30 @@ def fold_ffw_norms(params: dict, donate_experts: bool = False) -> dict:
     return out
 
 
-_transpose_o = jax.jit(lambda a: jnp.transpose(a, (0, 3, 1, 2)))  # [L, N, H, D] -> [L, D, N, H]
-_transpose_down = jax.jit(lambda a: jnp.swapaxes(a, 1, 2))  # [L, F, D] -> [L, D, F]
+# Each dense projection's [out, in] layout: the axes of its stack in the new order (the layer axis first).
+TRANSPOSES = {"o": (0, 3, 1, 2), "down": (0, 2, 1),  # [L, N, H, D] -> [L, D, N, H]; [L, F, D] -> [L, D, F]
+              "qkv": (0, 2, 3, 4, 1), "qk": (0, 2, 3, 4, 1), "gate_up": (0, 2, 3, 1)}  # [L, D, ...] -> [L, ..., D]
+OUTPUT_PROJECTIONS = ("o", "down")
+INPUT_PROJECTIONS = ("qkv", "qk", "gate_up")
+_transpose = jax.jit(jnp.transpose, static_argnums=1)
 
 
-def transposed_projections(params: dict) -> dict:
-    """params with each layer's attention output and dense-down projections stored as [out, in]: "o" [L, N, H, D]
-    becomes "o_t" [L, D, N, H] and "down" [L, F, D] "down_t" [L, D, F], which `diffusion_gemma._layer` multiplies
-    instead (the same products and sums; only the operands' layout differs). Inference only, as the folds."""
+def transposed_projections(params: dict, names: tuple[str, ...] = OUTPUT_PROJECTIONS) -> dict:
+    """params with each layer's `names` projections (of TRANSPOSES, those the layer has) stored as [out, in] under
+    NAME + "_t": "o" [L, N, H, D] becomes "o_t" [L, D, N, H], "down" [L, F, D] "down_t" [L, D, F], "qkv" [L, D, K,
+    G + 2, H] "qkv_t" [L, K, G + 2, H, D], "gate_up" [L, D, 2, F] "gate_up_t" [L, 2, F, D]; `diffusion_gemma._layer`
+    multiplies those instead (the same products and sums; only the operands' layout differs). After any norm fold.
+    Inference only, as the folds."""
+    if unknown := set(names) - set(TRANSPOSES):
+        raise ValueError(f"transposed_projections: unknown names {sorted(unknown)} (of {sorted(TRANSPOSES)})")
     out = dict(params)
     for t in ("sliding", "full"):
         layers = dict(params[t])
-        if "o" not in layers or "down" not in layers:
-            raise ValueError(f"transposed_projections: params['{t}'] has no 'o' / 'down' (transposed already?)")
-        layers["o_t"], layers["down_t"] = _transpose_o(layers.pop("o")), _transpose_down(layers.pop("down"))
+        present = [n for n in names if n in layers]
+        if not present:
+            raise ValueError(f"transposed_projections: params['{t}'] has none of {list(names)} (transposed already?)")
+        for n in present:
+            layers[n + "_t"] = _transpose(layers.pop(n), TRANSPOSES[n])
         out[t] = layers
     return out
 
@@ -131,7 +145,7 @@ def applied(params) -> list[str]:
         return []
     done = ["fused expert layout"] if getattr(layers.get("experts_gate_up"), "ndim", 4) == 5 else []
     done += [f"folded norms {list(vectors)}" for vectors in FOLDED.values() if not set(vectors) & set(layers)]
-    return done + (["transposed projections"] if "o_t" in layers else [])
+    return done + [f"transposed {n}" for n in TRANSPOSES if n + "_t" in layers]
 
 
 def inference_params(params: dict, cfg: DiffusionGemmaConfig, donate: bool = False) -> dict:
@@ -159,5 +173,5 @@ def inference_params(params: dict, cfg: DiffusionGemmaConfig, donate: bool = Fal
         raise ValueError(f"TRANSPOSED_PROJECTIONS must be True, False or 'auto', got {TRANSPOSED_PROJECTIONS!r}")
     transpose = jax.default_backend() == "gpu" if TRANSPOSED_PROJECTIONS == "auto" else TRANSPOSED_PROJECTIONS
     if transpose and not sharded:
-        params = transposed_projections(params)
+        params = transposed_projections(params, OUTPUT_PROJECTIONS + (INPUT_PROJECTIONS if TRANSPOSE_INPUTS else ()))
     return params
