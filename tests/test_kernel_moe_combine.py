@@ -23,7 +23,8 @@ def _reference(y, pos, w, dtype):
     return (y[pos].astype(jnp.float32) * w[..., None].astype(jnp.float32)).sum(1).astype(dtype)
 
 
-@pytest.mark.parametrize("t,k,d,bt,bd", [(40, 3, 512, 16, 256), (32, 8, 256, 32, 128), (5, 2, 64, 8, 64)])
+@pytest.mark.parametrize("t,k,d,bt,bd", [(40, 3, 512, 16, 256), (32, 8, 256, 32, 128), (5, 2, 64, 8, 64),
+                                         (40, 8, 256, None, None)])  # the last: the module's tiles
 def test_equals_the_gathered_sum_in_interpret_mode(t, k, d, bt, bd):
     """Token counts that fill their tiles or not (40 = 2.5 tiles of 16, 5 < 8), k 2-8; bf16 rows, float32 sums, one
     rounding; shuffled indices give other sums (the check can fail)."""
@@ -46,7 +47,7 @@ def test_rejects_wrong_inputs():
     with pytest.raises(ValueError, match="same shape"):
         moe_combine(y, pos, w[:, :1], interpret=True)
     with pytest.raises(ValueError, match="column tiles of 256"):
-        moe_combine(y, pos, w, interpret=True)  # D = 128 < BLOCK_D
+        moe_combine(y, pos, w, block_d=256, interpret=True)  # D = 128
     with pytest.raises(ValueError, match="tokens per tile"):
         moe_combine(y, pos, w, block_t=12, block_d=128, interpret=True)
     assert supported(2816) and not supported(2816, 512) and not supported(2816, 8)

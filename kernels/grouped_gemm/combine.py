@@ -24,11 +24,13 @@ from jax.experimental import pallas as pl
 
 from orl_jax_kernels.pallas_args import triton_params
 
-# Tokens and columns per program, and its warps (read at trace time). At the canvas (256 tokens, D = 2816): 16 x 11 =
-# 176 programs, each gathering 8 x [16, 256] bf16 rows. Not timed yet (session 54).
+# Tokens and columns per program, its warps and pipeline stages (read at trace time). At the canvas (256 tokens, D =
+# 2816): 16 x 22 = 352 programs (~2.7 per SM, for the gathers' latency), each gathering 8 x [16, 128] bf16 rows, the
+# choices' loop over 2 stages; no spills (pip Triton 3.6's ptxas for sm_90a). Not timed yet (session 54).
 BLOCK_T = 16
-BLOCK_D = 256
+BLOCK_D = 128
 NUM_WARPS = 4
+NUM_STAGES = 2
 
 
 def supported(d: int, block_d: int | None = None) -> bool:
@@ -83,6 +85,6 @@ def moe_combine(y: jax.Array, pos: jax.Array, weights: jax.Array, *, out_dtype=N
         out_specs=pl.BlockSpec(out_shape, lambda i, j: (0, 0)),
         interpret=interpret,
         name="moe_combine",
-        **triton_params(warps, 1, interpret),
+        **triton_params(warps, NUM_STAGES, interpret),
     )(pos_t, w_t, y)
     return out[:t] if spare else out
