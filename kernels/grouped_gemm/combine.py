@@ -7,7 +7,7 @@ written), on the dependency chain between a layer's experts and the next layer's
 expert rows in token order instead, so that the sum needs no gather, was slower (the expert kernel's scattered
 stores: benchmarks/results/2026-12-05_dg_token_order_h100.md). Here one program per tile of BT tokens x BD columns
 loads its k rows per token as row gathers (BD contiguous values each) and writes the model dtype: the same bytes
-read, a quarter of the bytes written.
+read, half the bytes written.
 
 Semantics: sum over c of weights[t, c] * y[pos[t, c]] in float32, the choices added in order c = 0 .. k - 1 (XLA's
 reduce may add them in another order: equal up to float32 rounding), rounded once to the output dtype. Pallas, Triton
