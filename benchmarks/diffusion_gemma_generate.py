@@ -659,10 +659,9 @@ for impl in IMPLS:
         write_generate_hlo(c, kw)
     if args.generate_ab or args.ab_compiler_options or args.ab_fold:
         folded = fold_ab(c) if args.ab_fold else None
-        if args.ab_fold_forward_only:
-            folded = None
+        params_b = None if args.ab_fold_forward_only else folded  # forward only: B's generate() on A's params
         # fewer steps: what a step costs apart from the rest
         for steps in ([] if args.ab_steps_only else [None]) + args.ab_max_steps:
-            generate_ab(c, kw if steps is None else kw | {"max_steps": steps}, folded)
+            generate_ab(c, kw if steps is None else kw | {"max_steps": steps}, params_b)
     if args.parts:
         generate_parts(c, kw)

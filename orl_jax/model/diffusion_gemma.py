@@ -220,6 +220,21 @@ def soft_embed(params: dict, cfg: DiffusionGemmaConfig, probs: jax.Array, scale:
 
 # --- the layer stack ---------------------------------------------------------------------------------------------
 
+# The dense projections' [out, in] layout (diffusion_gemma_inference.transposed_projections stores NAME + "_t"): the
+# axes of each stack in the new order, the layer axis first. o [L, N, H, D] -> [L, D, N, H], down [L, F, D] -> [L, D,
+# F], qkv / qk [L, D, K, T, H] -> [L, K, T, H, D], gate_up [L, D, 2, F] -> [L, 2, F, D].
+TRANSPOSES = {"o": (0, 3, 1, 2), "down": (0, 2, 1), "qkv": (0, 2, 3, 4, 1), "qk": (0, 2, 3, 4, 1),
+              "gate_up": (0, 2, 3, 1)}
+
+
+def _weight(w: dict, name: str, letters: str) -> tuple:
+    """A layer's weight `name` with its einsum letters (one per axis), or its [out, in] copy NAME_t with the letters
+    in that copy's order."""
+    if name + "_t" not in w:
+        return w[name], letters
+    return w[name + "_t"], "".join(letters[i - 1] for i in TRANSPOSES[name][1:])
+
+
 def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: str, self_impl: str = "orl_jax"):
     eps = cfg.rms_norm_eps
     b, l, d = x.shape
@@ -227,9 +242,8 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     # per-token scale cancels in the head norms below
     h = rms_norm_fp32(x, w["attn_norm"], eps) if "attn_norm" in w else x
     own_v = "qkv" in w or "qkv_t" in w  # full layers: "qk", K = V
-    name = "qkv" if own_v else "qk"  # diffusion_gemma_inference.transposed_projections: NAME_t as [out, in]
-    proj = (einsum("bld,kthd->blkth", h, w[name + "_t"]) if name + "_t" in w
-            else einsum("bld,dkth->blkth", h, w[name]))  # [B, L, K, G + 2 (or + 1), H]
+    qkv, letters = _weight(w, "qkv" if own_v else "qk", "dkth")
+    proj = einsum(f"bld,{letters}->blkth", h, qkv)  # [B, L, K, G + 2 (or + 1), H]
     g = cfg.num_heads // proj.shape[2]
     if own_v and "packed_vectors" in w:  # sliding layers of cached passes on a GPU: q/k/v norms + RoPE, one kernel
         from orl_jax_kernels.qk_norm_rope import kernel as qk_kernel
@@ -244,9 +258,8 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
     impl = self_impl if cache_part is None else qwen3.cached_attention_impl(cfg)
-    attn = attention(q, parts, impl, scale=1.0)
-    # diffusion_gemma_inference.transposed_projections: o (and the dense down) stored as [out, in]
-    attn = einsum("blnh,dnh->bld", attn, w["o_t"]) if "o_t" in w else einsum("blnh,nhd->bld", attn, w["o"])
+    o, letters = _weight(w, "o", "nhd")
+    attn = einsum(f"blnh,{letters}->bld", attention(q, parts, impl, scale=1.0), o)
     x = x + rms_norm_fp32(attn, w["post_attn_norm"], eps)
 
     flat = x.reshape(b * l, d)  # [T, D]
@@ -265,9 +278,9 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     moe = experts_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT, impl,
                       distinct=True, row_scale=rs)  # a top-k's choices
     moe = moe.reshape(b, l, d)  # [B, L, D]
-    mlp = fused_gated_mlp(mlp_in, w.get("gate_up_t", w.get("gate_up")), w.get("down_t", w.get("down")), ACT,
-                          None if rs is None else rs.reshape(b, l, 1), gate_up_transposed="gate_up_t" in w,
-                          down_transposed="down_t" in w)
+    (gate_up, gu_letters), (down, down_letters) = _weight(w, "gate_up", "dtf"), _weight(w, "down", "fd")
+    mlp = fused_gated_mlp(mlp_in, gate_up, down, ACT, None if rs is None else rs.reshape(b, l, 1),
+                          gate_up_letters=gu_letters, down_letters=down_letters)
     ffw = rms_norm_fp32(mlp, w["post_mlp_norm"], eps) + rms_norm_fp32(moe, w["post_moe_norm"], eps)
     if isinstance(scalar, str):
         scale = w[scalar][0]
@@ -427,11 +440,6 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     return h, cat(kv_s, jnp.concatenate), cat(kv_f, jnp.stack)
 
 
-def head_matrix(params: dict, cfg: DiffusionGemmaConfig) -> jax.Array:
-    """The LM head [V, D]: the embedding when tied, else lm_head."""
-    return params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-
-
 def logits(params: dict, cfg: DiffusionGemmaConfig, h: jax.Array, capped: bool = True) -> jax.Array:
     """[B, L, D] -> soft-capped float32 logits [B, L, V] (capped=False: the head's product, `cap_logits` of it are
     the logits). The head's product (float32 sums) is rounded to the model
@@ -439,7 +447,8 @@ def logits(params: dict, cfg: DiffusionGemmaConfig, h: jax.Array, capped: bool =
     The GEMM writes that dtype itself (one rounding in its epilogue, as a bf16 lm_head in PyTorch does): the 26B's
     [256, 262144] product is then 134 MB instead of 268 of float32 sums converted after it; in the forward
     15.600 / 15.603 against 15.617 / 15.617 ms (benchmarks/results/2026-12-01_dg_graph_loops_h200.md, call 4)."""
-    z = jnp.einsum("bld,vd->blv", h, head_matrix(params, cfg).astype(h.dtype), preferred_element_type=h.dtype)
+    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    z = jnp.einsum("bld,vd->blv", h, head.astype(h.dtype), preferred_element_type=h.dtype)
     return cap_logits(cfg, z) if capped else z
 
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from orl_jax.diffusion_gemma_config import DiffusionGemmaConfig
-from orl_jax.model.diffusion_gemma import moe_impl
+from orl_jax.model.diffusion_gemma import TRANSPOSES, moe_impl
 from orl_jax.model.layerwise import map_layers
 from orl_jax.model.moe import fusable, fuse_gate_up
 
@@ -110,20 +110,15 @@ def fold_ffw_norms(params: dict, donate_experts: bool = False) -> dict:
     return out
 
 
-# Each dense projection's [out, in] layout: the axes of its stack in the new order (the layer axis first).
-TRANSPOSES = {"o": (0, 3, 1, 2), "down": (0, 2, 1),  # [L, N, H, D] -> [L, D, N, H]; [L, F, D] -> [L, D, F]
-              "qkv": (0, 2, 3, 4, 1), "qk": (0, 2, 3, 4, 1), "gate_up": (0, 2, 3, 1)}  # [L, D, ...] -> [L, ..., D]
 OUTPUT_PROJECTIONS = ("o", "down")
 INPUT_PROJECTIONS = ("qkv", "qk", "gate_up")
 _transpose = jax.jit(jnp.transpose, static_argnums=1)
 
 
 def transposed_projections(params: dict, names: tuple[str, ...] = OUTPUT_PROJECTIONS) -> dict:
-    """params with each layer's `names` projections (of TRANSPOSES, those the layer has) stored as [out, in] under
-    NAME + "_t": "o" [L, N, H, D] becomes "o_t" [L, D, N, H], "down" [L, F, D] "down_t" [L, D, F], "qkv" [L, D, K,
-    G + 2, H] "qkv_t" [L, K, G + 2, H, D], "gate_up" [L, D, 2, F] "gate_up_t" [L, 2, F, D]; `diffusion_gemma._layer`
-    multiplies those instead (the same products and sums; only the operands' layout differs). After any norm fold.
-    Inference only, as the folds."""
+    """params with each layer's `names` projections (those the layer has) stored as [out, in] under NAME + "_t", in
+    diffusion_gemma.TRANSPOSES' axis order, which `diffusion_gemma._layer` multiplies instead (the same products and
+    sums; only the operands' layout differs). After any norm fold. Inference only, as the folds."""
     if unknown := set(names) - set(TRANSPOSES):
         raise ValueError(f"transposed_projections: unknown names {sorted(unknown)} (of {sorted(TRANSPOSES)})")
     out = dict(params)
@@ -159,6 +154,8 @@ def inference_params(params: dict, cfg: DiffusionGemmaConfig, donate: bool = Fal
     donate in `params`' own buffers: `params` is then consumed (its expert gate/up stacks deleted) and the 26B (50.5
     GB) reaches this layout within a 56 GB peak on an H100 (benchmarks/results/2026-12-05_dg_long_tiles_h100.md),
     where a copy of its stacks needs ~81 (more than an 80 GB GPU holds)."""
+    if TRANSPOSED_PROJECTIONS not in (True, False, "auto"):
+        raise ValueError(f"TRANSPOSED_PROJECTIONS must be True, False or 'auto', got {TRANSPOSED_PROJECTIONS!r}")
     stack = params["sliding"]["experts_gate_up"]
     sharded = len(getattr(stack, "sharding", None) and stack.sharding.device_set or ()) > 1
     low = cfg.dtype in ("bfloat16", "float16")
@@ -169,8 +166,6 @@ def inference_params(params: dict, cfg: DiffusionGemmaConfig, donate: bool = Fal
         params = fused_expert_params(params, donate)
     if FOLD_FFW_NORMS and low and "moe_norm" in params["sliding"]:
         params = fold_ffw_norms(params, donate_experts=fuse or donate)  # fused stacks: this function's own
-    if TRANSPOSED_PROJECTIONS not in (True, False, "auto"):
-        raise ValueError(f"TRANSPOSED_PROJECTIONS must be True, False or 'auto', got {TRANSPOSED_PROJECTIONS!r}")
     transpose = jax.default_backend() == "gpu" if TRANSPOSED_PROJECTIONS == "auto" else TRANSPOSED_PROJECTIONS
     if transpose and not sharded:
         params = transposed_projections(params, OUTPUT_PROJECTIONS + (INPUT_PROJECTIONS if TRANSPOSE_INPUTS else ()))

@@ -311,7 +311,7 @@ FUSED_HEAVY_FIRST = False
 FUSED_LONG_BM: int | None = 128
 FUSED_LONG_WARPS = 8
 # The combine (each token's k expert outputs gathered from the sorted rows, weighted, summed) in one kernel
-# (kernels/grouped_gemm/combine.py) where the sort kernel made the indices, instead of XLA's gather-and-reduce fusion:
+# (kernels/grouped_gemm/combine.py), with either sort's indices, instead of XLA's gather-and-reduce fusion:
 # 9.1 us per 26B layer at the canvas in session 54's H200 trace, on the chain between a layer's experts and the next
 # layer's attention, for ~14 MB of traffic. The same sums up to float32 rounding (the choices added in order). Not
 # timed yet (session 54). Read at trace time.
