@@ -49,16 +49,6 @@ FUSED_FIRST_STEP = True
 # pass or the plain one). False: the commit under its own lax.cond in the step that finished the block. Read at trace
 # time.
 FUSED_COMMIT = True
-# Denoising steps per iteration of generate()'s while loop (DiffusionGemma's programs). XLA copies a while loop's
-# predicate to the host at every iteration unless the loop becomes a device-side WHILE command, and it does not for
-# DiffusionGemma: its sliding layers read their weights in place through dynamic-slice fusions whose offsets follow
-# the layer loop, which XLA only accepts inside loops of a known trip count (the command buffer unrolls those). In
-# session 54's H200 trace each step then ended with the predicate's copy and the host's relaunch of the step's graph
-# (`while` thunk, ~50 us idle under the profiler). With N > 1 each iteration runs a fori_loop of N steps, each under
-# a lax.cond on the loop's predicate (the step traced once; the known trip count lets the command buffer hold the N
-# steps, unrolled): one host check per N steps, the same decisions. N at least the loop's bound (num_blocks x
-# max_steps) drops the while loop: the whole generation is one graph. Not yet timed (session 55). Read at trace time.
-LOOP_STEPS = 1
 
 
 @dataclass(frozen=True)
@@ -259,17 +249,7 @@ def _generate_loop(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: Deco
 
     if fused:  # the loop's first iteration, its forward done above (cond holds: block 0, no row done)
         state = advance(state, first_logits, state.cache)
-    step = lambda s: advance(s, *forward(s))  # noqa: E731
-    bound = nb * dcfg.max_steps - fused  # iterations left at most: each takes a step or finishes its block
-    if not isinstance(LOOP_STEPS, int) or LOOP_STEPS < 1:
-        raise ValueError(f"engine.LOOP_STEPS must be an int >= 1, got {LOOP_STEPS!r}")
-    if LOOP_STEPS == 1:
-        s = jax.lax.while_loop(cond, step, state)
-    else:  # N guarded steps per host check (LOOP_STEPS); none when N covers the bound
-        guarded = lambda _, s: jax.lax.cond(cond(s), step, lambda s: s, s)  # noqa: E731
-        steps = lambda s, n: jax.lax.fori_loop(0, n, guarded, s)  # noqa: E731
-        s = (steps(state, bound) if LOOP_STEPS >= bound
-             else jax.lax.while_loop(cond, lambda s: steps(s, LOOP_STEPS), state))
+    s = jax.lax.while_loop(cond, lambda s: advance(s, *forward(s)), state)
     lengths_out = _valid_lengths(s.tokens, dcfg)
     tpf = lengths_out / jnp.maximum(s.forwards + s.commits, 1)
     # transformers' tokens_per_forward (DiffusionGemma generate): non-pad new tokens / denoising forwards
