@@ -756,14 +756,16 @@ def _hf_generate(model, prompts, key, eos, rng: str = UniformSampler.rng):
             pad_token_id=0)
 
 
-@pytest.mark.parametrize("rng,seed,fused", [("inverse_cdf", KEY_CDF, True), ("threefry", 3, True),
-                                            ("inverse_cdf", KEY_CDF, False)])
-def test_generate_matches_transformers(sharp, rng, seed, fused, monkeypatch):
+@pytest.mark.parametrize("rng,seed,fused,sliding_loop", [
+    ("inverse_cdf", KEY_CDF, True, "while"), ("threefry", 3, True, "while"), ("inverse_cdf", KEY_CDF, False, "while"),
+    ("inverse_cdf", KEY_CDF, True, "unrolled")])
+def test_generate_matches_transformers(sharp, rng, seed, fused, sliding_loop, monkeypatch):
     """3 blocks of 8 tokens, 2 rows: every token, the per-row forward counts (through tokens_per_forward) and the
     early per-row stops equal transformers' generate() run with the engine's random draws. generate() defaults to
     self-conditioning for DiffusionGemma, as transformers always does. fused (the defaults): the prompt's prefill
     and the first step in one pass, and each commit with the next block's first step (engine.FUSED_FIRST_STEP,
-    FUSED_COMMIT; each fused pass traced once per generate()), else separate passes."""
+    FUSED_COMMIT; each fused pass traced once per generate()), else separate passes. sliding_loop:
+    diffusion_gemma.SLIDING_LOOP (the cached passes' sliding layers as a loop or at static indices)."""
     from orl_jax.decode import engine
 
     model, cfg, params = sharp
@@ -771,6 +773,7 @@ def test_generate_matches_transformers(sharp, rng, seed, fused, monkeypatch):
     sampler = UniformSampler(**GEN, rng=rng)
     monkeypatch.setattr(engine, "FUSED_FIRST_STEP", fused)
     monkeypatch.setattr(engine, "FUSED_COMMIT", fused)
+    monkeypatch.setattr(dg, "SLIDING_LOOP", sliding_loop)
     calls = []
     for name, real in (("prefill_decode", _real_prefill_decode), ("commit_decode", _real_commit_decode)):
         monkeypatch.setattr(dg, name, lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k))

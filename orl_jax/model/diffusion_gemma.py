@@ -82,6 +82,15 @@ ACT = "gelu_tanh"  # HF: gelu_pytorch_tanh
 
 EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")  # [layers, E, ...] per layer type
 
+# Cached passes (the denoising steps inside generate()'s loop) run each group's sliding layers as a while_loop
+# ("while") or at static indices ("unrolled"; static weight slices reach cuBLAS in place too). Session 21 measured the
+# same forward either way and a first generate() compile of 65.5 s against 29.1 (2026-12-01_dg_graph_loops_h200.md),
+# so "while" stays. What "unrolled" may still change: with loops, XLA keeps generate()'s own while loop on the host
+# (its body holds dynamic-slice fusions whose offsets follow an inner loop, which XLA's command buffers accept only in
+# loops of a known trip count), so every denoising step copies the loop's predicate to the host and the host
+# launches the next step's graph. Not timed yet (session 55). Read at trace time.
+SLIDING_LOOP = "while"
+
 # The cache-free inference passes' self-attention (the prompt's `prefill`, `prefill_decode`: hundreds of queries
 # over as many keys). "auto": cuDNN's flash attention (jax.nn.dot_product_attention, the visibility mask passed
 # whole) on the layers it takes (head dim <= 256: the sliding layers) where it runs (a GPU of compute capability
@@ -398,20 +407,26 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
         kv = (jnp.zeros(kv_shape, x.dtype), jnp.zeros(kv_shape, x.dtype)) if collect_kv else None
 
         def step(carry):
-            i, x, kv = carry
+            i, x, kv = carry  # i: the loop's counter, or a Python int when unrolled (every slice static)
+            index = jnp.int32(i) if isinstance(i, int) else i  # the kernels take the layer as an array
             w = {n: take(a, i) for n, a in sliding_w.items()}
             if sliding_v is not None:
                 w |= unpack_vectors(take(sliding_v, i), sliding_layout)
             # the cache as layer i of its stacks: the attention kernel may read it in place (Blocks.cache_in_place)
-            ck, cv = ((StackedWeight(c, i, take(c, i)) for c in (cache.sliding.k, cache.sliding.v))
+            ck, cv = ((StackedWeight(c, index, take(c, i)) for c in (cache.sliding.k, cache.sliding.v))
                       if cache is not None else (None, None))
             if norm_offsets is not None:  # the q/k norm kernel reads both weights from the packed stack (no copies)
-                w["packed_vectors"] = (sliding_v, i, norm_offsets)
-            x, kk, vv = sliding_layer(x, i, w, ck, cv)
+                w["packed_vectors"] = (sliding_v, index, norm_offsets)
+            x, kk, vv = sliding_layer(x, index, w, ck, cv)
             if collect_kv:
                 kv = (kv[0].at[i - lo].set(kk), kv[1].at[i - lo].set(vv))
             return i + 1, x, kv
 
+        if SLIDING_LOOP == "unrolled" and cache is not None:
+            carry = (lo, x, kv)
+            for _ in range(k):
+                carry = step(carry)
+            return carry[1], carry[2]
         _, x, kv = jax.lax.while_loop(lambda c: c[0] < lo + k, step, (jnp.int32(lo), x, kv))
         return x, kv
 
