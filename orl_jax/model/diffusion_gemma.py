@@ -82,14 +82,16 @@ ACT = "gelu_tanh"  # HF: gelu_pytorch_tanh
 
 EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")  # [layers, E, ...] per layer type
 
-# Cached passes (the denoising steps inside generate()'s loop) run each group's sliding layers as a while_loop
-# ("while") or at static indices ("unrolled"; static weight slices reach cuBLAS in place too). Session 21 measured the
-# same forward either way and a first generate() compile of 65.5 s against 29.1 (2026-12-01_dg_graph_loops_h200.md),
-# so "while" stays. What "unrolled" may still change: with loops, XLA keeps generate()'s own while loop on the host
-# (its body holds dynamic-slice fusions whose offsets follow an inner loop, which XLA's command buffers accept only in
-# loops of a known trip count), so every denoising step copies the loop's predicate to the host and the host
-# launches the next step's graph. Not timed yet (session 55). Read at trace time.
-SLIDING_LOOP = "while"
+# Cached passes (the denoising steps inside generate()'s loop) run each group's sliding layers at static indices
+# ("unrolled", the default; static weight slices reach cuBLAS in place) or as a while_loop ("while"). Both give the
+# same forward (session 21, 2026-12-01_dg_graph_loops_h200.md), but with the loops XLA keeps generate()'s own while
+# loop on the host: its body holds dynamic-slice fusions whose offsets follow an inner loop, which XLA's command
+# buffers take only in loops of a known trip count ("WhileThunk is not convertible", its log says), so every
+# denoising step copied the loop's predicate to the host and the host launched the next step's graph. Unrolled, the
+# whole loop is one device-side WHILE command: generate() returns after ~5 ms instead of when the device is done,
+# and on an H100 it ran 1.7 ms faster per 26B generate() (median of 6 alternating rounds, 5 faster, the same
+# tokens), for a first compile of ~33 s instead of ~23 (2026-12-05_dg_device_loop_h100.md). Read at trace time.
+SLIDING_LOOP = "unrolled"
 
 # The cache-free inference passes' self-attention (the prompt's `prefill`, `prefill_decode`: hundreds of queries
 # over as many keys). "auto": cuDNN's flash attention (jax.nn.dot_product_attention, the visibility mask passed
@@ -356,19 +358,20 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     if decoder_from is not None:
         kv_len = decoder_from
         scalar = (jnp.arange(x.shape[1]) >= decoder_from)[None, :, None]
-    # The groups are unrolled; each runs its k sliding layers as a loop, then its full layer (weights at static
-    # index g). Passes with a cache (inference) loop with a while_loop whose counter is the sliding layer's index
-    # into the whole stacks: XLA feeds each matrix to its GEMM in place only when its offset is the loop's own
-    # counter (dynamic-slice fusion). Offsets computed any other way made XLA copy the weights: from a scan over
-    # [G, k, ...] group slices (2.6 GB per 26B forward), from `g * k + j` in an unrolled body, or from a nested
-    # scan (~1.3-2 ms per forward: benchmarks/results/2026-11-30_dg_in_place_h200x2.md). Unrolling the sliding
-    # layers at static indices made a forward 0.8 ms slower and its first generate() compile 72 s instead of 32
-    # (benchmarks/results/2026-11-30_engine_unroll_default_h200x2.md). Cache-free passes
+    # The groups are unrolled; each runs its k sliding layers, then its full layer (weights at static index g).
+    # Passes with a cache (inference) run them at static indices (SLIDING_LOOP "unrolled") or as a while_loop whose
+    # counter is the sliding layer's index into the whole stacks: XLA feeds each matrix to its GEMM in place for a
+    # static slice or for an offset that is the loop's own counter (dynamic-slice fusion). Offsets computed any other
+    # way made XLA copy the weights: from a scan over [G, k, ...] group slices (2.6 GB per 26B forward), from
+    # `g * k + j` in an unrolled body, or from a nested scan (~1.3-2 ms per forward:
+    # benchmarks/results/2026-11-30_dg_in_place_h200x2.md). Cache-free passes
     # (training, `forward`) need reverse-mode autodiff, which while_loop lacks: they scan each group's slice of the
     # stacks, copies included; the prefill (`in_place`) needs none and loops as inference does (the scan copied
     # ~105 MB of weights per sliding layer: 46 copies, 1.4-1.6 ms of a ~20 ms 26B prefill,
     # benchmarks/results/2026-12-02_dg_generate_parts_s31_h200.md). The pallas moe_impl's grouped kernel reads the
     # expert stacks in place (StackedWeight).
+    if SLIDING_LOOP not in ("unrolled", "while"):
+        raise ValueError(f"diffusion_gemma.SLIDING_LOOP must be 'unrolled' or 'while', got {SLIDING_LOOP!r}")
     looped = cache is not None or (in_place and not remat)
     stacks = EXPERT_WEIGHTS if moe_impl(cfg) == "pallas" else ()
     sliding_w = {n: a for n, a in params["sliding"].items() if n not in stacks}
