@@ -105,12 +105,12 @@ ap.add_argument("--ab-compiler-options", type=json.loads, metavar="JSON",
                 help="--generate-ab's B side (or alone, the A/B's only difference): XLA compiler options added to "
                      "runtime.DG_COMPILER_OPTIONS for B's generate() program, e.g. '{\"xla_gpu_command_buffer_"
                      "update_mode\": \"SKIP_PROFILED\"}'; its outputs are compared with A's")
-ap.add_argument("--ab-fold", type=lambda v: v.split(","), default=[], metavar="attention,ffw,proj_in,proj_out",
+ap.add_argument("--ab-fold", type=lambda v: v.split(","), default=[], metavar="attention,ffw,proj_out",
                 help="--generate-ab's B side (or alone, the A/B's only difference) runs on the params with these "
                      "transforms applied: norms folded into their matrices (diffusion_gemma_inference."
                      "fold_attention_norms / fold_ffw_norms; not on params that inference_params folded already), "
-                     "qkv / qk and the dense gate/up (proj_in) or o and the dense down (proj_out; inference_params "
-                     "does that on a GPU unless TRANSPOSED_PROJECTIONS is set false) stored as [out, in] "
+                     "o and the dense down (proj_out; inference_params does that on a GPU unless "
+                     "TRANSPOSED_PROJECTIONS is set false) stored as [out, in] "
                      "(transposed_projections); first the decoder forward (48 per loop, --ab-rounds each, "
                      "alternating) and the two logits' gap")
 ap.add_argument("--ab-fold-forward-only", action="store_true",
@@ -145,8 +145,8 @@ if args.ab_steps_only and not args.ab_max_steps:
     ap.error("--ab-steps-only needs --ab-max-steps")
 if args.ab_rounds < 1:
     ap.error(f"--ab-rounds must be >= 1, got {args.ab_rounds}")
-if unknown := sorted(set(args.ab_fold) - {"attention", "ffw", "proj_in", "proj_out"}):
-    ap.error(f"--ab-fold: unknown {unknown} (attention, ffw, proj_in, proj_out)")
+if unknown := sorted(set(args.ab_fold) - {"attention", "ffw", "proj_out"}):
+    ap.error(f"--ab-fold: unknown {unknown} (attention, ffw, proj_out)")
 if args.capacity_factor is not None and args.capacity_factor < 1:
     ap.error(f"--capacity-factor must be >= 1, got {args.capacity_factor}")
 runtime.configure(os.path.expanduser("~/.cache/orl_jax/xla"))
@@ -434,10 +434,8 @@ def fold_ab(c):
         folded = diffusion_gemma_inference.fold_attention_norms(folded)
     if "ffw" in args.ab_fold:  # a second copy of the expert gate/up stacks (the 26B's: 30 GB)
         folded = diffusion_gemma_inference.fold_ffw_norms(folded)
-    for name, names in (("proj_in", diffusion_gemma_inference.INPUT_PROJECTIONS),  # copies: 1.9 GB at the 26B
-                        ("proj_out", diffusion_gemma_inference.OUTPUT_PROJECTIONS)):  # 1.2 GB
-        if name in args.ab_fold:
-            folded = diffusion_gemma_inference.transposed_projections(folded, names)
+    if "proj_out" in args.ab_fold:  # copies: 1.2 GB at the 26B
+        folded = diffusion_gemma_inference.transposed_projections(folded)
     cache, canvas = prefilled(c), bench_canvas(c)
     logits_of = compile_dg(lambda p, toks, k: diffusion_gemma.decode(p, c, toks, k))
     want = logits_of(params, canvas, cache)

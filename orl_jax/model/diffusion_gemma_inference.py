@@ -36,10 +36,6 @@ FOLD_FFW_NORMS = True
 # logits bitwise equal (benchmarks/results/2026-12-05_dg_token_order_h100.md). "auto": on a GPU (a layout for cuBLAS;
 # elsewhere the model's params stay as they are); True / False: always / never. Read by inference_params.
 TRANSPOSED_PROJECTIONS: bool | str = "auto"
-# ... and the input projections too (qkv / qk [L, K, G + 2, H, D], gate/up [L, 2, F, D]: `transposed_projections`
-# with INPUT_PROJECTIONS), where TRANSPOSED_PROJECTIONS applies. qkv is the layer's longest GEMM at the canvas (21.8 us
-# in session 54's trace, on the chain); not probed alone, not timed. Read by inference_params.
-TRANSPOSE_INPUTS = False
 # The norm vectors each fold drops from the layer stacks (what `applied` reads).
 FOLDED = {"attention": ("attn_norm",), "ffw": ("mlp_norm", "router_scale", "moe_norm")}
 
@@ -111,7 +107,6 @@ def fold_ffw_norms(params: dict, donate_experts: bool = False) -> dict:
 
 
 OUTPUT_PROJECTIONS = ("o", "down")
-INPUT_PROJECTIONS = ("qkv", "qk", "gate_up")
 _transpose = jax.jit(jnp.transpose, static_argnums=1)
 
 
@@ -168,5 +163,5 @@ def inference_params(params: dict, cfg: DiffusionGemmaConfig, donate: bool = Fal
         params = fold_ffw_norms(params, donate_experts=fuse or donate)  # fused stacks: this function's own
     transpose = jax.default_backend() == "gpu" if TRANSPOSED_PROJECTIONS == "auto" else TRANSPOSED_PROJECTIONS
     if transpose and not sharded:
-        params = transposed_projections(params, OUTPUT_PROJECTIONS + (INPUT_PROJECTIONS if TRANSPOSE_INPUTS else ()))
+        params = transposed_projections(params)
     return params

@@ -310,12 +310,6 @@ FUSED_HEAVY_FIRST = False
 # every pass.
 FUSED_LONG_BM: int | None = 128
 FUSED_LONG_WARPS = 8
-# The combine (each token's k expert outputs gathered from the sorted rows, weighted, summed) in one kernel
-# (kernels/grouped_gemm/combine.py), with either sort's indices, instead of XLA's gather-and-reduce fusion:
-# 9.1 us per 26B layer at the canvas in session 54's H200 trace, on the chain between a layer's experts and the next
-# layer's attention, for ~14 MB of traffic. The same sums up to float32 rounding (the choices added in order). Not
-# timed yet (session 54). Read at trace time.
-COMBINE_KERNEL = False
 
 
 def fusable(d: int, f: int) -> bool:
@@ -375,8 +369,7 @@ def fused_stack(w) -> bool:
 def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kernel: bool = False,
                         by_token: bool = False, row_scale: jax.Array | None = None) -> jax.Array:
     """Rows sorted by expert and multiplied group by group (`grouped_matmul`): work proportional to T * k. The
-    outputs come back by a gather (each assignment reads its sorted row), weighted and summed over the k choices
-    (with COMBINE_KERNEL in one kernel, kernels/grouped_gemm/combine.py).
+    outputs come back by a gather (each assignment reads its sorted row), weighted and summed over the k choices.
     sort_kernel: sort with kernels/expert_sort (one launch, and the group offsets the grouped kernel needs) up to its
     MAX_ASSIGNMENTS, instead of sort_by_expert's XLA fusions (by_token: each token's experts distinct, see
     _sorted_rows). row_scale: experts_mlp's, taken by the one-launch kernel only."""
@@ -397,11 +390,5 @@ def grouped_experts_mlp(x, weights, experts, gate_up, down, act: str, sort_kerne
         xs, rows = (x, tokens) if GATHER_IN_KERNEL else (take(x, tokens), None)
         g, u = jnp.split(grouped_matmul(xs, gate_up, sizes, offsets, rows=rows), 2, axis=-1)  # [M, F] each
         y = grouped_matmul(ACTIVATIONS[act](g) * u, down, sizes, offsets)  # [M, D] in sorted order
-    if COMBINE_KERNEL:  # pos: a permutation of the M rows, from either sort
-        from orl_jax_kernels.grouped_gemm.combine import moe_combine, supported
-
-        if supported(y.shape[1]):
-            return moe_combine(y, pos.reshape(t, k), weights, out_dtype=x.dtype,
-                               interpret=jax.default_backend() == "cpu")
     y = take(y, pos).astype(jnp.float32) * weights.reshape(-1, 1)  # [M, D] in (token, choice) order
     return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)  # [T, D]
