@@ -61,8 +61,12 @@ def _step(mode, raw, step=3):
         jax.clear_caches()
 
 
-@pytest.mark.parametrize("mode", ["raw_max", "kernel"])
-def test_modes_decide_as_the_xla_path(mode):
+@pytest.mark.parametrize("mode", ["raw_max", "kernel", "kernel_branch_free"])
+def test_modes_decide_as_the_xla_path(mode, monkeypatch):
+    from orl_jax_kernels.softcap_softmax import kernel as sk
+
+    monkeypatch.setattr(sk, "BRANCH_FREE", mode == "kernel_branch_free")
+    mode = mode.removesuffix("_branch_free")
     raw = _raw()
     want, got = _step("xla", raw), _step(mode, raw)
     for k in ("argmax",):
@@ -106,7 +110,18 @@ def test_float32_products_keep_the_xla_path():
     assert "pallas_call" not in jaxpr
 
 
-def test_kernel_equals_a_direct_computation():
+@pytest.fixture(params=[False, True], ids=["libdevice", "branch_free"])
+def form(request, monkeypatch):
+    """softcap_softmax.kernel.BRANCH_FREE (read at trace time: jax's caches cleared around it)."""
+    from orl_jax_kernels.softcap_softmax import kernel as sk
+
+    monkeypatch.setattr(sk, "BRANCH_FREE", request.param)
+    jax.clear_caches()
+    yield request.param
+    jax.clear_caches()
+
+
+def test_kernel_equals_a_direct_computation(form):
     raw = _raw(v=1024).reshape(-1, 1024)
     w = _chunk_width(1024)
     assert supported(1024, w) and not supported(1000, 8) and not supported(1024, 24)
@@ -131,7 +146,7 @@ def test_kernel_equals_a_direct_computation():
         softcap_chunk_stats(raw[:, :1000], m, raw_max, 1.0, cap=CAP, width=8, interpret=True)
 
 
-def test_kernel_lowers_to_verified_triton_at_the_26b():
+def test_kernel_lowers_to_verified_triton_at_the_26b(form):
     sd = jax.ShapeDtypeStruct
     verified_triton_modules(lambda r, m, rm, t: softcap_chunk_stats(r, m, rm, t, cap=CAP, width=512),
                             sd((256, 262144), jnp.bfloat16), sd((256,), jnp.float32), sd((256,), jnp.bfloat16),
@@ -139,9 +154,13 @@ def test_kernel_lowers_to_verified_triton_at_the_26b():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["raw_max", "kernel", "auto"])
-def test_modes_on_gpu_at_the_26b(mode):
+@pytest.mark.parametrize("mode", ["raw_max", "kernel", "auto", "kernel_branch_free"])
+def test_modes_on_gpu_at_the_26b(mode, monkeypatch):
     """The 26B's canvas (256 x 262144, bf16) compiled on a GPU: the same decisions as the float32 logits' path."""
+    from orl_jax_kernels.softcap_softmax import kernel as sk
+
+    monkeypatch.setattr(sk, "BRANCH_FREE", mode == "kernel_branch_free")
+    mode = mode.removesuffix("_branch_free")
     assert _chunk_width(262144) == 512
     raw = _raw(b=1, l=256, v=262144)
     want, got = _step("xla", raw), _step(mode, raw)

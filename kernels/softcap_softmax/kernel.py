@@ -31,6 +31,17 @@ from orl_jax_kernels.pallas_args import triton_params
 # per SM); 16 chunks took 254 registers at 4 warps, 127 at 8. Not timed yet.
 CHUNKS_PER_PROGRAM = 8
 NUM_WARPS = 8
+# The program's arithmetic, read at trace time. In session 54's H200 trace the kernel took 151.7 us per step for its
+# 268 MB (1.8 TB/s): it is bound by instructions, not bytes. Its PTX (pip Triton 3.6, sm_90a) spends ~66
+# instructions per entry: libdevice's tanhf branches per entry between a polynomial (|y| < 0.6) and an exp-based
+# form (warps diverge where both occur), a division by the cap, and the argmax's index arithmetic per entry.
+# BRANCH_FREE: tanh(|y|) = 1 - 2 / (2^(2 |y| log2 e) + 1) with the sign put back, the exponent in base 2 with the
+# constants folded ((x - m) log2 e in one multiply-add, the entropy term scaled by ln 2 per chunk), and the argmax's
+# index taken per chunk. Its tanh is off by at most ~6e-8 absolute (1 - 2 / (q + 1) cancels for small y, where
+# libdevice's is relative), ~5e-6 in the logits at cap 30 and T 0.4: far below the bf16 product's own rounding. Not
+# timed yet (session 55).
+BRANCH_FREE = False
+LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
 
 
 def supported(v: int, width: int, chunks_per_program: int | None = None) -> bool:
@@ -42,9 +53,22 @@ def supported(v: int, width: int, chunks_per_program: int | None = None) -> bool
             and (v // width) % min(chunks_per_program, v // width) == 0)
 
 
-def _kernel(inv_t_ref, m_ref, raw_max_ref, raw_ref, e_ref, mass_ref, t_ref, first_ref, *, cap: float, v: int):
+def _kernel(inv_t_ref, m_ref, raw_max_ref, raw_ref, e_ref, mass_ref, t_ref, first_ref, *, cap: float, v: int,
+            branch_free: bool):
     r = raw_ref[0]  # [chunks, W] in the product's dtype
     cpp, w = r.shape
+    if branch_free:
+        rf = r.astype(jnp.float32)
+        th = 1.0 - 2.0 / (jnp.exp2(jnp.abs(rf) * (2.0 * LOG2E / cap)) + 1.0)  # tanh(|raw| / cap)
+        d2 = jnp.where(rf < 0, -th, th) * (cap * LOG2E * inv_t_ref[0]) - m_ref[0] * LOG2E  # (x - m) log2 e
+        e = jnp.exp2(d2)
+        e_ref[0] = e.astype(e_ref.dtype)
+        mass_ref[0] = jnp.sum(e, axis=1)
+        t_ref[0] = jnp.sum(e * d2, axis=1) * LN2  # d2 is finite: x is bounded by the cap
+        local = jnp.min(jnp.where(r == raw_max_ref[0], jax.lax.broadcasted_iota(jnp.int32, (cpp, w), 1), w), axis=1)
+        chunk = pl.program_id(1) * cpp + jax.lax.broadcasted_iota(jnp.int32, (cpp,), 0)
+        first_ref[0] = jnp.where(local < w, chunk * w + local, v)
+        return
     x = jnp.tanh(r.astype(jnp.float32) / cap) * cap * inv_t_ref[0]  # layers.soft_cap, then / T
     d = x - m_ref[0]
     e = jnp.exp(d)
@@ -76,7 +100,7 @@ def softcap_chunk_stats(raw: jax.Array, m: jax.Array, raw_max: jax.Array, inv_t:
     stat = pl.BlockSpec((1, cpp), lambda i, j: (i, j))
     tile = pl.BlockSpec((1, cpp, width), lambda i, j: (i, j, 0))
     e, mass, t, first = pl.pallas_call(
-        functools.partial(_kernel, cap=float(cap), v=v),
+        functools.partial(_kernel, cap=float(cap), v=v, branch_free=BRANCH_FREE),
         out_shape=(jax.ShapeDtypeStruct((rows, c, width), raw.dtype),
                    jax.ShapeDtypeStruct((rows, c), jnp.float32), jax.ShapeDtypeStruct((rows, c), jnp.float32),
                    jax.ShapeDtypeStruct((rows, c), jnp.int32)),
