@@ -461,11 +461,18 @@ def test_diffusion_gemma_decoder_with_the_kernel_equals_the_einsums(monkeypatch)
     got = dg.decode(params, fused, canvas, cache)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-4, rtol=2e-4)
     assert float(want.std()) > 0.01  # non-trivial logits
-    assert calls and all(calls)  # traced once per group's sliding loop, in DiffusionGemma's order
-    # the masks' int8 conversion and the kernel's extents are made once per pass, not in the sliding layers' loop
-    in_loop = _in_layer_loops(jax.make_jaxpr(lambda p: dg.decode(p, fused, canvas, cache))(params).jaxpr)
+    assert calls and all(calls)  # traced per sliding layer (once per group with SLIDING_LOOP "while"), gemma order
+    # the masks' int8 conversion and the kernel's extents are made once per pass, not per sliding layer: none inside
+    # the layers' loops (SLIDING_LOOP "while"), and no more of them with the layers unrolled (the default)
+    jaxpr_of = lambda: jax.make_jaxpr(lambda p: dg.decode(p, fused, canvas, cache))(params).jaxpr  # noqa: E731
+    unrolled = jaxpr_of()
+    monkeypatch.setattr(dg, "SLIDING_LOOP", "while")
+    looped = jaxpr_of()
+    in_loop = _in_layer_loops(looped)
     assert any(e.primitive.name == "pallas_call" for e in in_loop)
     assert not _mask_work(in_loop, 48)
+    assert not _in_layer_loops(unrolled)
+    assert len(_mask_work(list(_equations(unrolled)), 48)) == len(_mask_work(list(_equations(looped)), 48)) > 0
 
 
 def test_qwen3_cached_pass_takes_its_layer_indices_as_a_literal():
