@@ -1004,6 +1004,28 @@ def test_forward_is_differentiable_with_and_without_remat(dg_ours):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
 
 
+def test_sliding_loop_forms(dg_ours, monkeypatch):
+    """diffusion_gemma.SLIDING_LOOP: the cached passes' sliding layers at static indices (the default: no loop in the
+    decoder pass) or in a while_loop, the same logits; another value is named."""
+    cfg, params = dg_ours
+    prompt = jnp.asarray(_tokens((1, 6), 52))
+    _, cache = dg.prefill(params, cfg, prompt, jnp.asarray([6], jnp.int32), 6 + cfg.block_length)
+    canvas = jnp.asarray(_tokens((1, cfg.block_length), 53))
+    decode = lambda: dg.decode(params, cfg, canvas, cache)  # noqa: E731
+    jax.clear_caches()  # the switch is read at trace time
+    assert dg.SLIDING_LOOP == "unrolled" and "while[" not in str(jax.make_jaxpr(decode)())
+    unrolled = decode()
+    monkeypatch.setattr(dg, "SLIDING_LOOP", "while")
+    jax.clear_caches()
+    assert "while[" in str(jax.make_jaxpr(decode)())
+    np.testing.assert_allclose(np.asarray(decode()), np.asarray(unrolled), atol=1e-5, rtol=0)
+    monkeypatch.setattr(dg, "SLIDING_LOOP", "scan")
+    jax.clear_caches()
+    with pytest.raises(ValueError, match="SLIDING_LOOP.*'scan'"):
+        decode()
+    jax.clear_caches()
+
+
 def test_prefill_reads_layers_in_place_and_forward_scans(dg_ours):
     """The prefill is never differentiated: it loops over the sliding layers with a while_loop (weights read in
     place at the loop's index) instead of scanning group slices (copies of each group's weights on a GPU); the

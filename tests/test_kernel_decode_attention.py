@@ -467,7 +467,9 @@ def test_diffusion_gemma_decoder_with_the_kernel_equals_the_einsums(monkeypatch)
     jaxpr_of = lambda: jax.make_jaxpr(lambda p: dg.decode(p, fused, canvas, cache))(params).jaxpr  # noqa: E731
     unrolled = jaxpr_of()
     monkeypatch.setattr(dg, "SLIDING_LOOP", "while")
+    jax.clear_caches()  # the switch is read at trace time
     looped = jaxpr_of()
+    jax.clear_caches()
     in_loop = _in_layer_loops(looped)
     assert any(e.primitive.name == "pallas_call" for e in in_loop)
     assert not _mask_work(in_loop, 48)
