@@ -252,9 +252,8 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     # folded params (diffusion_gemma_inference.fold_attention_norms): the norm's weight is in the projection, its
     # per-token scale cancels in the head norms below
     h = rms_norm_fp32(x, w["attn_norm"], eps) if "attn_norm" in w else x
-    own_v = "qkv" in w or "qkv_t" in w  # full layers: "qk", K = V
-    qkv, letters = _weight(w, "qkv" if own_v else "qk", "dkth")
-    proj = einsum(f"bld,{letters}->blkth", h, qkv)  # [B, L, K, G + 2 (or + 1), H]
+    own_v = "qkv" in w  # full layers: "qk", K = V
+    proj = einsum("bld,dkth->blkth", h, w["qkv" if own_v else "qk"])  # [B, L, K, G + 2 (or + 1), H]
     g = cfg.num_heads // proj.shape[2]
     if own_v and "packed_vectors" in w:  # sliding layers of cached passes on a GPU: q/k/v norms + RoPE, one kernel
         from orl_jax_kernels.qk_norm_rope import kernel as qk_kernel
@@ -289,9 +288,9 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
     moe = experts_mlp(moe_in, weights, experts, w["experts_gate_up"], w["experts_down"], ACT, impl,
                       distinct=True, row_scale=rs)  # a top-k's choices
     moe = moe.reshape(b, l, d)  # [B, L, D]
-    (gate_up, gu_letters), (down, down_letters) = _weight(w, "gate_up", "dtf"), _weight(w, "down", "fd")
-    mlp = fused_gated_mlp(mlp_in, gate_up, down, ACT, None if rs is None else rs.reshape(b, l, 1),
-                          gate_up_letters=gu_letters, down_letters=down_letters)
+    down, down_letters = _weight(w, "down", "fd")
+    mlp = fused_gated_mlp(mlp_in, w["gate_up"], down, ACT, None if rs is None else rs.reshape(b, l, 1),
+                          down_letters=down_letters)
     ffw = rms_norm_fp32(mlp, w["post_mlp_norm"], eps) + rms_norm_fp32(moe, w["post_moe_norm"], eps)
     if isinstance(scalar, str):
         scale = w[scalar][0]

@@ -65,13 +65,12 @@ def gated_mlp(x: jax.Array, gate, up, down, act: str = "silu") -> jax.Array:
 
 
 def fused_gated_mlp(x: jax.Array, gate_up, down, act: str = "silu", row_scale: jax.Array | None = None,
-                    gate_up_letters: str = "dtf", down_letters: str = "fd") -> jax.Array:
+                    down_letters: str = "fd") -> jax.Array:
     """gated_mlp with gate and up stored as one [D, 2, F] weight: one GEMM streams both (XLA would otherwise
     concatenate two separate weights on every call to merge the dots). row_scale [B, L, 1] float32: the MLP's input
     is x * row_scale, applied to the gate/up product (an RMSNorm whose weight was folded into gate_up).
-    gate_up_letters / down_letters: the weights' axes as einsum letters (another layout, e.g. "tfd" / "df" for
-    [out, in])."""
-    gu = einsum(f"bld,{gate_up_letters}->bltf", x, gate_up)  # [B, L, 2, F]
+    down_letters: down's axes as einsum letters ("df" for an [out, in] copy)."""
+    gu = einsum("bld,dtf->bltf", x, gate_up)  # [B, L, 2, F]
     if row_scale is not None:
         gu = (gu.astype(jnp.float32) * row_scale[..., None]).astype(gu.dtype)
     return einsum(f"blf,{down_letters}->bld", ACTIVATIONS[act](gu[:, :, 0]) * gu[:, :, 1], down)  # [B, L, D]
