@@ -11,6 +11,8 @@ their row max,
 - mass = sum e and t = sum e * (x - m) (the softmax's sum and entropy terms, as samplers.softmax_parts),
 - first: the chunk's first index where raw equals its row max (the argmax), else V.
 
+`softcap_one_pass_stats` needs no row max first (see its docstring): each program takes its chunks' own maxima.
+
 Semantics: samplers.softmax_parts' chunk pass on x with the argmax taken on the raw product (softcapped.py says when
 they agree); tanh and exp are Triton's (libdevice), so x differs from XLA's by float32 rounding. Pallas, Triton
 lowering; interpret mode on CPU for tests.
@@ -112,3 +114,81 @@ def softcap_chunk_stats(raw: jax.Array, m: jax.Array, raw_max: jax.Array, inv_t:
     )(jnp.reshape(jnp.asarray(inv_t, jnp.float32), (1,)), m.astype(jnp.float32), raw_max,
       raw.reshape(rows, c, width))
     return e.reshape(rows, v), mass, t, first
+
+
+# The one pass's probabilities e = exp(x - shift) with shift = cap / T - E_TOP: e <= e^E_TOP whatever the row, and
+# e >= e^(E_TOP - 2 cap / T) >= e^-E_FLOOR (normal in float32 and bf16, whose smallest normal is e^-87.3) wherever
+# cap / T <= (E_TOP + E_FLOOR) / 2 = 75.5: DiffusionGemma's cap 30 at its lowest temperature 0.4 is 75. The soft
+# embedding's float32 sums stay below V e^E_TOP max|E| (~2e33 max|E| at V = 262144).
+E_TOP, E_FLOOR = 64.0, 87.0
+MAX_CAP_OVER_T = (E_TOP + E_FLOOR) / 2
+
+
+def _one_pass_kernel(inv_t_ref, shift_ref, raw_ref, e_ref, mass_ref, t_ref, first_ref, raw_max_ref, x_max_ref, *,
+                     cap: float):
+    r = raw_ref[0]  # [chunks, W] in the product's dtype
+    cpp, w = r.shape
+    inv_t = inv_t_ref[0]
+    raw_max = jnp.max(r, axis=1)  # [chunks]
+    x = jnp.tanh(r.astype(jnp.float32) / cap) * cap * inv_t
+    x_max = jnp.tanh(raw_max.astype(jnp.float32) / cap) * cap * inv_t  # x's own expression at the chunk's maximum
+    e = jnp.exp(x - shift_ref[0])  # never under- or overflows (E_TOP)
+    e_ref[0] = e.astype(e_ref.dtype)
+    # relative to the chunk's maximum: <= 1 (up to the tanh's rounding above ~200, where it saturates); an entry
+    # below e^-87 of it may flush to 0, where it adds nothing to the chunk's float32 sums either way
+    f = e * jnp.exp(shift_ref[0] - x_max)[:, None]
+    mass_ref[0] = jnp.sum(f, axis=1)
+    t_ref[0] = jnp.sum(f * (x - x_max[:, None]), axis=1)  # finite: x is bounded by the cap
+    local = jnp.min(jnp.where(r == raw_max[:, None], jax.lax.broadcasted_iota(jnp.int32, (cpp, w), 1), w), axis=1)
+    first_ref[0] = (pl.program_id(1) * cpp + jax.lax.broadcasted_iota(jnp.int32, (cpp,), 0)) * w + local
+    raw_max_ref[0] = raw_max
+    x_max_ref[0] = x_max
+
+
+@functools.partial(jax.jit, static_argnames=("cap", "width", "chunks_per_program", "interpret"))
+def softcap_one_pass_stats(raw: jax.Array, inv_t: jax.Array, *, cap: float, width: int,
+                           chunks_per_program: int | None = None, interpret: bool = False):
+    """The statistics pass without the row max before it. raw [R, V] (the LM head's product); inv_t a float32 scalar
+    (1 / temperature; the caller checks cap * inv_t <= MAX_CAP_OVER_T) -> per chunk of `width` entries, relative to
+    the chunk's own maximum x_max of x = cap * tanh(raw / cap) * inv_t:
+    (e [R, V] = exp(x - shift) in raw's dtype with shift = cap * inv_t - E_TOP (returned: the probabilities are
+    e * exp(shift - row max) / sum), mass [R, C] = sum exp(x - x_max), t [R, C] = sum exp(x - x_max) (x - x_max),
+    first [R, C] the chunk's first index of its raw maximum, raw_max [R, C] in raw's dtype, x_max [R, C] float32,
+    shift float32). `one_pass_totals` merges them: without cancellation, as every term is relative to a maximum."""
+    rows, v = raw.shape
+    chunks_per_program = chunks_per_program or CHUNKS_PER_PROGRAM
+    if not supported(v, width, chunks_per_program):
+        raise ValueError(f"softcap_one_pass_stats: V={v} in chunks of width={width}, {chunks_per_program} per "
+                         "program, is not supported (powers of two, V a multiple of the chunks a program takes)")
+    c = v // width
+    cpp = min(chunks_per_program, c)
+    inv_t = jnp.reshape(jnp.asarray(inv_t, jnp.float32), (1,))
+    shift = cap * inv_t - E_TOP
+    scalar = pl.BlockSpec((1,), lambda i, j: (0,))
+    stat = pl.BlockSpec((1, cpp), lambda i, j: (i, j))
+    tile = pl.BlockSpec((1, cpp, width), lambda i, j: (i, j, 0))
+    per_chunk = lambda dtype: jax.ShapeDtypeStruct((rows, c), dtype)  # noqa: E731
+    e, mass, t, first, raw_max, x_max = pl.pallas_call(
+        functools.partial(_one_pass_kernel, cap=float(cap)),
+        out_shape=(jax.ShapeDtypeStruct((rows, c, width), raw.dtype), per_chunk(jnp.float32), per_chunk(jnp.float32),
+                   per_chunk(jnp.int32), per_chunk(raw.dtype), per_chunk(jnp.float32)),
+        grid=(rows, c // cpp),
+        in_specs=[scalar, scalar, tile],
+        out_specs=(tile, stat, stat, stat, stat, stat),
+        interpret=interpret,
+        **triton_params(NUM_WARPS, 1, interpret),
+    )(inv_t, shift, raw.reshape(rows, c, width))
+    return e.reshape(rows, v), mass, t, first, raw_max, x_max, shift[0]
+
+
+def one_pass_totals(mass, t, x_max):
+    """The row's statistics from softcap_one_pass_stats' chunks ([..., C] each): (x's row max M, log s with
+    s = sum exp(x - M), entropy = log s - sum exp(x - M) (x - M) / s, the chunks' probability masses). Each chunk's
+    terms are rescaled by exp(x_max - M) <= 1: t + (x_max - M) mass <= 0 and mass >= 0, so nothing cancels."""
+    m = jnp.max(x_max, axis=-1)
+    scale = jnp.exp(x_max - m[..., None])
+    mass = mass * scale
+    s = jnp.sum(mass, axis=-1)
+    tsum = jnp.sum(scale * t + (x_max - m[..., None]) * mass, axis=-1)
+    log_s = jnp.log(s)
+    return m, log_s, jnp.maximum(log_s - tsum / s, 0.0), mass / s[..., None]

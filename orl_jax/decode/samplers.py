@@ -318,9 +318,10 @@ class UniformSampler:
         # Given the LM head's product (SoftCapped), softcapped.py may read it instead, the probabilities e then
         # written by its kernel
         if isinstance(logits, SoftCapped):
-            argmax, z, log_s, ent, mass, e = softcapped_parts(logits, self.temperature(step))
+            argmax, z, log_s, ent, mass, e, offset = softcapped_parts(logits, self.temperature(step),
+                                                                      min(self.t_min, self.t_max))
         else:
-            (argmax, z, log_s, ent, mass), e = softmax_parts(logits / self.temperature(step)), None
+            (argmax, z, log_s, ent, mass), e, offset = softmax_parts(logits / self.temperature(step)), None, 0.0
         logp = z - log_s[..., None]  # [B, L, V]
         proposal = argmax if self.greedy else categorical(k_sample, logp, self.rng, mass)
         order = jnp.argsort(ent, axis=-1, stable=True)
@@ -340,7 +341,7 @@ class UniformSampler:
                      "history": jnp.where(keep[None], hist, state["history"])}
         return StepOut(canvas=jnp.where(keep, new, canvas), state=new_state, done=stable & confident,
                        probs=(jnp.exp(z) if e is None else e) if UNNORMALIZED_PROBS else jnp.exp(logp),
-                       probs_scale=jnp.exp(-log_s) if UNNORMALIZED_PROBS else None,
+                       probs_scale=jnp.exp(offset - log_s) if UNNORMALIZED_PROBS else None,
                        entropy=ent / math.log(vocab), resolved=accept & keep)
 
 

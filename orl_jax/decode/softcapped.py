@@ -11,6 +11,11 @@ against ~100 us for the bytes of both. With the product itself (SOFTCAP_STATS, r
 - "kernel": that, and the statistics pass in kernels/softcap_softmax (one pass writing the bf16 probabilities and
   the chunk sums) where its shapes fit, else "raw_max". On an H200 it made the 26B's generate() 1.6 ms faster (6 of
   6 alternating rounds, benchmarks/results/2026-12-05_dg_softcap_masked_h200.md);
+- "one_pass": the statistics kernel's one-pass form (`softcap_one_pass_stats`), no row max before it: each chunk's
+  sums are relative to its own maximum, merged without cancellation, and the probabilities are exp(x - shift) with
+  a shift fixed by cap / T, which the soft-cap's bound keeps in float32's normal range where cap / T <= 75.5 (the
+  caller's lowest temperature says; else "kernel"). Saves the row max's pass over the product (~38 us per 26B step
+  on an H200). Not timed yet (session 56);
 - "auto" (default): "kernel" on a GPU, "xla" elsewhere (on a CPU the kernel would run in Pallas' interpreter).
 Approximation of both: the argmax is the raw product's. It equals the argmax of the processed logits (HF's) wherever
 distinct raw values stay distinct after the soft-cap and the temperature in float32: for bf16 products, every raw
@@ -28,7 +33,7 @@ from flax import struct
 from orl_jax.model.layers import soft_cap
 
 SOFTCAP_STATS = "auto"
-SOFTCAP_STATS_CHOICES = ("auto", "xla", "raw_max", "kernel")
+SOFTCAP_STATS_CHOICES = ("auto", "xla", "raw_max", "kernel", "one_pass")
 
 
 @struct.dataclass
@@ -47,9 +52,11 @@ def as_logits(logits) -> jax.Array:
     return logits.logits() if isinstance(logits, SoftCapped) else logits
 
 
-def softcapped_parts(logits: SoftCapped, t) -> tuple:
-    """samplers.softmax_parts of logits.logits() / t under SOFTCAP_STATS, and the probabilities exp(z) when the
-    kernel wrote them (bf16; else None: the caller computes them from z). t: the temperature (a traced scalar)."""
+def softcapped_parts(logits: SoftCapped, t, t_floor: float | None = None) -> tuple:
+    """samplers.softmax_parts of logits.logits() / t under SOFTCAP_STATS, then the probabilities when a kernel wrote
+    them (bf16, unnormalized; else None: the caller computes exp(z)) and their offset: the normalized
+    probabilities are e * exp(offset - log s) (0 unless "one_pass"). t: the temperature (a traced scalar); t_floor:
+    the lowest it can be (static; "one_pass" needs it)."""
     from orl_jax.decode.samplers import _chunk_width, chunk_totals, softmax_parts
 
     if SOFTCAP_STATS not in SOFTCAP_STATS_CHOICES:
@@ -60,17 +67,27 @@ def softcapped_parts(logits: SoftCapped, t) -> tuple:
     raw = logits.raw
     x = logits.logits() / t
     if stats == "xla" or raw.dtype not in (jnp.bfloat16, jnp.float16):
-        return (*softmax_parts(x), None)
-    raw_max = jnp.max(raw, axis=-1, keepdims=True)  # exact in any dtype
-    m = soft_cap(raw_max.astype(jnp.float32), logits.cap) / t  # x's own expression at its maximal entry
-    from orl_jax_kernels.softcap_softmax.kernel import softcap_chunk_stats, supported
+        return (*softmax_parts(x), None, 0.0)
+    from orl_jax_kernels.softcap_softmax import kernel as sk
 
     *lead, v = raw.shape
     width = _chunk_width(v)  # samplers' chunks (0: none near sqrt(V), padded there)
-    if stats == "raw_max" or logits.cap is None or not (width and supported(v, width)):
-        return (*softmax_parts(x, m, key=raw, key_max=raw_max), None)
-    e, mass, tsum, first = softcap_chunk_stats(
-        raw.reshape(-1, v), m.reshape(-1), raw_max.reshape(-1), 1.0 / t, cap=logits.cap, width=width,
-        interpret=jax.default_backend() == "cpu")
+    fits = logits.cap is not None and width and sk.supported(v, width)
     unflat = lambda a: a.reshape(*lead, a.shape[-1])  # noqa: E731
-    return (*chunk_totals(unflat(first), x - m, unflat(mass), unflat(tsum)), unflat(e))
+    interpret = jax.default_backend() == "cpu"
+    if stats == "one_pass" and fits and t_floor is not None and logits.cap / t_floor <= sk.MAX_CAP_OVER_T:
+        *chunked, shift = sk.softcap_one_pass_stats(raw.reshape(-1, v), 1.0 / t, cap=logits.cap, width=width,
+                                                    interpret=interpret)
+        e, mass, tsum, first, chunk_raw_max, x_max = map(unflat, chunked)
+        raw_max = jnp.max(chunk_raw_max, axis=-1, keepdims=True)
+        argmax = jnp.min(jnp.where(chunk_raw_max == raw_max, first, v), axis=-1)
+        m_kernel, log_s, entropy, mass = sk.one_pass_totals(mass, tsum, x_max)
+        m = soft_cap(raw_max.astype(jnp.float32), logits.cap) / t  # as below: z's maximum in x's own expression
+        return argmax, x - m, log_s, entropy, mass, e, shift - m_kernel
+    raw_max = jnp.max(raw, axis=-1, keepdims=True)  # exact in any dtype
+    m = soft_cap(raw_max.astype(jnp.float32), logits.cap) / t  # x's own expression at its maximal entry
+    if stats == "raw_max" or not fits:
+        return (*softmax_parts(x, m, key=raw, key_max=raw_max), None, 0.0)
+    e, mass, tsum, first = sk.softcap_chunk_stats(raw.reshape(-1, v), m.reshape(-1), raw_max.reshape(-1), 1.0 / t,
+                                                  cap=logits.cap, width=width, interpret=interpret)
+    return (*chunk_totals(unflat(first), x - m, unflat(mass), unflat(tsum)), unflat(e), 0.0)
