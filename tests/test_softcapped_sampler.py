@@ -68,11 +68,11 @@ def _step(mode, raw, step=3, sampler=None):
         jax.clear_caches()
 
 
-@pytest.mark.parametrize("mode", ["raw_max", "kernel", "kernel_branch_free", "one_pass"])
+@pytest.mark.parametrize("mode", ["raw_max", "kernel", "kernel_branch_free", "one_pass", "one_pass_branch_free"])
 def test_modes_decide_as_the_xla_path(mode, monkeypatch):
     from orl_jax_kernels.softcap_softmax import kernel as sk
 
-    monkeypatch.setattr(sk, "BRANCH_FREE", mode == "kernel_branch_free")
+    monkeypatch.setattr(sk, "BRANCH_FREE", mode.endswith("_branch_free"))
     mode = mode.removesuffix("_branch_free")
     raw = _raw()
     want, got = _step("xla", raw), _step(mode, raw)
@@ -155,7 +155,7 @@ def test_kernel_equals_a_direct_computation(form):
         softcap_chunk_stats(raw[:, :1000], m, raw_max, 1.0, cap=CAP, width=8, interpret=True)
 
 
-def test_one_pass_equals_a_direct_computation():
+def test_one_pass_equals_a_direct_computation(form):
     """The one-pass form against float64: its chunks relative to their own maxima, e relative to the shift, and the
     merged row statistics, at the lowest temperature it takes (cap / T = 75: e spans e^-86 .. e^64) and at 1."""
     raw = _raw(v=1024).reshape(-1, 1024)
@@ -219,19 +219,20 @@ def test_kernel_lowers_to_verified_triton_at_the_26b(form):
                             sd((), jnp.float32))
 
 
-def test_one_pass_lowers_to_verified_triton_at_the_26b():
+def test_one_pass_lowers_to_verified_triton_at_the_26b(form):
     sd = jax.ShapeDtypeStruct
     verified_triton_modules(lambda r, t: softcap_one_pass_stats(r, t, cap=CAP, width=512),
                             sd((256, 262144), jnp.bfloat16), sd((), jnp.float32))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["raw_max", "kernel", "auto", "kernel_branch_free", "one_pass"])
+@pytest.mark.parametrize("mode", ["raw_max", "kernel", "auto", "kernel_branch_free", "one_pass",
+                                  "one_pass_branch_free"])
 def test_modes_on_gpu_at_the_26b(mode, monkeypatch):
     """The 26B's canvas (256 x 262144, bf16) compiled on a GPU: the same decisions as the float32 logits' path."""
     from orl_jax_kernels.softcap_softmax import kernel as sk
 
-    monkeypatch.setattr(sk, "BRANCH_FREE", mode == "kernel_branch_free")
+    monkeypatch.setattr(sk, "BRANCH_FREE", mode.endswith("_branch_free"))
     mode = mode.removesuffix("_branch_free")
     assert _chunk_width(262144) == 512
     raw = _raw(b=1, l=256, v=262144)

@@ -69,7 +69,7 @@ for cpp, warps in itertools.product((4, 8, 16), (4, 8)):
         continue
     sk.CHUNKS_PER_PROGRAM, sk.NUM_WARPS = cpp, warps
     for name, fn, branch_free in (("two_pass", two_pass, False), ("two_pass_branch_free", two_pass, True),
-                                  ("one_pass", one_pass, False)):
+                                  ("one_pass", one_pass, False), ("one_pass_branch_free", one_pass, True)):
         sk.BRANCH_FREE = branch_free
         jax.clear_caches()
         try:

@@ -124,14 +124,22 @@ E_TOP, E_FLOOR = 64.0, 87.0
 MAX_CAP_OVER_T = (E_TOP + E_FLOOR) / 2
 
 
+def _tanh(y, branch_free: bool):
+    """libdevice's tanh, or BRANCH_FREE's: 1 - 2 / (2^(2 |y| log2 e) + 1) with the sign put back."""
+    if not branch_free:
+        return jnp.tanh(y)
+    th = 1.0 - 2.0 / (jnp.exp2(jnp.abs(y) * (2.0 * LOG2E)) + 1.0)
+    return jnp.where(y < 0, -th, th)
+
+
 def _one_pass_kernel(inv_t_ref, shift_ref, raw_ref, e_ref, mass_ref, t_ref, first_ref, raw_max_ref, x_max_ref, *,
-                     cap: float):
+                     cap: float, branch_free: bool):
     r = raw_ref[0]  # [chunks, W] in the product's dtype
     cpp, w = r.shape
     inv_t = inv_t_ref[0]
     raw_max = jnp.max(r, axis=1)  # [chunks]
-    x = jnp.tanh(r.astype(jnp.float32) / cap) * cap * inv_t
-    x_max = jnp.tanh(raw_max.astype(jnp.float32) / cap) * cap * inv_t  # x's own expression at the chunk's maximum
+    x = _tanh(r.astype(jnp.float32) / cap, branch_free) * cap * inv_t
+    x_max = _tanh(raw_max.astype(jnp.float32) / cap, branch_free) * cap * inv_t  # x's own expression at the maximum
     e = jnp.exp(x - shift_ref[0])  # never under- or overflows (E_TOP)
     e_ref[0] = e.astype(e_ref.dtype)
     # relative to the chunk's maximum: <= 1 (up to the tanh's rounding above ~200, where it saturates); an entry
@@ -169,7 +177,7 @@ def softcap_one_pass_stats(raw: jax.Array, inv_t: jax.Array, *, cap: float, widt
     tile = pl.BlockSpec((1, cpp, width), lambda i, j: (i, j, 0))
     per_chunk = lambda dtype: jax.ShapeDtypeStruct((rows, c), dtype)  # noqa: E731
     e, mass, t, first, raw_max, x_max = pl.pallas_call(
-        functools.partial(_one_pass_kernel, cap=float(cap)),
+        functools.partial(_one_pass_kernel, cap=float(cap), branch_free=BRANCH_FREE),
         out_shape=(jax.ShapeDtypeStruct((rows, c, width), raw.dtype), per_chunk(jnp.float32), per_chunk(jnp.float32),
                    per_chunk(jnp.int32), per_chunk(raw.dtype), per_chunk(jnp.float32)),
         grid=(rows, c // cpp),
