@@ -127,6 +127,10 @@ ap.add_argument("--ab-steps-only", action="store_true",
 ap.add_argument("--ab-trace", action="store_true",
                 help="--generate-ab: then trace one call of each program (per step: span, busy time, the top kernels "
                      "with their time alone on the GPU; the host events inside each idle gap of >= 0.2 ms)")
+ap.add_argument("--key-spread", type=int, default=0, metavar="N",
+                help="also time generate() with N other keys (median of 3 calls each, the same program): how far the "
+                     "time moves with the trajectory alone (the sampled tokens route the MoE), the yardstick of an "
+                     "A/B whose sides sample different tokens (a rounding change: tokens_differ > 0)")
 ap.add_argument("--capacity-factor", type=int,
                 help="moe.CAPACITY_FACTOR (slots per expert / mean load; overflow takes further rounds)")
 args = ap.parse_args()
@@ -145,6 +149,8 @@ if args.ab_steps_only and not args.ab_max_steps:
     ap.error("--ab-steps-only needs --ab-max-steps")
 if args.ab_rounds < 1:
     ap.error(f"--ab-rounds must be >= 1, got {args.ab_rounds}")
+if args.key_spread < 0:
+    ap.error(f"--key-spread must be >= 0, got {args.key_spread}")
 if unknown := sorted(set(args.ab_fold) - {"attention", "ffw", "proj_out"}):
     ap.error(f"--ab-fold: unknown {unknown} (attention, ffw, proj_out)")
 if args.capacity_factor is not None and args.capacity_factor < 1:
@@ -653,6 +659,10 @@ for impl in IMPLS:
         jax.block_until_ready(pending)
     log(what="generate_steady", moe_impl=impl, seconds=steady, calls_before=6,
         ms_per_forward_incl_prefill=steady * 1e3 / max(fwd + com, 1), returned_ms=float(np.median(returned)) * 1e3)
+    for k in range(1, args.key_spread + 1):
+        kk = kw | {"key": jax.random.key(k)}
+        sec = median_seconds(lambda: generate(params, c, prompt, **kk), reps=3)
+        log(what="generate_key", moe_impl=impl, seed=k, seconds=sec)
     if args.generate_hlo:
         write_generate_hlo(c, kw)
     if args.generate_ab or args.ab_compiler_options or args.ab_fold:

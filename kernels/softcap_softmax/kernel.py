@@ -28,11 +28,12 @@ from jax.experimental import pallas as pl
 
 from orl_jax_kernels.pallas_args import triton_params
 
-# Chunks of W entries per program and its warps, read at trace time. At the 26B ([256, 262144], W = 512): 8 chunks
-# and 8 warps, 16384 programs of 4096 entries, 64 registers per thread (pip Triton 3.6's ptxas for sm_90a: 8 blocks
-# per SM); 16 chunks took 254 registers at 4 warps, 127 at 8. Not timed yet.
-CHUNKS_PER_PROGRAM = 8
-NUM_WARPS = 8
+# Chunks of W entries per program and its warps, read at trace time. At the 26B ([256, 262144], W = 512), alone
+# (bench.py, session 56; us for the one-pass kernel / the row max + the two-pass kernel): 4 chunks and 4 warps
+# 143.7 / 159.9 on an H200 and 146.6 / 176.1 on an H100; 8 and 8 (the default before) 153.2 / 165.8 and 156.2 /
+# 176.4; 16 chunks 170-231 on both.
+CHUNKS_PER_PROGRAM = 4
+NUM_WARPS = 4
 # The program's arithmetic, read at trace time. In session 54's H200 trace the kernel took 151.7 us per step for its
 # 268 MB (1.8 TB/s): it is bound by instructions, not bytes. Its PTX (pip Triton 3.6, sm_90a) spends ~66
 # instructions per entry: libdevice's tanhf branches per entry between a polynomial (|y| < 0.6) and an exp-based
@@ -40,8 +41,10 @@ NUM_WARPS = 8
 # BRANCH_FREE: tanh(|y|) = 1 - 2 / (2^(2 |y| log2 e) + 1) with the sign put back, the exponent in base 2 with the
 # constants folded ((x - m) log2 e in one multiply-add, the entropy term scaled by ln 2 per chunk), and the argmax's
 # index taken per chunk. Its tanh is off by at most ~6e-8 absolute (1 - 2 / (q + 1) cancels for small y, where
-# libdevice's is relative), ~5e-6 in the logits at cap 30 and T 0.4: far below the bf16 product's own rounding. Not
-# timed yet (session 55).
+# libdevice's is relative), ~5e-6 in the logits at cap 30 and T 0.4: far below the bf16 product's own rounding.
+# Timed in session 56 on an H200 (bench.py): the row max + the two-pass kernel 12-39 us faster at 5 of 6 settings
+# (+5 at 16 chunks, 4 warps); the one-pass kernel, the default's, not (149.5 against 143.7 us at 4 chunks and 4
+# warps, 153.6 against 153.2 at 8 and 8). On an H100 the step's tail was unchanged (dg_sampler_tail.py). Off.
 BRANCH_FREE = False
 LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
 

@@ -14,14 +14,16 @@ against ~100 us for the bytes of both. With the product itself (SOFTCAP_STATS, r
 - "one_pass": the statistics kernel's one-pass form (`softcap_one_pass_stats`), no row max before it: each chunk's
   sums are relative to its own maximum, merged without cancellation, and the probabilities are exp(x - shift) with
   a shift fixed by cap / T, which the soft-cap's bound keeps in float32's normal range where cap / T <= 75.5 (the
-  caller's lowest temperature says; else "kernel"). Saves the row max's pass over the product (~38 us per 26B step
-  on an H200). Not timed yet (session 56);
-- "auto" (default): "kernel" on a GPU, "xla" elsewhere (on a CPU the kernel would run in Pallas' interpreter).
-Approximation of both: the argmax is the raw product's. It equals the argmax of the processed logits (HF's) wherever
-distinct raw values stay distinct after the soft-cap and the temperature in float32: for bf16 products, every raw
-maximum with 4e-37 < |raw| < 200 (tests/test_softcapped_sampler.py enumerates them on the CPU backend; above ~200 the
-float32 tanh saturates and XLA's is not even monotone there). Only bf16 / fp16 products take them; float32 products
-(the parity tests' models) always take "xla".
+  caller's lowest temperature says; else "kernel"). Alone at the 26B's [256, 262144] (kernels/softcap_softmax/
+  bench.py, session 56): 143.7 us against 165.8 for the row max + "kernel" on an H200, 146.6 against 176.4 on an
+  H100. Its bf16 probabilities round differently (another shift), so the random-weight model samples other tokens;
+- "auto" (default): "one_pass" on a GPU (the caller's temperatures permitting, else "kernel"), "xla" elsewhere (on a
+  CPU the kernels would run in Pallas' interpreter).
+Approximation of all but "xla": the argmax is the raw product's. It equals the argmax of the processed logits (HF's)
+wherever distinct raw values stay distinct after the soft-cap and the temperature in float32: for bf16 products,
+every raw maximum with 4e-37 < |raw| < 200 (tests/test_softcapped_sampler.py enumerates them on the CPU backend;
+above ~200 the float32 tanh saturates and XLA's is not even monotone there). Only bf16 / fp16 products take them;
+float32 products (the parity tests' models) always take "xla".
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def softcapped_parts(logits: SoftCapped, t, t_floor: float | None = None) -> tup
         raise ValueError(f"SOFTCAP_STATS must be one of {SOFTCAP_STATS_CHOICES}, got {SOFTCAP_STATS!r}")
     stats = SOFTCAP_STATS
     if stats == "auto":
-        stats = "kernel" if jax.default_backend() == "gpu" else "xla"
+        stats = "one_pass" if jax.default_backend() == "gpu" else "xla"
     raw = logits.raw
     x = logits.logits() / t
     if stats == "xla" or raw.dtype not in (jnp.bfloat16, jnp.float16):
