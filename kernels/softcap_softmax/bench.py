@@ -1,5 +1,5 @@
 """GPU benchmark of the sampler's statistics pass alone at DiffusionGemma's [256, 262144] bf16 head product: the row
-max (XLA) + the two-pass kernel (`softcap_chunk_stats`, both BRANCH_FREE forms) against the one-pass kernel
+max (XLA) + the two-pass kernel (`softcap_chunk_stats`) against the one-pass kernel
 (`softcap_one_pass_stats`), over chunks per program and warps; beside XLA's read of the product and its copy (the
 bytes' floor: the kernels read 134 MB and write 134 MB). Each row: us per call (20 calls per sync) and the bytes'
 rate.
@@ -7,7 +7,7 @@ rate.
   python kernels/softcap_softmax/bench.py [--out softcap_bench.jsonl] [--rows 256] [--vocab 262144]
 
 Why: session 54's H200 trace had the kernel at 151.7 us per step (1.8 TB/s), the row max before it at ~38 us;
-BRANCH_FREE (fewer instructions) did not change the step's tail on an H100 (session 56).
+A branch-free tanh (fewer instructions) did not change the step's tail on an H100 (session 56).
 """
 
 import argparse
@@ -63,18 +63,16 @@ def one_pass(r):
     return sk.softcap_one_pass_stats(r, inv_t, cap=CAP, width=W)
 
 
-prev = (sk.CHUNKS_PER_PROGRAM, sk.NUM_WARPS, sk.BRANCH_FREE)
+prev = (sk.CHUNKS_PER_PROGRAM, sk.NUM_WARPS)
 for cpp, warps in itertools.product((4, 8, 16), (4, 8)):
     if not sk.supported(V, W, cpp):
         continue
     sk.CHUNKS_PER_PROGRAM, sk.NUM_WARPS = cpp, warps
-    for name, fn, branch_free in (("two_pass", two_pass, False), ("two_pass_branch_free", two_pass, True),
-                                  ("one_pass", one_pass, False), ("one_pass_branch_free", one_pass, True)):
-        sk.BRANCH_FREE = branch_free
+    for name, fn in (("two_pass", two_pass), ("one_pass", one_pass)):
         jax.clear_caches()
         try:
             timed(name, jax.jit(fn), 2 * nbytes + (nbytes if name.startswith("two") else 0),
                   chunks_per_program=cpp, num_warps=warps)
         except Exception as ex:  # a variant the compiler refuses (registers, shared memory): recorded, not fatal
             record(what="softcap_stats", name=name, chunks_per_program=cpp, num_warps=warps, error=repr(ex)[:300])
-sk.CHUNKS_PER_PROGRAM, sk.NUM_WARPS, sk.BRANCH_FREE = prev
+sk.CHUNKS_PER_PROGRAM, sk.NUM_WARPS = prev

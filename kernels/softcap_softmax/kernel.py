@@ -34,19 +34,10 @@ from orl_jax_kernels.pallas_args import triton_params
 # 176.4; 16 chunks 170-231 on both.
 CHUNKS_PER_PROGRAM = 4
 NUM_WARPS = 4
-# The program's arithmetic, read at trace time. In session 54's H200 trace the kernel took 151.7 us per step for its
-# 268 MB (1.8 TB/s): it is bound by instructions, not bytes. Its PTX (pip Triton 3.6, sm_90a) spends ~66
-# instructions per entry: libdevice's tanhf branches per entry between a polynomial (|y| < 0.6) and an exp-based
-# form (warps diverge where both occur), a division by the cap, and the argmax's index arithmetic per entry.
-# BRANCH_FREE: tanh(|y|) = 1 - 2 / (2^(2 |y| log2 e) + 1) with the sign put back, the exponent in base 2 with the
-# constants folded ((x - m) log2 e in one multiply-add, the entropy term scaled by ln 2 per chunk), and the argmax's
-# index taken per chunk. Its tanh is off by at most ~6e-8 absolute (1 - 2 / (q + 1) cancels for small y, where
-# libdevice's is relative), ~5e-6 in the logits at cap 30 and T 0.4: far below the bf16 product's own rounding.
-# Timed in session 56 on an H200 (bench.py): the row max + the two-pass kernel 12-39 us faster at 5 of 6 settings
-# (+5 at 16 chunks, 4 warps); the one-pass kernel, the default's, not (149.5 against 143.7 us at 4 chunks and 4
-# warps, 153.6 against 153.2 at 8 and 8). On an H100 the step's tail was unchanged (dg_sampler_tail.py). Off.
-BRANCH_FREE = False
-LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
+# A branch-free tanh (one exp2 and one division, constants folded into base-2 exponents; session 55's BRANCH_FREE,
+# 482 PTX instructions per thread against 1056) made the row max + this kernel 12-39 us faster alone at 5 of 6 tile
+# settings on an H200, but the one-pass kernel not (149.5 against 143.7 us at 4 chunks and 4 warps), and the step's
+# tail on an H100 not at all: removed in session 56 (2026-12-05_dg_one_pass_stats_h200.md; git 1481256).
 
 
 def supported(v: int, width: int, chunks_per_program: int | None = None) -> bool:
@@ -58,22 +49,9 @@ def supported(v: int, width: int, chunks_per_program: int | None = None) -> bool
             and (v // width) % min(chunks_per_program, v // width) == 0)
 
 
-def _kernel(inv_t_ref, m_ref, raw_max_ref, raw_ref, e_ref, mass_ref, t_ref, first_ref, *, cap: float, v: int,
-            branch_free: bool):
+def _kernel(inv_t_ref, m_ref, raw_max_ref, raw_ref, e_ref, mass_ref, t_ref, first_ref, *, cap: float, v: int):
     r = raw_ref[0]  # [chunks, W] in the product's dtype
     cpp, w = r.shape
-    if branch_free:
-        rf = r.astype(jnp.float32)
-        th = 1.0 - 2.0 / (jnp.exp2(jnp.abs(rf) * (2.0 * LOG2E / cap)) + 1.0)  # tanh(|raw| / cap)
-        d2 = jnp.where(rf < 0, -th, th) * (cap * LOG2E * inv_t_ref[0]) - m_ref[0] * LOG2E  # (x - m) log2 e
-        e = jnp.exp2(d2)
-        e_ref[0] = e.astype(e_ref.dtype)
-        mass_ref[0] = jnp.sum(e, axis=1)
-        t_ref[0] = jnp.sum(e * d2, axis=1) * LN2  # d2 is finite: x is bounded by the cap
-        local = jnp.min(jnp.where(r == raw_max_ref[0], jax.lax.broadcasted_iota(jnp.int32, (cpp, w), 1), w), axis=1)
-        chunk = pl.program_id(1) * cpp + jax.lax.broadcasted_iota(jnp.int32, (cpp,), 0)
-        first_ref[0] = jnp.where(local < w, chunk * w + local, v)
-        return
     x = jnp.tanh(r.astype(jnp.float32) / cap) * cap * inv_t_ref[0]  # layers.soft_cap, then / T
     d = x - m_ref[0]
     e = jnp.exp(d)
@@ -105,7 +83,7 @@ def softcap_chunk_stats(raw: jax.Array, m: jax.Array, raw_max: jax.Array, inv_t:
     stat = pl.BlockSpec((1, cpp), lambda i, j: (i, j))
     tile = pl.BlockSpec((1, cpp, width), lambda i, j: (i, j, 0))
     e, mass, t, first = pl.pallas_call(
-        functools.partial(_kernel, cap=float(cap), v=v, branch_free=BRANCH_FREE),
+        functools.partial(_kernel, cap=float(cap), v=v),
         out_shape=(jax.ShapeDtypeStruct((rows, c, width), raw.dtype),
                    jax.ShapeDtypeStruct((rows, c), jnp.float32), jax.ShapeDtypeStruct((rows, c), jnp.float32),
                    jax.ShapeDtypeStruct((rows, c), jnp.int32)),
@@ -127,22 +105,14 @@ E_TOP, E_FLOOR = 64.0, 87.0
 MAX_CAP_OVER_T = (E_TOP + E_FLOOR) / 2
 
 
-def _tanh(y, branch_free: bool):
-    """libdevice's tanh, or BRANCH_FREE's: 1 - 2 / (2^(2 |y| log2 e) + 1) with the sign put back."""
-    if not branch_free:
-        return jnp.tanh(y)
-    th = 1.0 - 2.0 / (jnp.exp2(jnp.abs(y) * (2.0 * LOG2E)) + 1.0)
-    return jnp.where(y < 0, -th, th)
-
-
 def _one_pass_kernel(inv_t_ref, shift_ref, raw_ref, e_ref, mass_ref, t_ref, first_ref, raw_max_ref, x_max_ref, *,
-                     cap: float, branch_free: bool):
+                     cap: float):
     r = raw_ref[0]  # [chunks, W] in the product's dtype
     cpp, w = r.shape
     inv_t = inv_t_ref[0]
     raw_max = jnp.max(r, axis=1)  # [chunks]
-    x = _tanh(r.astype(jnp.float32) / cap, branch_free) * cap * inv_t
-    x_max = _tanh(raw_max.astype(jnp.float32) / cap, branch_free) * cap * inv_t  # x's own expression at the maximum
+    x = jnp.tanh(r.astype(jnp.float32) / cap) * cap * inv_t
+    x_max = jnp.tanh(raw_max.astype(jnp.float32) / cap) * cap * inv_t  # x's own expression at the chunk's maximum
     e = jnp.exp(x - shift_ref[0])  # never under- or overflows (E_TOP)
     e_ref[0] = e.astype(e_ref.dtype)
     # relative to the chunk's maximum: <= 1 (up to the tanh's rounding above ~200, where it saturates); an entry
@@ -180,7 +150,7 @@ def softcap_one_pass_stats(raw: jax.Array, inv_t: jax.Array, *, cap: float, widt
     tile = pl.BlockSpec((1, cpp, width), lambda i, j: (i, j, 0))
     per_chunk = lambda dtype: jax.ShapeDtypeStruct((rows, c), dtype)  # noqa: E731
     e, mass, t, first, raw_max, x_max = pl.pallas_call(
-        functools.partial(_one_pass_kernel, cap=float(cap), branch_free=BRANCH_FREE),
+        functools.partial(_one_pass_kernel, cap=float(cap)),
         out_shape=(jax.ShapeDtypeStruct((rows, c, width), raw.dtype), per_chunk(jnp.float32), per_chunk(jnp.float32),
                    per_chunk(jnp.int32), per_chunk(raw.dtype), per_chunk(jnp.float32)),
         grid=(rows, c // cpp),
