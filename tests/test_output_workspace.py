@@ -1,0 +1,52 @@
+"""engine.OUTPUT_WORKSPACE: plain generate() calls run the loop into a donated workspace the engine keeps per
+compiled program, so the program's outputs (and the loop values XLA shares with them) keep their addresses from call
+to call; the caller gets copies. The same outputs as without it, every output aliased (no donation left unused),
+the workspace's buffers in place across calls, and the caller's arrays independent of the next call."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from orl_jax import params as P
+from orl_jax.config import preset
+from orl_jax.decode import engine
+from orl_jax.decode.samplers import UniformSampler
+from orl_jax.diffusion_gemma_config import DG_PRESETS
+from orl_jax.model import diffusion_gemma as dg
+from orl_jax.model import qwen3
+
+
+def _qwendlm():
+    cfg = preset("tiny-qwendlm").replace(block_length=4)
+    return cfg, P.init(qwen3.param_specs(cfg), jax.random.key(0)), dict(max_new_tokens=8)
+
+
+def _dg():
+    cfg = DG_PRESETS["tiny-dg"].replace(dtype="bfloat16", image_token_id=None, boi_token_id=None, eoi_token_id=None)
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), P.init(dg.param_specs(cfg), jax.random.key(0)))
+    return cfg, params, dict(max_new_tokens=32, block_length=16)
+
+
+@pytest.mark.parametrize("model", [_qwendlm, _dg], ids=["qwendlm_graphed", "dg_concurrent"])
+def test_workspace_keeps_outputs_in_place(model, monkeypatch):
+    cfg, params, kw = model()
+    kw |= dict(key=jax.random.key(3), sampler=UniformSampler(max_denoising_steps=4), eos_token_id=())
+    prompts = [[5, 6, 7, 8, 9], [10, 11]]
+    want = engine.generate(params, cfg, prompts, **kw)
+    monkeypatch.setattr(engine, "OUTPUT_WORKSPACE", True)
+    monkeypatch.setattr(engine, "_workspaces", {})
+    outs, places = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Some donated buffers were not usable" fails the test
+        for _ in range(3):
+            outs.append(engine.generate(params, cfg, prompts, **kw))
+            (workspace,) = engine._workspaces.values()
+            places.append([a.unsafe_buffer_pointer() for a in jax.tree.leaves(workspace)])
+    assert places[0] == places[1] == places[2]
+    for out in outs:  # each call's copies, read after the later calls
+        assert not {a.unsafe_buffer_pointer() for a in jax.tree.leaves(out)} & set(places[0])
+        for got, ref in zip(jax.tree.leaves(out), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
