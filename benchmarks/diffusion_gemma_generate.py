@@ -127,6 +127,10 @@ ap.add_argument("--ab-steps-only", action="store_true",
 ap.add_argument("--ab-trace", action="store_true",
                 help="--generate-ab: then trace one call of each program (per step: span, busy time, the top kernels "
                      "with their time alone on the GPU; the host events inside each idle gap of >= 0.2 ms)")
+ap.add_argument("--ab-workspace", action="store_true",
+                help="also time generate() itself with engine.OUTPUT_WORKSPACE off (A) and on (B), alternately, "
+                     "--ab-rounds each (a call-time switch: --generate-ab times the compiled programs, not the "
+                     "calls)")
 ap.add_argument("--key-spread", type=int, default=0, metavar="N",
                 help="also time generate() with N other keys (median of 3 calls each, the same program): how far the "
                      "time moves with the trajectory alone (the sampled tokens route the MoE), the yardstick of an "
@@ -431,6 +435,26 @@ def generate_ab(c, kw, params_b=None):
                 log(what="generate_ab_idle_gap", side=side, max_steps=kw.get("max_steps"), **row)
 
 
+def workspace_ab(c, kw):
+    """generate() with engine.OUTPUT_WORKSPACE off (A) and on (B), alternately: one untimed call each first."""
+    from orl_jax.decode import engine
+
+    def call(on):
+        engine.OUTPUT_WORKSPACE = on
+        try:
+            return jax.block_until_ready(generate(params, c, prompt, **kw))
+        finally:
+            engine.OUTPUT_WORKSPACE = False
+
+    out_a, out_b = call(False), call(True)
+    log(what="workspace_ab_outputs", tokens_differ=int(np.sum(np.asarray(out_a.tokens) != np.asarray(out_b.tokens))))
+    for r in range(args.ab_rounds):
+        for side in ("A", "B") if r % 2 == 0 else ("B", "A"):
+            t = time.perf_counter()
+            call(side == "B")
+            log(what="workspace_ab", side=side, round=r, seconds=time.perf_counter() - t)
+
+
 def fold_ab(c):
     """The params with --ab-fold's transforms; first their decoder logits against the defaults' (beside how far
     another rounding of the same math moves them) and the decoder forward, 48 per loop, alternating with the
@@ -663,6 +687,8 @@ for impl in IMPLS:
         kk = kw | {"key": jax.random.key(k)}
         sec = median_seconds(lambda: generate(params, c, prompt, **kk), reps=3)
         log(what="generate_key", moe_impl=impl, seed=k, seconds=sec)
+    if args.ab_workspace:
+        workspace_ab(c, kw)
     if args.generate_hlo:
         write_generate_hlo(c, kw)
     if args.generate_ab or args.ab_compiler_options or args.ab_fold:
