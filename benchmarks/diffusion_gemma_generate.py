@@ -437,14 +437,9 @@ def generate_ab(c, kw, params_b=None):
 
 def workspace_ab(c, kw):
     """generate() with engine.OUTPUT_WORKSPACE off (A) and on (B), alternately: one untimed call each first."""
-    from orl_jax.decode import engine
-
     def call(on):
-        engine.OUTPUT_WORKSPACE = on
-        try:
+        with switched({"orl_jax.decode.engine.OUTPUT_WORKSPACE": on}):
             return jax.block_until_ready(generate(params, c, prompt, **kw))
-        finally:
-            engine.OUTPUT_WORKSPACE = False
 
     out_a, out_b = call(False), call(True)
     log(what="workspace_ab_outputs", tokens_differ=int(np.sum(np.asarray(out_a.tokens) != np.asarray(out_b.tokens))))

@@ -142,7 +142,8 @@ def test_kernel_equals_a_direct_computation():
 
 def test_one_pass_equals_a_direct_computation():
     """The one-pass form against float64: its chunks relative to their own maxima, e relative to the shift, and the
-    merged row statistics, at the lowest temperature it takes (cap / T = 75: e spans e^-86 .. e^64) and at 1."""
+    merged row statistics, at cap / T = 75.3 (just inside its bound: e spans e^-86.6 .. e^64), 75 (DiffusionGemma at
+    T = 0.4) and 30."""
     raw = _raw(v=1024).reshape(-1, 1024)
     raw = raw.at[3].set(-300.0).at[4, :512].set(300.0)  # a row at the cap's floor; one half at its top
     w = _chunk_width(1024)
@@ -178,15 +179,21 @@ def test_one_pass_equals_a_direct_computation():
         softcap_one_pass_stats(raw[:, :1000], 1.0, cap=CAP, width=8, interpret=True)
 
 
-def test_one_pass_needs_a_temperature_floor(monkeypatch):
-    """"one_pass" below the temperature it can take (cap / T > 75.5: e would leave float32's normal range) and
-    without a floor takes the two-pass kernel."""
+def _spy_kernels(monkeypatch) -> list:
+    """The names of the statistics kernels called from here on (each still runs), in order."""
     from orl_jax_kernels.softcap_softmax import kernel as sk
 
     calls = []
-    real = {n: getattr(sk, n) for n in ("softcap_one_pass_stats", "softcap_chunk_stats")}
-    for n, f in real.items():
-        monkeypatch.setattr(sk, n, lambda *a, n=n, f=f, **k: calls.append(n) or f(*a, **k))
+    for name in ("softcap_chunk_stats", "softcap_one_pass_stats"):
+        real = getattr(sk, name)
+        monkeypatch.setattr(sk, name, lambda *a, name=name, real=real, **k: calls.append(name) or real(*a, **k))
+    return calls
+
+
+def test_one_pass_needs_a_temperature_floor(monkeypatch):
+    """"one_pass" below the temperature it can take (cap / T > 75.5: e would leave float32's normal range) and
+    without a floor takes the two-pass kernel."""
+    calls = _spy_kernels(monkeypatch)
     monkeypatch.setattr(softcapped, "SOFTCAP_STATS", "one_pass")
     raw = SoftCapped(_raw(v=1024), CAP)
     for floor, want in ((0.4, "softcap_one_pass_stats"), (0.39, "softcap_chunk_stats"), (None, "softcap_chunk_stats")):
@@ -241,13 +248,9 @@ def test_generate_equal_in_every_mode(tiny_dg, monkeypatch):
     """generate() of a bf16 DiffusionGemma (both fused passes: two blocks), token for token, each mode against
     "xla"; with "kernel" / "one_pass" its program calls that kernel."""
     from orl_jax.decode.engine import generate
-    from orl_jax_kernels.softcap_softmax import kernel as sk
 
     cfg, params = tiny_dg
-    calls = []
-    for name in ("softcap_chunk_stats", "softcap_one_pass_stats"):
-        real = getattr(sk, name)
-        monkeypatch.setattr(sk, name, lambda *a, name=name, real=real, **k: calls.append(name) or real(*a, **k))
+    calls = _spy_kernels(monkeypatch)
     kw = dict(key=jax.random.key(3), max_new_tokens=16, sampler=UniformSampler(max_denoising_steps=4),
               eos_token_id=())
     outs = {}
