@@ -57,6 +57,12 @@ FUSED_COMMIT = True
 # call, 8 allocations (generate()'s 8 outputs), median 1.68 ms (XLA's log, session 56,
 # benchmarks/results/2026-12-05_dg_one_pass_stats_h200.md). Read at call time. Not timed yet: off.
 OUTPUT_WORKSPACE = False
+# A block's last step computes the soft embedding z = p @ E for a next step that never reads it (z is zeroed when the
+# block finishes). True: that product under a lax.cond on the step's `finish`, skipped there. On the 26B the product
+# is a 378 GFLOP GEMM, ~0.5 ms on an H200 (benchmarks/results/2026-12-04_dg_sampler_tail_h200.md), once per block;
+# the cond costs each step a predicate and a conditional node in the loop's CUDA graph. The same outputs either way.
+# Read at trace time. Not timed yet: off.
+FINAL_EMBED_COND = False
 
 
 @dataclass(frozen=True)
@@ -126,6 +132,10 @@ def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeCon
     workspace = _workspaces.pop(slot, None)
     if workspace is None:
         workspace = output_workspace(prompt.shape[0], dcfg)
+        # the copy compiled before the loop's program first runs: XLA drops every other program's recorded CUDA
+        # graphs whenever it builds a new program (CommandBufferThunk's constructor), so a copy compiled after it
+        # would cost the loop's next call a fresh recording of its graphs on the host
+        _copy_out(workspace)
     out = run_into(workspace, params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
     _workspaces[slot] = out
     return _copy_out(out)
@@ -234,10 +244,17 @@ def _generate_loop(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: Deco
         active = ~(s.block_done | s.seq_done)
         out = sampler.step(logits, s.canvas, s.sampler, k_step, s.step, active)
         keep = active[:, None]
+        block_done = s.block_done | (out.done & active)
+        step = s.step + 1
+        finish = jnp.all(block_done | s.seq_done) | (step >= dcfg.max_steps)
         if isinstance(dcfg.residual, NoResidual):
             z, a = s.z, s.a
         else:
-            z = jnp.where(keep[..., None], soft_embed(params, cfg, out.probs, out.probs_scale), s.z)
+            def embedded():
+                return jnp.where(keep[..., None], soft_embed(params, cfg, out.probs, out.probs_scale), s.z)
+
+            # a finished block's z is zeroed below: under FINAL_EMBED_COND its last step skips the soft embedding
+            z = jax.lax.cond(finish, lambda: jnp.zeros_like(s.z), embedded) if FINAL_EMBED_COND else embedded()
             a = jnp.where(keep, out.entropy, s.a)
         cap = s.capture
         if cap is not None:
@@ -245,9 +262,6 @@ def _generate_loop(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: Deco
             rec = {"canvas": s.canvas, "z": s.z, "a": s.a, "entropy": out.entropy, "resolved": out.resolved,
                    "active": active, "block": s.block, "step": s.step}
             cap = {k: cap[k].at[i].set(rec[k]) for k in cap}
-        block_done = s.block_done | (out.done & active)
-        step = s.step + 1
-        finish = jnp.all(block_done | s.seq_done) | (step >= dcfg.max_steps)
 
         final, eos = _finalize_block(dcfg, sampler.finalize(out.canvas, out.state), s.seq_done)
         seq_done = jnp.where(finish, s.seq_done | eos, s.seq_done)
