@@ -407,6 +407,9 @@ def generate_ab(c, kw, params_b=None):
     with switched(parse_switches(args.generate_ab)):
         prog_b, a_b = generate_program(c, kw, args.ab_compiler_options, params_b)
     out_a, out_b = jax.block_until_ready(prog_a(*a)), jax.block_until_ready(prog_b(*a_b))  # one untimed call each
+    # and one more each: a program's first call may run its thunks one by one (XLA's warm-up) and its second record
+    # its CUDA graphs on the host; in session 56's A/Bs both sides' first round ran ~7 ms slower than the rest
+    jax.block_until_ready(prog_a(*a)), jax.block_until_ready(prog_b(*a_b))
     # the two sides' outputs: a switch that changes rounding may move a sampled token in the bf16 model
     log(what="generate_ab_outputs", tokens_differ=int(np.sum(np.asarray(out_a.tokens) != np.asarray(out_b.tokens))),
         forwards_a=int(out_a.total_forwards), forwards_b=int(out_b.total_forwards), max_steps=kw.get("max_steps"))
@@ -442,6 +445,9 @@ def workspace_ab(c, kw):
             return jax.block_until_ready(generate(params, c, prompt, **kw))
 
     out_a, out_b = call(False), call(True)
+    # again, untimed: building B's program made XLA drop A's recorded CUDA graphs (it drops every other program's
+    # when it builds one, CommandBufferThunk's constructor), so A's next call records them afresh; B's may too
+    call(False), call(True)
     log(what="workspace_ab_outputs", tokens_differ=int(np.sum(np.asarray(out_a.tokens) != np.asarray(out_b.tokens))))
     for r in range(args.ab_rounds):
         for side in ("A", "B") if r % 2 == 0 else ("B", "A"):
