@@ -1,0 +1,44 @@
+"""benchmarks/command_buffer_log.py: XLA's command-buffer log lines, counted and timed per command buffer."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from command_buffer_log import summarize  # noqa: E402
+
+# the lines as XLA's command_buffer_thunk.cc logs them at verbosity 3 (glog prefixes as TF_CPP writes them)
+LOG = """\
+I1205 20:15:18.000001  101 command_buffer_thunk.cc:83] Evict command buffer thunk command buffers; tracked thunks = 3
+I1205 20:15:18.000002  101 command_buffer_thunk.cc:95] Evicted 2 command buffer thunk command buffers
+I1205 20:15:18.100000  101 command_buffer_thunk.cc:170] Initialize command buffer on device #0 by recoding command \
+buffer cmd sequence; num_commands=230
+I1205 20:15:18.104000  101 command_buffer_thunk.cc:190] Initialized command buffer on device #0 in 4012 \u03bcs; \
+num_commands=230
+I1205 20:15:18.200000  101 command_buffer_thunk.cc:230] Executing warm up iteration of command buffer thunk
+I1205 20:15:19.000000  101 command_buffer_thunk.cc:240] Update command buffer on device #0 by recoding command buffer \
+cmd sequence after 1 executions since last update; num_commands=230; updated_allocs=8
+I1205 20:15:19.001700  101 command_buffer_thunk.cc:260] Updated command buffer in 1682 \u03bcs; num_commands=230
+I1205 20:15:19.001701  101 command_buffer_thunk.cc:265] Execute command buffer on device #0; num_executions=1
+I1205 20:15:20.000000  101 command_buffer_thunk.cc:240] Update command buffer on device #0 by recoding command buffer \
+cmd sequence after 1 executions since last update; num_commands=230; updated_allocs=8
+I1205 20:15:20.002000  101 command_buffer_thunk.cc:260] Updated command buffer in 2000 \u03bcs; num_commands=230
+I1205 20:15:20.100000  101 command_buffer_thunk.cc:240] Update command buffer on device #0 by recoding command buffer \
+cmd sequence after 1 executions since last update; num_commands=26; updated_allocs=0
+I1205 20:15:20.100040  101 command_buffer_thunk.cc:260] Updated command buffer in 38 \u03bcs; num_commands=26
+something else entirely
+"""
+
+
+def test_updates_and_recordings_per_command_buffer():
+    s = summarize(LOG.splitlines())
+    big, small = s["buffers"]  # most commands first
+    assert big == {"num_commands": 230, "updates": 2, "update_us_median": 1841.0, "update_us_max": 2000,
+                   "updated_allocs": {8: 2}, "initializations": 1, "initialize_us_median": 4012}
+    assert small["num_commands"] == 26 and small["updates"] == 1 and small["updated_allocs"] == {0: 1}
+    assert small["initializations"] == 0 and small["initialize_us_median"] is None
+    assert s["warmups"] == 1 and s["evicted"] == 2
+
+
+def test_a_log_without_command_buffers():
+    assert summarize(["I1205 nothing here", ""]) == {"buffers": [], "warmups": 0, "evicted": 0}
