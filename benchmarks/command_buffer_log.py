@@ -8,7 +8,9 @@ prints one row per command buffer, told apart by its command count (`num_command
 from scratch ("Initialized ... in N us": a program's first calls, and again after XLA dropped its graphs, which it
 does to every other program whenever it builds one), how often it updated it before a call ("Updated ... in N us":
 an allocation the graph holds moved, `updated_allocs` of them) and the times each took. A steady `generate()` whose
-outputs keep their addresses (engine.OUTPUT_WORKSPACE) should show no updates of its loop's buffer.
+outputs keep their addresses (engine.OUTPUT_WORKSPACE) should show no updates of its loop's buffer. With
+diffusion_gemma_generate.py --mark-calls, also the host's time from each generate() call's start to its graphs'
+submission, which the GPU waits for when it has nothing queued.
 """
 
 from __future__ import annotations
@@ -19,6 +21,11 @@ import re
 import statistics
 from collections import Counter, defaultdict
 
+# diffusion_gemma_generate.py --mark-calls writes this line (glog's time format) as each generate() call starts
+CALL_MARK = "generate() call starts"
+_TIME = re.compile(r"^[IWEF]\d{4} (\d\d):(\d\d):(\d\d\.\d+)")
+_EXECUTE = "Execute command buffer on device"
+
 _UPDATE = re.compile(r"Update command buffer on device #\d+ .*num_commands=(\d+); updated_allocs=(\d+)")
 _UPDATED = re.compile(r"Updated command buffer in (\d+) \S+; num_commands=(\d+)")
 _INITIALIZED = re.compile(r"Initialized command buffer on device #\d+ in (\d+) \S+; num_commands=(\d+)")
@@ -26,11 +33,28 @@ _WARMUP = "Executing warm up iteration of command buffer thunk"
 _EVICTED = re.compile(r"Evicted (\d+) command buffer")
 
 
+def _seconds(line: str) -> float | None:
+    m = _TIME.match(line)
+    return None if m is None else int(m[1]) * 3600 + int(m[2]) * 60 + float(m[3])
+
+
 def summarize(lines) -> dict:
-    """{"buffers": [row per num_commands, most commands first], "warmups": n, "evicted": n} from the log's lines."""
+    """{"buffers": [row per num_commands, most commands first], "warmups": n, "evicted": n, "calls": ...} from the
+    log's lines. "calls" (with CALL_MARK lines): per marked generate() call, the host's time from the call's start to
+    its last command-buffer submission (the loop's graph is submitted last), median and range in ms."""
     buffers = defaultdict(lambda: {"updates_us": [], "updated_allocs": Counter(), "initialized_us": []})
     warmups = evicted = 0
+    to_submit, start, last = [], None, None
     for line in lines:
+        if CALL_MARK in line or _EXECUTE in line:
+            t = _seconds(line)
+            if CALL_MARK in line:
+                if start is not None and last is not None:
+                    to_submit.append(last - start)
+                start, last = t, None
+            elif start is not None and t is not None:
+                last = t
+            continue
         if m := _UPDATE.search(line):
             buffers[int(m[1])]["updated_allocs"][int(m[2])] += 1
         elif m := _UPDATED.search(line):
@@ -49,7 +73,13 @@ def summarize(lines) -> dict:
                      "updated_allocs": dict(sorted(b["updated_allocs"].items())),
                      "initializations": len(init),
                      "initialize_us_median": statistics.median(init) if init else None})
-    return {"buffers": rows, "warmups": warmups, "evicted": evicted}
+    if start is not None and last is not None:
+        to_submit.append(last - start)
+    calls = {"marked": len(to_submit)}
+    if to_submit:
+        ms = [1e3 * d for d in to_submit]
+        calls |= {"to_last_submit_ms_median": statistics.median(ms), "min": min(ms), "max": max(ms)}
+    return {"buffers": rows, "warmups": warmups, "evicted": evicted, "calls": calls}
 
 
 def main() -> None:
@@ -60,7 +90,7 @@ def main() -> None:
     with open(args.log, errors="replace") as f:
         s = summarize(f)
     rows = [{"what": "command_buffer", **r} for r in s["buffers"]]
-    rows.append({"what": "command_buffer_totals", "warmups": s["warmups"], "evicted": s["evicted"]})
+    rows.append({"what": "command_buffer_totals", "warmups": s["warmups"], "evicted": s["evicted"], **s["calls"]})
     text = "\n".join(json.dumps(r) for r in rows)
     print(text)
     if args.out:

@@ -135,6 +135,9 @@ ap.add_argument("--key-spread", type=int, default=0, metavar="N",
                 help="also time generate() with N other keys (median of 3 calls each, the same program): how far the "
                      "time moves with the trajectory alone (the sampled tokens route the MoE), the yardstick of an "
                      "A/B whose sides sample different tokens (a rounding change: tokens_differ > 0)")
+ap.add_argument("--mark-calls", action="store_true",
+                help="write a line in glog's time format to stderr as each generate() call starts, for "
+                     "benchmarks/command_buffer_log.py (with XLA's command-buffer log on the same stderr)")
 ap.add_argument("--capacity-factor", type=int,
                 help="moe.CAPACITY_FACTOR (slots per expert / mean load; overflow takes further rounds)")
 args = ap.parse_args()
@@ -187,6 +190,15 @@ def log(**kw):
     with open(args.out, "a") as f:
         f.write(json.dumps(kw) + "\n")
 
+
+if args.mark_calls:
+    from command_buffer_log import CALL_MARK
+
+    def generate(*a, _generate=generate, **k):  # noqa: F811
+        now = time.time()
+        stamp = time.strftime("%m%d %H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1e6):06d}"
+        print(f"I{stamp} {CALL_MARK}", file=sys.stderr, flush=True)
+        return _generate(*a, **k)
 
 if args.capacity_factor is not None:
     moe.CAPACITY_FACTOR = args.capacity_factor  # read by moe.capacity at trace time

@@ -3,9 +3,11 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from command_buffer_log import summarize  # noqa: E402
+from command_buffer_log import CALL_MARK, summarize  # noqa: E402
 
 # the lines as XLA's command_buffer_thunk.cc logs them at verbosity 3 (glog prefixes as TF_CPP writes them)
 LOG = """\
@@ -38,7 +40,22 @@ def test_updates_and_recordings_per_command_buffer():
     assert small["num_commands"] == 26 and small["updates"] == 1 and small["updated_allocs"] == {0: 1}
     assert small["initializations"] == 0 and small["initialize_us_median"] is None
     assert s["warmups"] == 1 and s["evicted"] == 2
+    assert s["calls"] == {"marked": 0}  # no call marks in this log
+
+
+def test_host_time_from_each_call_to_its_last_submission():
+    ex = "command_buffer_thunk.cc:265] Execute command buffer on device #0; num_executions=1"
+    lines = [f"I1205 20:15:18.000000 {CALL_MARK}", f"I1205 20:15:18.001000  7 {ex}",
+             f"I1205 20:15:18.004500  7 {ex}",  # the call's last submission: 4.5 ms after its start
+             "I1205 20:15:18.700000  7 something else",
+             f"I1205 20:15:19.000000 {CALL_MARK}", f"I1205 20:15:19.002500  7 {ex}",
+             f"I1205 20:15:20.000000 {CALL_MARK}"]  # a call that submitted nothing (yet): not counted
+    calls = summarize(lines)["calls"]
+    assert calls["marked"] == 2
+    assert calls["to_last_submit_ms_median"] == pytest.approx(3.5)
+    assert calls["min"] == pytest.approx(2.5) and calls["max"] == pytest.approx(4.5)
 
 
 def test_a_log_without_command_buffers():
-    assert summarize(["I1205 nothing here", ""]) == {"buffers": [], "warmups": 0, "evicted": 0}
+    assert summarize(["I1205 nothing here", ""]) == {"buffers": [], "warmups": 0, "evicted": 0,
+                                                     "calls": {"marked": 0}}
