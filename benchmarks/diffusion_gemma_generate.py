@@ -420,7 +420,7 @@ def generate_ab(c, kw, params_b=None):
         prog_b, a_b = generate_program(c, kw, args.ab_compiler_options, params_b)
     out_a, out_b = jax.block_until_ready(prog_a(*a)), jax.block_until_ready(prog_b(*a_b))  # one untimed call each
     # and one more each: a program's first call may run its thunks one by one (XLA's warm-up) and its second record
-    # its CUDA graphs on the host; in session 56's A/Bs both sides' first round ran ~7 ms slower than the rest
+    # its CUDA graphs on the host; in two of session 56's four A/Bs the first round ran 3-8 ms slower than the rest
     jax.block_until_ready(prog_a(*a)), jax.block_until_ready(prog_b(*a_b))
     # the two sides' outputs: a switch that changes rounding may move a sampled token in the bf16 model
     log(what="generate_ab_outputs", tokens_differ=int(np.sum(np.asarray(out_a.tokens) != np.asarray(out_b.tokens))),
