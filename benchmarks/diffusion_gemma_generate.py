@@ -385,8 +385,9 @@ def generate_call(c, kw):
         raise _Dispatched
 
     engine._run_concurrent = catch
-    try:
-        generate(params, c, prompt, **kw)
+    try:  # the loop's own program: the workspace's (OUTPUT_WORKSPACE) is another, timed by --ab-workspace
+        with switched({"orl_jax.decode.engine.OUTPUT_WORKSPACE": False}):
+            generate(params, c, prompt, **kw)
     except _Dispatched:
         pass
     finally:
