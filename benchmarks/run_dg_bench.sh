@@ -14,7 +14,9 @@ out=$1; shift; mkdir -p "$out"; export PYTHONUNBUFFERED=1
 peers=${PEERS:-.carry/peers}
 here=$(dirname "$0")
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
-NEW=256 timeout 110 python3 "$peers/hf_diffusion_gemma_generate.py" eager > "$out/peer_dg.txt" 2>&1
+if [ "${PEER:-1}" = 1 ]; then  # PEER=0: ours alone (an H100: the peer's eager run does not fit one)
+  NEW=256 timeout 110 python3 "$peers/hf_diffusion_gemma_generate.py" eager > "$out/peer_dg.txt" 2>&1
+fi
 parts=(--parts); [ "${PARTS:-1}" = 0 ] && parts=()
 dg=(python3 "$here/diffusion_gemma_generate.py" --moe-impl pallas --fused-experts --looped 48 ${parts[@]+"${parts[@]}"}
     --key-spread 4 "$@" --out "$out/dg.jsonl")
@@ -28,4 +30,4 @@ else
   "${dg[@]}" > "$out/dg.log" 2>&1
   echo "== dg exit $?" >> "$out/dg.log"
 fi
-tail -n 8 "$out/peer_dg.txt" "$out/dg.log"
+tail -n 8 "$out"/peer_dg.txt "$out/dg.log" 2>/dev/null
