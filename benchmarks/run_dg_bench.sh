@@ -4,8 +4,8 @@
 # is the number to compare), then orl_jax at its defaults: the decoder forward 48 per device loop, generate() (one
 # untimed call + median of 3, then the steady state), other keys, and generate()'s parts. Extra arguments go to
 # benchmarks/diffusion_gemma_generate.py (e.g. --ab-workspace, --generate-ab 'MODULE.NAME=JSON', --set ...).
-# PARTS=0 leaves out --parts (~80 s on the device). XLA_LOG=1 also logs XLA's command buffers and each generate()
-# call's start, and summarizes them (benchmarks/command_buffer_log.py).
+# PEER=0 runs ours alone; PARTS=0 leaves out --parts (~80 s on the device). XLA_LOG=1 also logs XLA's command
+# buffers and each generate() call's start, and summarizes them (benchmarks/command_buffer_log.py).
 # Usage: bash benchmarks/run_dg_bench.sh OUTDIR [diffusion_gemma_generate.py args]   (peers copied to .carry/peers;
 #   as a device job: bash benchmarks/run_gpu_jobs.sh $OUT 570 '0|bash benchmarks/run_dg_bench.sh $BENCH')
 # 2026-11-29's record ran an earlier version of this script (transformers compiled too, a kernel profile).
