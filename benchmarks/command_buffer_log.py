@@ -19,18 +19,23 @@ import argparse
 import json
 import re
 import statistics
+import time
 from collections import Counter, defaultdict
 
-# diffusion_gemma_generate.py --mark-calls writes this line (glog's time format) as each generate() call starts
+# diffusion_gemma_generate.py --mark-calls writes call_mark_line() to stderr as each generate() call starts
 CALL_MARK = "generate() call starts"
-_TIME = re.compile(r"^[IWEF]\d{4} (\d\d):(\d\d):(\d\d\.\d+)")
+_TIME = re.compile(r"^[IWEF]\d{4} (\d\d):(\d\d):(\d\d\.\d+)")  # glog's prefix: I<mmdd> <hh:mm:ss.us>
 _EXECUTE = "Execute command buffer on device"
-
 _UPDATE = re.compile(r"Update command buffer on device #\d+ .*num_commands=(\d+); updated_allocs=(\d+)")
 _UPDATED = re.compile(r"Updated command buffer in (\d+) \S+; num_commands=(\d+)")
 _INITIALIZED = re.compile(r"Initialized command buffer on device #\d+ in (\d+) \S+; num_commands=(\d+)")
 _WARMUP = "Executing warm up iteration of command buffer thunk"
 _EVICTED = re.compile(r"Evicted (\d+) command buffer")
+
+
+def call_mark_line(now: float) -> str:
+    """CALL_MARK at wall-clock time `now` (time.time()) in glog's prefix, as XLA's own lines carry it."""
+    return f"I{time.strftime('%m%d %H:%M:%S', time.localtime(now))}.{int(now % 1 * 1e6):06d} {CALL_MARK}"
 
 
 def _seconds(line: str) -> float | None:

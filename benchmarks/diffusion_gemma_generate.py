@@ -192,12 +192,10 @@ def log(**kw):
 
 
 if args.mark_calls:
-    from command_buffer_log import CALL_MARK
+    from command_buffer_log import call_mark_line
 
     def generate(*a, _generate=generate, **k):  # noqa: F811
-        now = time.time()
-        stamp = time.strftime("%m%d %H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1e6):06d}"
-        print(f"I{stamp} {CALL_MARK}", file=sys.stderr, flush=True)
+        print(call_mark_line(time.time()), file=sys.stderr, flush=True)
         return _generate(*a, **k)
 
 if args.capacity_factor is not None:

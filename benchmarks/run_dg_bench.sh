@@ -17,9 +17,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu
 if [ "${PEER:-1}" = 1 ]; then  # PEER=0: ours alone (an H100: the peer's eager run does not fit one)
   NEW=256 timeout 110 python3 "$peers/hf_diffusion_gemma_generate.py" eager > "$out/peer_dg.txt" 2>&1
 fi
-parts=(--parts); [ "${PARTS:-1}" = 0 ] && parts=()
-dg=(python3 "$here/diffusion_gemma_generate.py" --moe-impl pallas --fused-experts --looped 48 ${parts[@]+"${parts[@]}"}
-    --key-spread 4 "$@" --out "$out/dg.jsonl")
+parts=--parts; [ "${PARTS:-1}" = 0 ] && parts=
+dg=(python3 "$here/diffusion_gemma_generate.py" --moe-impl pallas --fused-experts --looped 48 $parts --key-spread 4
+    "$@" --out "$out/dg.jsonl")
 if [ "${XLA_LOG:-0}" = 1 ]; then
   TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 "${dg[@]}" --mark-calls > "$out/dg.log" 2> "$out/xla_log.txt"
   echo "== dg exit $?" >> "$out/dg.log"

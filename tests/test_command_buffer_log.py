@@ -1,13 +1,14 @@
 """benchmarks/command_buffer_log.py: XLA's command-buffer log lines, counted and timed per command buffer."""
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from command_buffer_log import CALL_MARK, summarize  # noqa: E402
+from command_buffer_log import call_mark_line, summarize  # noqa: E402
 
 # the lines as XLA's command_buffer_thunk.cc logs them at verbosity 3 (glog prefixes as TF_CPP writes them)
 LOG = """\
@@ -45,11 +46,13 @@ def test_updates_and_recordings_per_command_buffer():
 
 def test_host_time_from_each_call_to_its_last_submission():
     ex = "command_buffer_thunk.cc:265] Execute command buffer on device #0; num_executions=1"
-    lines = [f"I1205 20:15:18.000000 {CALL_MARK}", f"I1205 20:15:18.001000  7 {ex}",
+    t0 = time.mktime(time.strptime("2026-12-05 20:15:18", "%Y-%m-%d %H:%M:%S"))  # the marks as the benchmark writes
+    lines = [call_mark_line(t0), f"I1205 20:15:18.001000  7 {ex}",
              f"I1205 20:15:18.004500  7 {ex}",  # the call's last submission: 4.5 ms after its start
              "I1205 20:15:18.700000  7 something else",
-             f"I1205 20:15:19.000000 {CALL_MARK}", f"I1205 20:15:19.002500  7 {ex}",
-             f"I1205 20:15:20.000000 {CALL_MARK}"]  # a call that submitted nothing (yet): not counted
+             call_mark_line(t0 + 1), f"I1205 20:15:19.002500  7 {ex}",
+             call_mark_line(t0 + 2)]  # a call that submitted nothing (yet): not counted
+    assert lines[0].startswith("I1205 20:15:18.000000 ")
     calls = summarize(lines)["calls"]
     assert calls["marked"] == 2
     assert calls["to_last_submit_ms_median"] == pytest.approx(3.5)
