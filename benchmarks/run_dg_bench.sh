@@ -20,14 +20,16 @@ fi
 parts=--parts; [ "${PARTS:-1}" = 0 ] && parts=
 dg=(python3 "$here/diffusion_gemma_generate.py" --moe-impl pallas --fused-experts --looped 48 $parts --key-spread 4
     "$@" --out "$out/dg.jsonl")
+CALL_MARK="generate() call starts"  # command_buffer_log.CALL_MARK
 if [ "${XLA_LOG:-0}" = 1 ]; then
   TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 "${dg[@]}" --mark-calls > "$out/dg.log" 2> "$out/xla_log.txt"
   echo "== dg exit $?" >> "$out/dg.log"
   python3 "$here/command_buffer_log.py" "$out/xla_log.txt" --out "$out/command_buffers.jsonl"
-  grep -v command_buffer "$out/xla_log.txt" | tail -n 40 >> "$out/dg.log"  # the errors, if any
-  rm "$out/xla_log.txt"
+  grep -v "command_buffer\|$CALL_MARK" "$out/xla_log.txt" | tail -n 40 >> "$out/dg.log"  # the errors, if any
+  gzip -f "$out/xla_log.txt"  # comes back for a closer look (session 58's summary missed lines it did not parse)
 else
   "${dg[@]}" > "$out/dg.log" 2>&1
   echo "== dg exit $?" >> "$out/dg.log"
 fi
-tail -n 8 "$out"/peer_dg.txt "$out/dg.log" 2>/dev/null
+for f in "$out/peer_dg.txt" "$out/dg.log"; do [ -e "$f" ] && tail -n 8 "$f"; done
+grep -q "^== dg exit 0" "$out/dg.log"  # the job's status: ours ran through

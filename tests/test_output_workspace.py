@@ -50,3 +50,17 @@ def test_workspace_keeps_outputs_in_place(model, monkeypatch):
         assert not {a.unsafe_buffer_pointer() for a in jax.tree.leaves(out)} & set(places[0])
         for got, ref in zip(jax.tree.leaves(out), jax.tree.leaves(want), strict=True):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+
+
+def test_workspace_auto_is_gpu_only_and_values_checked(monkeypatch):
+    """"auto" (the default) takes the workspace on a GPU only (the CUDA graphs it keeps in place); another value is
+    refused by name before anything runs."""
+    cfg, params, kw = _qwendlm()
+    kw |= dict(key=jax.random.key(3), sampler=UniformSampler(max_denoising_steps=4), eos_token_id=())
+    monkeypatch.setattr(engine, "_workspaces", {})
+    assert engine.OUTPUT_WORKSPACE == "auto"
+    engine.generate(params, cfg, [[5, 6, 7]], **kw)
+    assert bool(engine._workspaces) == (jax.default_backend() == "gpu")
+    monkeypatch.setattr(engine, "OUTPUT_WORKSPACE", "on")
+    with pytest.raises(ValueError, match="OUTPUT_WORKSPACE.*'on'"):
+        engine.generate(params, cfg, [[5, 6, 7]], **kw)

@@ -55,13 +55,18 @@ FUSED_COMMIT = True
 # updates a command buffer on the host whenever an allocation it holds moves, and the outputs' allocations are
 # fresh at each call. On an H100 host the graph holding DiffusionGemma's loop (230 commands) was updated at every
 # call, 8 allocations (generate()'s 8 outputs), median 1.68 ms (XLA's log, session 56,
-# benchmarks/results/2026-12-05_dg_one_pass_stats_h200.md). Read at call time. Not timed yet: off.
-OUTPUT_WORKSPACE = False
+# benchmarks/results/2026-12-05_dg_one_pass_stats_h200.md). With the workspace the 26B's generate() ran 2.4 ms
+# faster on an H100, 6 of 6 alternating rounds, the same tokens (session 58,
+# benchmarks/results/2026-12-06_dg_output_workspace_h100.md). "auto": on where the backend is a GPU (CUDA graphs);
+# True / False: on / off everywhere. Read at call time.
+OUTPUT_WORKSPACE: bool | str = "auto"
 # A block's last step computes the soft embedding z = p @ E for a next step that never reads it (z is zeroed when the
 # block finishes). True: that product under a lax.cond on the step's `finish`, skipped there. On the 26B the product
 # is a 378 GFLOP GEMM, ~0.5 ms on an H200 (benchmarks/results/2026-12-04_dg_sampler_tail_h200.md), once per block;
 # the cond costs each step a predicate and a conditional node in the loop's CUDA graph. The same outputs either way.
-# Read at trace time. Not timed yet: off.
+# Read at trace time. Off: on an H100 the 26B's generate() ran ~1.1 ms slower with it (6 of 6 alternating rounds,
+# session 58, benchmarks/results/2026-12-06_dg_output_workspace_h100.md); the 48 steps' conds cost more than the
+# one product they skip.
 FINAL_EMBED_COND = False
 
 
@@ -125,7 +130,9 @@ def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeCon
         run, run_into = _run_concurrent, _run_concurrent_into
     else:
         return _run(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
-    if not OUTPUT_WORKSPACE:
+    if OUTPUT_WORKSPACE not in (True, False, "auto"):
+        raise ValueError(f"engine.OUTPUT_WORKSPACE must be True, False or 'auto', got {OUTPUT_WORKSPACE!r}")
+    if not (OUTPUT_WORKSPACE is True or (OUTPUT_WORKSPACE == "auto" and jax.default_backend() == "gpu")):
         return run(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
     # the workspace leaves the table while the call runs: a concurrent call of the same program makes its own
     slot = (run_into, cfg, dcfg, prompt.shape)
