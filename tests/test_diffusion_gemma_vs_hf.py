@@ -753,18 +753,17 @@ def _hf_generate(model, prompts, key, eos, rng: str = UniformSampler.rng):
             pad_token_id=0)
 
 
-@pytest.mark.parametrize("rng,seed,fused,sliding_loop,final_cond", [
-    ("inverse_cdf", KEY_CDF, True, "while", False), ("threefry", 3, True, "while", False),
-    ("inverse_cdf", KEY_CDF, False, "while", False), ("inverse_cdf", KEY_CDF, True, "unrolled", False),
-    ("inverse_cdf", KEY_CDF, True, "while", True)])
-def test_generate_matches_transformers(sharp, rng, seed, fused, sliding_loop, final_cond, monkeypatch):
+@pytest.mark.parametrize("rng,seed,fused,sliding_loop", [
+    ("inverse_cdf", KEY_CDF, True, "while"), ("threefry", 3, True, "while"), ("inverse_cdf", KEY_CDF, False, "while"),
+    ("inverse_cdf", KEY_CDF, True, "unrolled")])
+def test_generate_matches_transformers(sharp, rng, seed, fused, sliding_loop, monkeypatch):
     """3 blocks of 8 tokens, 2 rows: every token, the per-row forward counts (through tokens_per_forward) and the
     early per-row stops equal transformers' generate() run with the engine's random draws. generate() defaults to
     self-conditioning for DiffusionGemma, as transformers always does. fused (the defaults): the prompt's prefill
     and the first step in one pass, and each commit with the next block's first step (engine.FUSED_FIRST_STEP,
     FUSED_COMMIT; each fused pass traced once per generate()), else separate passes. sliding_loop:
-    diffusion_gemma.SLIDING_LOOP (the cached passes' sliding layers as a loop or at static indices). final_cond:
-    engine.FINAL_EMBED_COND, which skips the soft embedding in each block's last step (counted as it runs)."""
+    diffusion_gemma.SLIDING_LOOP (the cached passes' sliding layers as a loop or at static indices). The soft
+    embeddings that run are counted: one per step."""
     from orl_jax.decode import engine
 
     model, cfg, params = sharp
@@ -773,7 +772,6 @@ def test_generate_matches_transformers(sharp, rng, seed, fused, sliding_loop, fi
     monkeypatch.setattr(engine, "FUSED_FIRST_STEP", fused)
     monkeypatch.setattr(engine, "FUSED_COMMIT", fused)
     monkeypatch.setattr(dg, "SLIDING_LOOP", sliding_loop)
-    monkeypatch.setattr(engine, "FINAL_EMBED_COND", final_cond)
     embeds, real_embed = [], engine.soft_embed
 
     def counted_embed(*a):
@@ -790,7 +788,7 @@ def test_generate_matches_transformers(sharp, rng, seed, fused, sliding_loop, fi
     assert sorted(calls) == (["commit_decode", "prefill_decode"] if fused else [])
     assert int(out.commits) == 2
     jax.effects_barrier()
-    assert len(embeds) == int(out.total_forwards) - (3 if final_cond else 0)  # 3 blocks, each finished once
+    assert len(embeds) == int(out.total_forwards)
     ref = _hf_generate(model, prompts, jax.random.key(seed), eos=None, rng=rng)
     np.testing.assert_array_equal(np.asarray(out.tokens), ref.sequences[:, 7:].numpy())
     np.testing.assert_allclose(np.asarray(out.tpf_hf), ref.tokens_per_forward.numpy(), rtol=1e-6)

@@ -55,19 +55,11 @@ FUSED_COMMIT = True
 # updates a command buffer on the host whenever an allocation it holds moves, and the outputs' allocations are
 # fresh at each call. On an H100 host the graph holding DiffusionGemma's loop (230 commands) was updated at every
 # call, 8 allocations (generate()'s 8 outputs), median 1.68 ms (XLA's log, session 56,
-# benchmarks/results/2026-12-05_dg_one_pass_stats_h200.md). With the workspace the 26B's generate() ran 2.4 ms
+# benchmarks/results/2026-12-05_dg_one_pass_stats_h200.md). With the workspace the 26B's generate() ran 2.3 ms
 # faster on an H100, 6 of 6 alternating rounds, the same tokens (session 58,
 # benchmarks/results/2026-12-06_dg_output_workspace_h100.md). "auto": on where the backend is a GPU (CUDA graphs);
 # True / False: on / off everywhere. Read at call time.
 OUTPUT_WORKSPACE: bool | str = "auto"
-# A block's last step computes the soft embedding z = p @ E for a next step that never reads it (z is zeroed when the
-# block finishes). True: that product under a lax.cond on the step's `finish`, skipped there. On the 26B the product
-# is a 378 GFLOP GEMM, ~0.5 ms on an H200 (benchmarks/results/2026-12-04_dg_sampler_tail_h200.md), once per block;
-# the cond costs each step a predicate and a conditional node in the loop's CUDA graph. The same outputs either way.
-# Read at trace time. Off: on an H100 the 26B's generate() ran ~1.1 ms slower with it (6 of 6 alternating rounds,
-# session 58, benchmarks/results/2026-12-06_dg_output_workspace_h100.md); the 48 steps' conds cost more than the
-# one product they skip.
-FINAL_EMBED_COND = False
 
 
 @dataclass(frozen=True)
@@ -257,11 +249,10 @@ def _generate_loop(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: Deco
         if isinstance(dcfg.residual, NoResidual):
             z, a = s.z, s.a
         else:
-            def embedded():
-                return jnp.where(keep[..., None], soft_embed(params, cfg, out.probs, out.probs_scale), s.z)
-
-            # a finished block's z is zeroed below: under FINAL_EMBED_COND its last step skips the soft embedding
-            z = jax.lax.cond(finish, lambda: jnp.zeros_like(s.z), embedded) if FINAL_EMBED_COND else embedded()
+            # a block's last step computes z for nothing (it is zeroed below), but skipping it under a lax.cond on
+            # `finish` made the 26B's generate() 1.2 ms slower on an H100 (session 58,
+            # benchmarks/results/2026-12-06_dg_output_workspace_h100.md): every step pays the cond
+            z = jnp.where(keep[..., None], soft_embed(params, cfg, out.probs, out.probs_scale), s.z)
             a = jnp.where(keep, out.entropy, s.a)
         cap = s.capture
         if cap is not None:
