@@ -35,6 +35,7 @@ def test_workspace_keeps_outputs_in_place(model, monkeypatch):
     cfg, params, kw = model()
     kw |= dict(key=jax.random.key(3), sampler=UniformSampler(max_denoising_steps=4), eos_token_id=())
     prompts = [[5, 6, 7, 8, 9], [10, 11]]
+    monkeypatch.setattr(engine, "OUTPUT_WORKSPACE", False)
     want = engine.generate(params, cfg, prompts, **kw)
     monkeypatch.setattr(engine, "OUTPUT_WORKSPACE", True)
     monkeypatch.setattr(engine, "_workspaces", {})

@@ -124,7 +124,7 @@ def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeCon
         return _run(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
     if OUTPUT_WORKSPACE not in (True, False, "auto"):
         raise ValueError(f"engine.OUTPUT_WORKSPACE must be True, False or 'auto', got {OUTPUT_WORKSPACE!r}")
-    if not (OUTPUT_WORKSPACE is True or (OUTPUT_WORKSPACE == "auto" and jax.default_backend() == "gpu")):
+    if not (jax.default_backend() == "gpu" if OUTPUT_WORKSPACE == "auto" else OUTPUT_WORKSPACE):
         return run(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
     # the workspace leaves the table while the call runs: a concurrent call of the same program makes its own
     slot = (run_into, cfg, dcfg, prompt.shape)
