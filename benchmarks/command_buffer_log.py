@@ -2,7 +2,7 @@
 
 Run a benchmark with `TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3` and its stderr to LOG; then
 
-  python3 benchmarks/command_buffer_log.py LOG [--out rows.jsonl]
+  python3 benchmarks/command_buffer_log.py LOG [--out rows.jsonl] [--others N]
 
 prints one row per command buffer, told apart by its command count (`num_commands`): how often the host recorded it
 from scratch ("Initialized ... in N us": a program's first calls, and again after XLA dropped its graphs, which it
@@ -87,17 +87,26 @@ def summarize(lines) -> dict:
     return {"buffers": rows, "warmups": warmups, "evicted": evicted, "calls": calls}
 
 
+def other_lines(lines, n: int) -> list[str]:
+    """The last n lines that are neither the command buffers' nor call marks: where the run's errors show."""
+    return [line for line in lines if "command_buffer" not in line and CALL_MARK not in line][-n:] if n else []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("log")
     ap.add_argument("--out", help="also write the rows as JSON lines here")
+    ap.add_argument("--others", type=int, default=0, help="then print the log's last N other lines (errors)")
     args = ap.parse_args()
     with open(args.log, errors="replace") as f:
-        s = summarize(f)
+        lines = f.read().splitlines()
+    s = summarize(lines)
     rows = [{"what": "command_buffer", **r} for r in s["buffers"]]
     rows.append({"what": "command_buffer_totals", "warmups": s["warmups"], "evicted": s["evicted"], **s["calls"]})
     text = "\n".join(json.dumps(r) for r in rows)
     print(text)
+    if others := other_lines(lines, args.others):
+        print("\n".join(others))
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")

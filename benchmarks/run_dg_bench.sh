@@ -20,12 +20,11 @@ fi
 parts=--parts; [ "${PARTS:-1}" = 0 ] && parts=
 dg=(python3 "$here/diffusion_gemma_generate.py" --moe-impl pallas --fused-experts --looped 48 $parts --key-spread 4
     "$@" --out "$out/dg.jsonl")
-CALL_MARK="generate() call starts"  # command_buffer_log.CALL_MARK
 if [ "${XLA_LOG:-0}" = 1 ]; then
   TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 "${dg[@]}" --mark-calls > "$out/dg.log" 2> "$out/xla_log.txt"
   echo "== dg exit $?" >> "$out/dg.log"
-  python3 "$here/command_buffer_log.py" "$out/xla_log.txt" --out "$out/command_buffers.jsonl"
-  grep -v "command_buffer\|$CALL_MARK" "$out/xla_log.txt" | tail -n 40 >> "$out/dg.log"  # the errors, if any
+  # the summary, then the log's last 40 other lines (the errors, if any)
+  python3 "$here/command_buffer_log.py" "$out/xla_log.txt" --out "$out/command_buffers.jsonl" --others 40 >> "$out/dg.log"
   gzip -f "$out/xla_log.txt"  # comes back for a closer look (session 58's summary missed lines it did not parse)
 else
   "${dg[@]}" > "$out/dg.log" 2>&1

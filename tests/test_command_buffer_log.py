@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from command_buffer_log import call_mark_line, summarize  # noqa: E402
+from command_buffer_log import call_mark_line, other_lines, summarize  # noqa: E402
 
 # the lines as XLA's command_buffer_thunk.cc logs them at verbosity 3 (glog prefixes as TF_CPP writes them)
 LOG = """\
@@ -62,3 +62,13 @@ def test_host_time_from_each_call_to_its_last_submission():
 def test_a_log_without_command_buffers():
     assert summarize(["I1205 nothing here", ""]) == {"buffers": [], "warmups": 0, "evicted": 0,
                                                      "calls": {"marked": 0}}
+
+
+def test_other_lines_are_the_last_that_are_neither_buffers_nor_marks():
+    lines = LOG.splitlines() + [call_mark_line(0.0), "E1205 20:15:19.000000  7 RESOURCE_EXHAUSTED: out of memory",
+                                call_mark_line(1.0), "Traceback (most recent call last):"]
+    assert other_lines(lines, 1) == ["Traceback (most recent call last):"]
+    assert other_lines(lines, 5) == ["something else entirely",
+                                     "E1205 20:15:19.000000  7 RESOURCE_EXHAUSTED: out of memory",
+                                     "Traceback (most recent call last):"]
+    assert other_lines(lines, 0) == []
