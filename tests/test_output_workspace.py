@@ -65,3 +65,8 @@ def test_workspace_auto_is_gpu_only_and_values_checked(monkeypatch):
     monkeypatch.setattr(engine, "OUTPUT_WORKSPACE", "on")
     with pytest.raises(ValueError, match="OUTPUT_WORKSPACE.*'on'"):
         engine.generate(params, cfg, [[5, 6, 7]], **kw)
+    # also where the call would not take a workspace (a streamed call), before anything runs
+    blocks = []
+    with pytest.raises(ValueError, match="OUTPUT_WORKSPACE.*'on'"):
+        engine.generate(params, cfg, [[5, 6, 7]], streamer=lambda t, i: blocks.append(i), **kw)
+    assert blocks == []

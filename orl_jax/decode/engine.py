@@ -122,9 +122,7 @@ def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeCon
         run, run_into = _run_concurrent, _run_concurrent_into
     else:
         return _run(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
-    if OUTPUT_WORKSPACE not in (True, False, "auto"):
-        raise ValueError(f"engine.OUTPUT_WORKSPACE must be True, False or 'auto', got {OUTPUT_WORKSPACE!r}")
-    if not (jax.default_backend() == "gpu" if OUTPUT_WORKSPACE == "auto" else OUTPUT_WORKSPACE):
+    if not _use_workspace():
         return run(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
     # the workspace leaves the table while the call runs: a concurrent call of the same program makes its own
     slot = (run_into, cfg, dcfg, prompt.shape)
@@ -138,6 +136,14 @@ def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeCon
     out = run_into(workspace, params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
     _workspaces[slot] = out
     return _copy_out(out)
+
+
+def _use_workspace() -> bool:
+    """OUTPUT_WORKSPACE resolved for this backend; another value is refused by name (generate() checks it before
+    anything compiles, whichever path the call takes)."""
+    if OUTPUT_WORKSPACE not in (True, False, "auto"):
+        raise ValueError(f"engine.OUTPUT_WORKSPACE must be True, False or 'auto', got {OUTPUT_WORKSPACE!r}")
+    return jax.default_backend() == "gpu" if OUTPUT_WORKSPACE == "auto" else OUTPUT_WORKSPACE
 
 
 def output_workspace(batch: int, dcfg: DecodeConfig) -> GenerateOutput:
@@ -479,6 +485,7 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, *, key: jax.Array, max_
         raise TypeError(f"streamer must be callable(block_tokens, block_index), got {type(streamer).__name__}")
     if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    _use_workspace()  # an invalid engine.OUTPUT_WORKSPACE is refused on every path, not only the plain one
 
     nb = math.ceil(max_new_tokens / L)
     prompt, lengths = left_pad(rows, cfg, nb * L, pad)
