@@ -5,8 +5,9 @@ Run a benchmark with `TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk
   python3 benchmarks/command_buffer_log.py LOG [--out rows.jsonl] [--others N]
 
 prints one row per command buffer, told apart by its command count (`num_commands`): how often the host recorded it
-from scratch ("Initialized ... in N us": a program's first calls, and again after XLA dropped its graphs, which it
-does to every other program whenever it builds one), how often it updated it before a call ("Updated ... in N us":
+from scratch ("Initialized" / "Recorded ... in N us": a program's first calls, and again after XLA dropped its
+graphs, which it does to every other program whenever it builds one), how often it updated it before a call
+("Updated ... in N us":
 an allocation the graph holds moved, `updated_allocs` of them) and the times each took. A steady `generate()` whose
 outputs keep their addresses (engine.OUTPUT_WORKSPACE) should show no updates of its loop's buffer. With
 diffusion_gemma_generate.py --mark-calls, also the host's time from each generate() call's start to its graphs'
@@ -25,9 +26,14 @@ from collections import Counter, defaultdict
 # diffusion_gemma_generate.py --mark-calls writes call_mark_line() to stderr as each generate() call starts
 CALL_MARK = "generate() call starts"
 _TIME = re.compile(r"^[IWEF]\d{4} (\d\d):(\d\d):(\d\d\.\d+)")  # glog's prefix: I<mmdd> <hh:mm:ss.us>
-_EXECUTE = "Execute command buffer on device"
-_UPDATE = re.compile(r"Update command buffer on device #\d+ .*num_commands=(\d+); updated_allocs=(\d+)")
-_UPDATED = re.compile(r"Updated command buffer in (\d+) \S+; num_commands=(\d+)")
+# Two wordings, both matched: "Update command buffer on device #0 by recoding ...; num_commands=M; updated_allocs=K"
+# and "Execute command buffer on device #0; ..." (an older command_buffer_thunk.cc), and jax 0.11.2's XLA's
+# "Create/Update command buffer by recoding ...; num_commands=M; updated_allocs=K; is_first_record=F; ...", "Recorded
+# command buffer in N us" (a first recording) and "Execute command buffer; num_executions=N" (its device ordinal in
+# a prefix; session 58's summary matched neither older pattern there)
+_EXECUTE = re.compile(r"Execute command buffer(?: on device #\d+)?; num_executions")
+_UPDATE = re.compile(r"Update command buffer\b.*?num_commands=(\d+); updated_allocs=(\d+)(?:; is_first_record=(\w+))?")
+_UPDATED = re.compile(r"(Updated|Recorded) command buffer in (\d+) \S+; num_commands=(\d+)")
 _INITIALIZED = re.compile(r"Initialized command buffer on device #\d+ in (\d+) \S+; num_commands=(\d+)")
 _WARMUP = "Executing warm up iteration of command buffer thunk"
 _EVICTED = re.compile(r"Evicted (\d+) command buffer")
@@ -51,7 +57,7 @@ def summarize(lines) -> dict:
     warmups = evicted = 0
     to_submit, start, last = [], None, None
     for line in lines:
-        if CALL_MARK in line or _EXECUTE in line:
+        if CALL_MARK in line or _EXECUTE.search(line):
             t = _seconds(line)
             if CALL_MARK in line:
                 if start is not None and last is not None:
@@ -61,9 +67,11 @@ def summarize(lines) -> dict:
                 last = t
             continue
         if m := _UPDATE.search(line):
-            buffers[int(m[1])]["updated_allocs"][int(m[2])] += 1
+            if m[3] not in ("1", "true"):  # a first recording's allocations are all new: not an update's
+                buffers[int(m[1])]["updated_allocs"][int(m[2])] += 1
         elif m := _UPDATED.search(line):
-            buffers[int(m[2])]["updates_us"].append(int(m[1]))
+            b = buffers[int(m[3])]
+            (b["updates_us"] if m[1] == "Updated" else b["initialized_us"]).append(int(m[2]))
         elif m := _INITIALIZED.search(line):
             buffers[int(m[2])]["initialized_us"].append(int(m[1]))
         elif _WARMUP in line:

@@ -72,3 +72,31 @@ def test_other_lines_are_the_last_that_are_neither_buffers_nor_marks():
                                      "E1205 20:15:19.000000  7 RESOURCE_EXHAUSTED: out of memory",
                                      "Traceback (most recent call last):"]
     assert other_lines(lines, 0) == []
+
+
+# jax 0.11.2's XLA words them otherwise (a device prefix, "Create/Update", "Recorded", "Execute command buffer;")
+LOG_NEW = """\
+I1206 03:00:00.000000  9 command_buffer_thunk.cc:301] [0] Create/Update command buffer by recoding command buffer \
+cmd sequence after 0 executions since last update; num_commands=230; updated_allocs=40; is_first_record=1; \
+needs_update=0
+I1206 03:00:00.003000  9 command_buffer_thunk.cc:320] [0] Recorded command buffer in 3000 \u03bcs; num_commands=230
+I1206 03:00:00.003001  9 command_buffer_thunk.cc:327] [0] Execute command buffer; num_executions=1
+I1206 03:00:01.000000  9 command_buffer_thunk.cc:301] [0] Create/Update command buffer by recoding command buffer \
+cmd sequence after 1 executions since last update; num_commands=230; updated_allocs=2; is_first_record=0; \
+needs_update=1
+I1206 03:00:01.001500  9 command_buffer_thunk.cc:320] [0] Updated command buffer in 1500 \u03bcs; num_commands=230
+I1206 03:00:01.001501  9 command_buffer_thunk.cc:327] [0] Execute command buffer; num_executions=1
+I1206 03:00:02.000000  9 command_buffer_thunk.cc:327] [0] Execute command buffer; num_executions=2
+"""
+
+
+def test_the_newer_wording():
+    t0 = time.mktime(time.strptime("2026-12-06 03:00:01", "%Y-%m-%d %H:%M:%S"))
+    lines = LOG_NEW.splitlines()
+    lines.insert(3, call_mark_line(t0 - 0.0005))  # a call starting just before the update
+    s = summarize(lines)
+    (big,) = s["buffers"]
+    assert big == {"num_commands": 230, "updates": 1, "update_us_median": 1500, "update_us_max": 1500,
+                   "updated_allocs": {2: 1}, "initializations": 1, "initialize_us_median": 3000}
+    # the marked call's last submission is the one at 03:00:02 (no later mark closes it)
+    assert s["calls"]["marked"] == 1 and s["calls"]["to_last_submit_ms_median"] == pytest.approx(1000.5)
