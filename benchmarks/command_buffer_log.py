@@ -7,11 +7,10 @@ Run a benchmark with `TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk
 prints one row per command buffer, told apart by its command count (`num_commands`): how often the host recorded it
 from scratch ("Initialized" / "Recorded ... in N us": a program's first calls, and again after XLA dropped its
 graphs, which it does to every other program whenever it builds one), how often it updated it before a call
-("Updated ... in N us":
-an allocation the graph holds moved, `updated_allocs` of them) and the times each took. A steady `generate()` whose
-outputs keep their addresses (engine.OUTPUT_WORKSPACE) should show no updates of its loop's buffer. With
-diffusion_gemma_generate.py --mark-calls, also the host's time from each generate() call's start to its graphs'
-submission, which the GPU waits for when it has nothing queued.
+("Updated ... in N us": an allocation the graph holds moved, `updated_allocs` of them) and the times each took. A
+steady `generate()` whose outputs keep their addresses (engine.OUTPUT_WORKSPACE) should show no updates of its
+loop's buffer. With diffusion_gemma_generate.py --mark-calls, also the host's time from each generate() call's start
+to its graphs' submission, which the GPU waits for when it has nothing queued.
 """
 
 from __future__ import annotations
@@ -26,11 +25,12 @@ from collections import Counter, defaultdict
 # diffusion_gemma_generate.py --mark-calls writes call_mark_line() to stderr as each generate() call starts
 CALL_MARK = "generate() call starts"
 _TIME = re.compile(r"^[IWEF]\d{4} (\d\d):(\d\d):(\d\d\.\d+)")  # glog's prefix: I<mmdd> <hh:mm:ss.us>
-# Two wordings, both matched: "Update command buffer on device #0 by recoding ...; num_commands=M; updated_allocs=K"
-# and "Execute command buffer on device #0; ..." (an older command_buffer_thunk.cc), and jax 0.11.2's XLA's
-# "Create/Update command buffer by recoding ...; num_commands=M; updated_allocs=K; is_first_record=F; ...", "Recorded
-# command buffer in N us" (a first recording) and "Execute command buffer; num_executions=N" (its device ordinal in
-# a prefix; session 58's summary matched neither older pattern there)
+# Two wordings, both matched. An older command_buffer_thunk.cc: "Update command buffer on device #0 by recoding ...;
+# num_commands=M; updated_allocs=K" and "Execute command buffer on device #0; ...". A recent one (read in XLA's
+# source, taken to be jax 0.11.2's; not yet seen in a device log): "Create/Update command buffer by recoding ...;
+# num_commands=M; updated_allocs=K; is_first_record=F; ...", "Recorded command buffer in N us" (a first recording)
+# and "Execute command buffer; num_executions=N", the device ordinal in a prefix. Session 58's summary matched
+# neither of the older patterns on the device.
 _EXECUTE = re.compile(r"Execute command buffer(?: on device #\d+)?; num_executions")
 _UPDATE = re.compile(r"Update command buffer\b.*?num_commands=(\d+); updated_allocs=(\d+)(?:; is_first_record=(\w+))?")
 _UPDATED = re.compile(r"(Updated|Recorded) command buffer in (\d+) \S+; num_commands=(\d+)")
