@@ -74,7 +74,7 @@ def test_other_lines_are_the_last_that_are_neither_buffers_nor_marks():
     assert other_lines(lines, 0) == []
 
 
-# jax 0.11.2's XLA words them otherwise (a device prefix, "Create/Update", "Recorded", "Execute command buffer;")
+# a recent XLA words them otherwise, as read in its source (taken to be jax 0.11.2's; not yet seen in a device log)
 LOG_NEW = """\
 I1206 03:00:00.000000  9 command_buffer_thunk.cc:301] [0] Create/Update command buffer by recoding command buffer \
 cmd sequence after 0 executions since last update; num_commands=230; updated_allocs=40; is_first_record=1; \
