@@ -1,16 +1,19 @@
 """GPU benchmark of the sampler's statistics pass alone at DiffusionGemma's [256, 262144] bf16 head product: the row
 max (XLA) + the two-pass kernel (`softcap_chunk_stats`) against the one-pass kernel
-(`softcap_one_pass_stats`), over chunks per program and warps; beside XLA's read of the product and its copy (the
-bytes' floor: the kernels read 134 MB and write 134 MB). Each row: us per call (20 calls per sync) and the bytes'
-rate.
+(`softcap_one_pass_stats`), over chunks per program and warps, the one-pass kernel also on halves and quarters of
+the samplers' chunks (softcapped.ONE_PASS_SPLIT 2 and 4: its outputs then have 2 or 4 times as many chunk sums);
+beside XLA's read of the product and its copy (the bytes' floor: the kernels read 134 MB and write 134 MB). Each
+row: us per call (20 calls per sync) and the bytes' rate.
 
   python kernels/softcap_softmax/bench.py [--out softcap_bench.jsonl] [--rows 256] [--vocab 262144]
+      [--chunks 4,8,16] [--warps 4,8]
 
 Why: session 54's H200 trace had the kernel at 151.7 us per step (1.8 TB/s), the row max before it at ~38 us;
 A branch-free tanh (fewer instructions) did not change the step's tail on an H100 (session 56).
 """
 
 import argparse
+import functools
 import itertools
 import os
 import sys
@@ -24,6 +27,8 @@ ap.add_argument("--rows", type=int, default=256)
 ap.add_argument("--vocab", type=int, default=262144)
 ap.add_argument("--cap", type=float, default=30.0)
 ap.add_argument("--temperature", type=float, default=0.4)
+ap.add_argument("--chunks", default="4,8,16", help="chunks per program to time, comma-separated")
+ap.add_argument("--warps", default="4,8", help="warps per program to time, comma-separated")
 args = ap.parse_args()
 
 import jax  # noqa: E402
@@ -42,9 +47,9 @@ inv_t = jnp.float32(1 / args.temperature)
 nbytes = raw.size * raw.dtype.itemsize
 
 
-def timed(name, fn, moved, **fields):
+def timed(name, fn, moved, width=W, **fields):
     us = median_seconds(fn, raw, reps=7, calls=20) * 1e6
-    record(what="softcap_stats", name=name, us=us, tb_s=moved / us / 1e6, rows=R, vocab=V, width=W,
+    record(what="softcap_stats", name=name, us=us, tb_s=moved / us / 1e6, rows=R, vocab=V, width=width,
            device=jax.devices()[0].device_kind, jax=jax.__version__, **fields)
     return us
 
@@ -59,20 +64,24 @@ def two_pass(r):
     return sk.softcap_chunk_stats(r, m, raw_max, inv_t, cap=CAP, width=W)
 
 
-def one_pass(r):
-    return sk.softcap_one_pass_stats(r, inv_t, cap=CAP, width=W)
+def one_pass(r, width=W):
+    return sk.softcap_one_pass_stats(r, inv_t, cap=CAP, width=width)
 
 
 prev = (sk.CHUNKS_PER_PROGRAM, sk.NUM_WARPS)
-for cpp, warps in itertools.product((4, 8, 16), (4, 8)):
-    if not sk.supported(V, W, cpp):
-        continue
+variants = [("two_pass", two_pass, W), ("one_pass", one_pass, W)]
+variants += [("one_pass", functools.partial(one_pass, width=W // s), W // s) for s in (2, 4)]
+ints = lambda text: [int(n) for n in text.split(",")]  # noqa: E731
+for cpp, warps in itertools.product(ints(args.chunks), ints(args.warps)):
     sk.CHUNKS_PER_PROGRAM, sk.NUM_WARPS = cpp, warps
-    for name, fn in (("two_pass", two_pass), ("one_pass", one_pass)):
+    for name, fn, width in variants:
+        if not sk.supported(V, width, cpp):
+            continue
         jax.clear_caches()
         try:
-            timed(name, jax.jit(fn), 2 * nbytes + (nbytes if name.startswith("two") else 0),
+            timed(name, jax.jit(fn), 2 * nbytes + (nbytes if name.startswith("two") else 0), width,
                   chunks_per_program=cpp, num_warps=warps)
         except Exception as ex:  # a variant the compiler refuses (registers, shared memory): recorded, not fatal
-            record(what="softcap_stats", name=name, chunks_per_program=cpp, num_warps=warps, error=repr(ex)[:300])
+            record(what="softcap_stats", name=name, width=width, chunks_per_program=cpp, num_warps=warps,
+                   error=repr(ex)[:300])
 sk.CHUNKS_PER_PROGRAM, sk.NUM_WARPS = prev
