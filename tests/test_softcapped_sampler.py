@@ -212,10 +212,9 @@ def test_kernel_lowers_to_verified_triton_at_the_26b():
                             sd((), jnp.float32))
 
 
-@pytest.mark.parametrize("width", [512, 256])  # the samplers' chunks; ONE_PASS_SPLIT = 2
-def test_one_pass_lowers_to_verified_triton_at_the_26b(width):
+def test_one_pass_lowers_to_verified_triton_at_the_26b():
     sd = jax.ShapeDtypeStruct
-    verified_triton_modules(lambda r, t: softcap_one_pass_stats(r, t, cap=CAP, width=width),
+    verified_triton_modules(lambda r, t: softcap_one_pass_stats(r, t, cap=CAP, width=512),
                             sd((256, 262144), jnp.bfloat16), sd((), jnp.float32))
 
 
@@ -287,34 +286,3 @@ def test_bad_mode_named():
             softcapped.softcapped_parts(SoftCapped(_raw(v=256), CAP), 0.5)
     finally:
         softcapped.SOFTCAP_STATS = prev
-
-
-def test_one_pass_split_parts_sum_to_the_samplers_chunks(monkeypatch):
-    """ONE_PASS_SPLIT: the kernel on parts of the samplers' chunks, their masses summed back: the same probabilities
-    (bit for bit: one shift), argmax and chunk masses (float32 rounding) as on whole chunks; parts the kernel cannot
-    take fall back to whole chunks; a value that is not a power of two is refused by name."""
-    monkeypatch.setattr(softcapped, "SOFTCAP_STATS", "one_pass")
-    from orl_jax_kernels.softcap_softmax import kernel as sk
-
-    widths, real = [], sk.softcap_one_pass_stats
-    monkeypatch.setattr(sk, "softcap_one_pass_stats", lambda *a, **k: widths.append(k["width"]) or real(*a, **k))
-    raw = SoftCapped(_raw(v=4096), CAP)  # 64-wide chunks
-    parts = jax.jit(lambda r: softcapped.softcapped_parts(r, 0.5, 0.4))
-    outs = {}
-    for split in (1, 2, 4, 128):  # 128: parts narrower than one entry
-        monkeypatch.setattr(softcapped, "ONE_PASS_SPLIT", split)
-        jax.clear_caches()
-        outs[split] = jax.tree.map(np.asarray, parts(raw))
-    assert widths == [64, 32, 16, 64]
-    assert outs[1][4].shape == (2, 16, 64)
-    for split in (2, 4, 128):
-        argmax, _, log_s, entropy, mass, e, _ = outs[split]
-        np.testing.assert_array_equal(argmax, outs[1][0])
-        np.testing.assert_array_equal(e, outs[1][5])
-        np.testing.assert_allclose(mass, outs[1][4], rtol=1e-5, atol=1e-30)
-        np.testing.assert_allclose(log_s, outs[1][2], rtol=1e-6, atol=1e-6)
-        np.testing.assert_allclose(entropy, outs[1][3], rtol=1e-5, atol=1e-6)
-    for bad in (3, 0, 1.0):
-        monkeypatch.setattr(softcapped, "ONE_PASS_SPLIT", bad)
-        with pytest.raises(ValueError, match="ONE_PASS_SPLIT.*" + repr(bad).replace(".", r"\.")):
-            softcapped.softcapped_parts(raw, 0.5, 0.4)

@@ -1,15 +1,16 @@
 """GPU benchmark of the sampler's statistics pass alone at DiffusionGemma's [256, 262144] bf16 head product: the row
 max (XLA) + the two-pass kernel (`softcap_chunk_stats`) against the one-pass kernel
 (`softcap_one_pass_stats`), over chunks per program and warps, the one-pass kernel also on halves and quarters of
-the samplers' chunks (softcapped.ONE_PASS_SPLIT 2 and 4: its outputs then have 2 or 4 times as many chunk sums);
-beside XLA's read of the product and its copy (the bytes' floor: the kernels read 134 MB and write 134 MB). Each
-row: us per call (20 calls per sync) and the bytes' rate.
+the samplers' chunks; beside XLA's read of the product and its copy (the bytes' floor: the kernels read 134 MB and
+write 134 MB). Each row: us per call (20 calls per sync) and the bytes' rate.
 
   python kernels/softcap_softmax/bench.py [--out softcap_bench.jsonl] [--rows 256] [--vocab 262144]
       [--chunks 4,8,16] [--warps 4,8]
 
 Why: session 54's H200 trace had the kernel at 151.7 us per step (1.8 TB/s), the row max before it at ~38 us;
-A branch-free tanh (fewer instructions) did not change the step's tail on an H100 (session 56).
+A branch-free tanh (fewer instructions) did not change the step's tail on an H100 (session 56). Halves of the
+chunks (one warp each) at 8 chunks / 4 warps were 6.7 us faster alone on an H100, but generate() on halves at 4 / 4
+ran 10.9 ms slower (session 60, 2026-12-06_dg_one_pass_split_h100.md; that switch was removed).
 """
 
 import argparse

@@ -36,12 +36,6 @@ from orl_jax.model.layers import soft_cap
 
 SOFTCAP_STATS = "auto"
 SOFTCAP_STATS_CHOICES = ("auto", "xla", "raw_max", "kernel", "one_pass")
-# "one_pass" runs its kernel on the samplers' chunks split in ONE_PASS_SPLIT (a power of two; read at trace time),
-# and sums the parts' masses back into the samplers' chunks. Why try it: at the 26B's 512-wide chunks Triton spreads
-# a chunk over two warps, so each of the kernel's five per-chunk reductions crosses warps (shared memory and a
-# barrier); a 256-wide part fits one warp's 32 x 8 bf16 loads. Parts the kernel cannot take fall back to the
-# samplers' chunks. Not timed yet on a GPU: off (1) until it is.
-ONE_PASS_SPLIT = 1
 
 
 @struct.dataclass
@@ -83,20 +77,13 @@ def softcapped_parts(logits: SoftCapped, t, t_floor: float | None = None) -> tup
     fits = logits.cap is not None and width and sk.supported(v, width)
     unflat = lambda a: a.reshape(*lead, a.shape[-1])  # noqa: E731
     interpret = jax.default_backend() == "cpu"
-    split = ONE_PASS_SPLIT
-    if not isinstance(split, int) or split < 1 or split & (split - 1):
-        raise ValueError(f"ONE_PASS_SPLIT must be a power of two >= 1, got {split!r}")
-    if not (width and width % split == 0 and sk.supported(v, width // split)):
-        split = 1  # parts the kernel cannot take: the samplers' chunks
     if stats == "one_pass" and fits and t_floor is not None and logits.cap / t_floor <= sk.MAX_CAP_OVER_T:
-        *chunked, shift = sk.softcap_one_pass_stats(raw.reshape(-1, v), 1.0 / t, cap=logits.cap,
-                                                    width=width // split, interpret=interpret)
+        *chunked, shift = sk.softcap_one_pass_stats(raw.reshape(-1, v), 1.0 / t, cap=logits.cap, width=width,
+                                                    interpret=interpret)
         e, mass, tsum, first, chunk_raw_max, x_max = map(unflat, chunked)
         raw_max = jnp.max(chunk_raw_max, axis=-1, keepdims=True)
         argmax = jnp.min(jnp.where(chunk_raw_max == raw_max, first, v), axis=-1)
         m_kernel, log_s, entropy, mass = sk.one_pass_totals(mass, tsum, x_max)
-        if split > 1:  # the parts' masses (normalized, so on one scale) summed into the samplers' chunks
-            mass = jnp.sum(mass.reshape(*mass.shape[:-1], -1, split), axis=-1)
         m = soft_cap(raw_max.astype(jnp.float32), logits.cap) / t  # as below: z's maximum in x's own expression
         return argmax, x - m, log_s, entropy, mass, e, shift - m_kernel
     raw_max = jnp.max(raw, axis=-1, keepdims=True)  # exact in any dtype
