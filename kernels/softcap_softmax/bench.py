@@ -28,8 +28,9 @@ ap.add_argument("--rows", type=int, default=256)
 ap.add_argument("--vocab", type=int, default=262144)
 ap.add_argument("--cap", type=float, default=30.0)
 ap.add_argument("--temperature", type=float, default=0.4)
-ap.add_argument("--chunks", default="4,8,16", help="chunks per program to time, comma-separated")
-ap.add_argument("--warps", default="4,8", help="warps per program to time, comma-separated")
+ints = lambda text: [int(n) for n in text.split(",")]  # noqa: E731  (argparse names the option on a bad value)
+ap.add_argument("--chunks", type=ints, default=[4, 8, 16], help="chunks per program to time, comma-separated")
+ap.add_argument("--warps", type=ints, default=[4, 8], help="warps per program to time, comma-separated")
 args = ap.parse_args()
 
 import jax  # noqa: E402
@@ -72,8 +73,7 @@ def one_pass(r, width=W):
 prev = (sk.CHUNKS_PER_PROGRAM, sk.NUM_WARPS)
 variants = [("two_pass", two_pass, W), ("one_pass", one_pass, W)]
 variants += [("one_pass", functools.partial(one_pass, width=W // s), W // s) for s in (2, 4)]
-ints = lambda text: [int(n) for n in text.split(",")]  # noqa: E731
-for cpp, warps in itertools.product(ints(args.chunks), ints(args.warps)):
+for cpp, warps in itertools.product(args.chunks, args.warps):
     sk.CHUNKS_PER_PROGRAM, sk.NUM_WARPS = cpp, warps
     for name, fn, width in variants:
         if not sk.supported(V, width, cpp):
