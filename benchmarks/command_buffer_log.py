@@ -26,11 +26,11 @@ from collections import Counter, defaultdict
 CALL_MARK = "generate() call starts"
 _TIME = re.compile(r"^[IWEF]\d{4} (\d\d):(\d\d):(\d\d\.\d+)")  # glog's prefix: I<mmdd> <hh:mm:ss.us>
 # Two wordings, both matched. An older command_buffer_thunk.cc: "Update command buffer on device #0 by recoding ...;
-# num_commands=M; updated_allocs=K" and "Execute command buffer on device #0; ...". A recent one (read in XLA's
-# source, taken to be jax 0.11.2's; not yet seen in a device log): "Create/Update command buffer by recoding ...;
-# num_commands=M; updated_allocs=K; is_first_record=F; ...", "Recorded command buffer in N us" (a first recording)
-# and "Execute command buffer; num_executions=N", the device ordinal in a prefix. Session 58's summary matched
-# neither of the older patterns on the device.
+# num_commands=M; updated_allocs=K" and "Execute command buffer on device #0; ...". jax 0.11.2's (seen in a device
+# log in session 60): "[0] Create/Update command buffer by recoding ...; num_commands=M; updated_allocs=K;
+# is_first_record=false; needs_update=true", "[0] Updated command buffer in N us; num_commands=M", "[0] Execute
+# command buffer; num_executions=N", first recordings still as "Initialized command buffer on device #0 in N us".
+# Its "Recorded command buffer in N us" (a first recording) was read in XLA's source only.
 _EXECUTE = re.compile(r"Execute command buffer(?: on device #\d+)?; num_executions")
 _UPDATE = re.compile(r"Update command buffer\b.*?num_commands=(\d+); updated_allocs=(\d+)(?:; is_first_record=(\w+))?")
 _UPDATED = re.compile(r"(Updated|Recorded) command buffer in (\d+) \S+; num_commands=(\d+)")

@@ -74,7 +74,8 @@ def test_other_lines_are_the_last_that_are_neither_buffers_nor_marks():
     assert other_lines(lines, 0) == []
 
 
-# a recent XLA words them otherwise, as read in its source (taken to be jax 0.11.2's; not yet seen in a device log)
+# jax 0.11.2's XLA words them otherwise: the update's lines as in session 60's device log, the first recording's
+# ("Recorded", is_first_record=1) as read in XLA's source
 LOG_NEW = """\
 I1206 03:00:00.000000  9 command_buffer_thunk.cc:301] [0] Create/Update command buffer by recoding command buffer \
 cmd sequence after 0 executions since last update; num_commands=230; updated_allocs=40; is_first_record=1; \
@@ -82,8 +83,8 @@ needs_update=0
 I1206 03:00:00.003000  9 command_buffer_thunk.cc:320] [0] Recorded command buffer in 3000 \u03bcs; num_commands=230
 I1206 03:00:00.003001  9 command_buffer_thunk.cc:327] [0] Execute command buffer; num_executions=1
 I1206 03:00:01.000000  9 command_buffer_thunk.cc:301] [0] Create/Update command buffer by recoding command buffer \
-cmd sequence after 1 executions since last update; num_commands=230; updated_allocs=2; is_first_record=0; \
-needs_update=1
+cmd sequence after 1 executions since last update; num_commands=230; updated_allocs=2; is_first_record=false; \
+needs_update=true
 I1206 03:00:01.001500  9 command_buffer_thunk.cc:320] [0] Updated command buffer in 1500 \u03bcs; num_commands=230
 I1206 03:00:01.001501  9 command_buffer_thunk.cc:327] [0] Execute command buffer; num_executions=1
 I1206 03:00:02.000000  9 command_buffer_thunk.cc:327] [0] Execute command buffer; num_executions=2
