@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gzip
+import importlib
 import json
 import os
 import sys
@@ -131,6 +132,16 @@ ap.add_argument("--ab-workspace", action="store_true",
                 help="also time generate() itself with engine.OUTPUT_WORKSPACE off (A) and on (B), alternately, "
                      "--ab-rounds each (a call-time switch: --generate-ab times the compiled programs, not the "
                      "calls)")
+ap.add_argument("--ab-call", action="append", default=[], metavar="MODULE.NAME=JSON",
+                help="also time generate() itself with a call-time switch at its default (A) and at JSON (B), "
+                     "alternately, --ab-rounds each (e.g. orl_jax.decode.engine.SPLIT_START=true); repeatable, one "
+                     "A/B per switch")
+ap.add_argument("--host-probe", type=int, default=0, metavar="N",
+                help="also split N generate() calls' host time until they return: the Python before the engine's "
+                     "jitted program, that program's dispatch (jax's argument handling, XLA's per-call preparation "
+                     "of its commands, the graph's update and submission) and the rest; beside a trivial program's "
+                     "dispatch over the same arguments and the fused first pass's alone (with engine.SPLIT_START: "
+                     "both programs' dispatches)")
 ap.add_argument("--key-spread", type=int, default=0, metavar="N",
                 help="also time generate() with N other keys (median of 3 calls each, the same program): how far the "
                      "time moves with the trajectory alone (the sampled tokens route the MoE), the yardstick of an "
@@ -156,6 +167,8 @@ if args.ab_steps_only and not args.ab_max_steps:
     ap.error("--ab-steps-only needs --ab-max-steps")
 if args.ab_rounds < 1:
     ap.error(f"--ab-rounds must be >= 1, got {args.ab_rounds}")
+if args.host_probe < 0:
+    ap.error(f"--host-probe must be >= 0, got {args.host_probe}")
 if args.key_spread < 0:
     ap.error(f"--key-spread must be >= 0, got {args.key_spread}")
 if unknown := sorted(set(args.ab_fold) - {"attention", "ffw", "proj_out"}):
@@ -449,22 +462,90 @@ def generate_ab(c, kw, params_b=None):
                 log(what="generate_ab_idle_gap", side=side, max_steps=kw.get("max_steps"), **row)
 
 
-def workspace_ab(c, kw):
-    """generate() with engine.OUTPUT_WORKSPACE off (A) and on (B), alternately: one untimed call each first."""
-    def call(on):
-        with switched({"orl_jax.decode.engine.OUTPUT_WORKSPACE": on}):
+def call_ab(c, kw, name, a, b, label="call_ab"):
+    """generate() with the call-time switch `name` at `a` (A) and at `b` (B), alternately: two untimed calls each
+    first."""
+    def call(v):
+        with switched({name: v}):
             return jax.block_until_ready(generate(params, c, prompt, **kw))
 
-    out_a, out_b = call(False), call(True)
+    out_a, out_b = call(a), call(b)
     # again, untimed: building B's program made XLA drop A's recorded CUDA graphs (it drops every other program's
     # when it builds one, CommandBufferThunk's constructor), so A's next call records them afresh; B's may too
-    call(False), call(True)
-    log(what="workspace_ab_outputs", tokens_differ=int(np.sum(np.asarray(out_a.tokens) != np.asarray(out_b.tokens))))
+    call(a), call(b)
+    log(what=f"{label}_outputs", switch=name, a=a, b=b,
+        tokens_differ=int(np.sum(np.asarray(out_a.tokens) != np.asarray(out_b.tokens))))
     for r in range(args.ab_rounds):
         for side in ("A", "B") if r % 2 == 0 else ("B", "A"):
             t = time.perf_counter()
-            call(side == "B")
-            log(what="workspace_ab", side=side, round=r, seconds=time.perf_counter() - t)
+            call(b if side == "B" else a)
+            log(what=label, switch=name, side=side, round=r, seconds=time.perf_counter() - t)
+
+
+def host_probe(c, kw, n):
+    """Where a generate() call's host time goes before the GPU has work (issue #4: XLA's log put ~2 ms between a
+    call's start and its graph's update, session 60). Per call, the Python before the engine's jitted program(s),
+    their dispatch, the rest until generate() returns, and the whole call; then a trivial program's dispatch over
+    the same arguments (jax's share) and the fused first pass's alone (a program of its own)."""
+    from orl_jax.decode import engine
+
+    real_run, real_split = engine._run_concurrent_into, engine._split_concurrent
+    for split in (False, True):
+        marks, rows = [], []
+        engine._run_concurrent_into = spied_fn(real_run, marks)
+        engine._split_concurrent = tuple(spied_fn(f, marks) for f in real_split)
+        try:
+            with switched({"orl_jax.decode.engine.SPLIT_START": split}):
+                for _ in range(2):  # compiles where new, then records the graphs
+                    jax.block_until_ready(generate(params, c, prompt, **kw))
+                for _ in range(n):
+                    marks.clear()
+                    t0 = time.perf_counter()
+                    out = generate(params, c, prompt, **kw)
+                    t1 = time.perf_counter()
+                    jax.block_until_ready(out)
+                    rows.append([marks[0][0] - t0] + [e - s for s, e in marks]
+                                + [t1 - marks[-1][1], t1 - t0, time.perf_counter() - t0])
+        finally:
+            engine._run_concurrent_into, engine._split_concurrent = real_run, real_split
+        med = (np.median(np.asarray(rows), axis=0) * 1e3).tolist()
+        parts = ["python_before_ms"] + (["start_dispatch_ms", "loop_dispatch_ms"] if split else ["dispatch_ms"])
+        log(what="host_probe", split_start=split, calls=n, **dict(zip(parts, med[:-3])), after_ms=med[-3],
+            returned_ms=med[-2], call_ms=med[-1])
+    # a trivial program over generate()'s arguments: jax's own dispatch (the params' leaves, the prompt's copy)
+    lengths = np.asarray([args.prompt], np.int32)
+    trivial = jax.jit(lambda p, t, n_, k: t[0, 0] + n_[0])
+    jax.block_until_ready(trivial(params, prompt, lengths, kw["key"]))
+    log(what="host_probe_trivial", dispatch_ms=_dispatch_ms(lambda: trivial(params, prompt, lengths, kw["key"]), n))
+    # the fused first pass alone, compiled as generate() compiles (its outputs fresh each call)
+    x = jnp.zeros((1, args.new, c.hidden_size), c.jnp_dtype)
+    canvas = bench_canvas(c)
+    pd = compile_dg(lambda p, t, n_, k, x: diffusion_gemma.prefill_decode(p, c, t, n_, args.prompt + args.new, k,
+                                                                          embeds=x, capped=False))
+    jax.block_until_ready(pd(params, prompt, lengths, canvas, x))
+    jax.block_until_ready(pd(params, prompt, lengths, canvas, x))
+    log(what="host_probe_prefill_decode", dispatch_ms=_dispatch_ms(lambda: pd(params, prompt, lengths, canvas, x), n))
+
+
+def spied_fn(fn, marks):
+    """fn, appending (start, end) of each call's dispatch to marks."""
+    def spy(*a, **k):
+        t = time.perf_counter()
+        out = fn(*a, **k)
+        marks.append((t, time.perf_counter()))
+        return out
+    return spy
+
+
+def _dispatch_ms(call, n):
+    """Median host ms until call() returns (its result then waited for, untimed), over n calls."""
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        out = call()
+        times.append(time.perf_counter() - t)
+        jax.block_until_ready(out)
+    return float(np.median(times) * 1e3)
 
 
 def fold_ab(c):
@@ -700,7 +781,12 @@ for impl in IMPLS:
         sec = median_seconds(lambda: generate(params, c, prompt, **kk), reps=3)
         log(what="generate_key", moe_impl=impl, seed=k, seconds=sec)
     if args.ab_workspace:
-        workspace_ab(c, kw)
+        call_ab(c, kw, "orl_jax.decode.engine.OUTPUT_WORKSPACE", False, True, "workspace_ab")
+    for name, value in parse_switches(args.ab_call).items():
+        module, attr = name.rsplit(".", 1)
+        call_ab(c, kw, name, getattr(importlib.import_module(module), attr), value)
+    if args.host_probe:
+        host_probe(c, kw, args.host_probe)
     if args.generate_hlo:
         write_generate_hlo(c, kw)
     if args.generate_ab or args.ab_compiler_options or args.ab_fold:

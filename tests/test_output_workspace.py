@@ -53,6 +53,39 @@ def test_workspace_keeps_outputs_in_place(model, monkeypatch):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
 
 
+@pytest.mark.parametrize("model", [_qwendlm, _dg], ids=["qwendlm_graphed", "dg_concurrent"])
+def test_split_start_same_outputs_state_in_place(model, monkeypatch):
+    """engine.SPLIT_START: the loop's start and the loop as two programs, the start's state in a donated workspace
+    that stays in place across calls; the same outputs as one program, and the caller's key left alive."""
+    cfg, params, kw = model()
+    kw |= dict(key=jax.random.key(3), sampler=UniformSampler(max_denoising_steps=4), eos_token_id=())
+    prompts = [[5, 6, 7, 8, 9], [10, 11]]
+    monkeypatch.setattr(engine, "OUTPUT_WORKSPACE", False)
+    want = engine.generate(params, cfg, prompts, **kw)
+    monkeypatch.setattr(engine, "OUTPUT_WORKSPACE", True)
+    monkeypatch.setattr(engine, "SPLIT_START", True)
+    monkeypatch.setattr(engine, "_workspaces", {})
+    places = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Some donated buffers were not usable" fails the test
+        for _ in range(3):
+            out = engine.generate(params, cfg, prompts, **kw)
+            (state,) = [v for k, v in engine._workspaces.items() if k[0] in (*engine._split_graphed,
+                                                                             *engine._split_concurrent)]
+            assert isinstance(state, engine.DecodeState)
+            places.append([a.unsafe_buffer_pointer() for a in jax.tree.leaves(state)])
+            for got, ref in zip(jax.tree.leaves(out), jax.tree.leaves(want), strict=True):
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    assert places[0] == places[1] == places[2]
+    assert len(engine._workspaces) == 2  # the start's state and the loop's outputs
+    assert int(jax.random.randint(kw["key"], (), 0, 9)) >= 0  # the caller's key was not donated
+    # another prompt's values through the same programs: still the one program's outputs
+    other = [[9, 8, 7, 6, 5], [4, 3]]
+    got = engine.generate(params, cfg, other, **kw)
+    monkeypatch.setattr(engine, "SPLIT_START", False)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(engine.generate(params, cfg, other, **kw).tokens))
+
+
 def test_workspace_auto_is_gpu_only_and_values_checked(monkeypatch):
     """"auto" (the default) takes the workspace on a GPU only (the CUDA graphs it keeps in place); another value is
     refused by name before anything runs."""
@@ -70,3 +103,7 @@ def test_workspace_auto_is_gpu_only_and_values_checked(monkeypatch):
     with pytest.raises(ValueError, match="OUTPUT_WORKSPACE.*'on'"):
         engine.generate(params, cfg, [[5, 6, 7]], streamer=lambda t, i: blocks.append(i), **kw)
     assert blocks == []
+    monkeypatch.setattr(engine, "OUTPUT_WORKSPACE", "auto")
+    monkeypatch.setattr(engine, "SPLIT_START", "yes")
+    with pytest.raises(ValueError, match="SPLIT_START.*'yes'"):
+        engine.generate(params, cfg, [[5, 6, 7]], **kw)

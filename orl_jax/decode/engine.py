@@ -60,6 +60,14 @@ FUSED_COMMIT = True
 # benchmarks/results/2026-12-06_dg_output_workspace_h100.md). "auto": on where the backend is a GPU (CUDA graphs);
 # True / False: on / off everywhere. Read at call time.
 OUTPUT_WORKSPACE: bool | str = "auto"
+# With the workspace, a plain call may run as two programs (True): the loop's start (the prompt's prefill, with the
+# first denoising step where the model fuses them) and then the loop. Why: before XLA submits a program's CUDA graph
+# it prepares and initializes every command of it on the host, at every call; the 26B's generate() is one graph,
+# and XLA's log showed ~2 ms from a call's start to that graph's update while the GPU had nothing to do (session 60,
+# benchmarks/results/2026-12-06_dg_new_defaults_h200.md). Two programs let the host prepare the loop's while the
+# GPU runs the prefill. The start's state sits in a donated workspace too, so neither graph sees new addresses.
+# The same tokens either way. Off until a GPU measures it; read at call time.
+SPLIT_START: bool = False
 
 
 @dataclass(frozen=True)
@@ -133,7 +141,18 @@ def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeCon
         # graphs whenever it builds a new program (CommandBufferThunk's constructor), so a copy compiled after it
         # would cost the loop's next call a fresh recording of its graphs on the host
         _copy_out(workspace)
-    out = run_into(workspace, params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
+    if _split_start():
+        start, finish = _split_concurrent if run_into is _run_concurrent_into else _split_graphed
+        start_slot = (start, cfg, dcfg, prompt.shape)
+        state = _workspaces.pop(start_slot, None)
+        if state is None:
+            state = start_workspace(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
+        # the loop's program reads the state that the next call's start overwrites: jax orders the two on the device
+        state = start(state, params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
+        out = finish(workspace, params, state, cfg=cfg, dcfg=dcfg)
+        _workspaces[start_slot] = state
+    else:
+        out = run_into(workspace, params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
     _workspaces[slot] = out
     return _copy_out(out)
 
@@ -144,6 +163,27 @@ def _use_workspace() -> bool:
     if OUTPUT_WORKSPACE not in (True, False, "auto"):
         raise ValueError(f"engine.OUTPUT_WORKSPACE must be True, False or 'auto', got {OUTPUT_WORKSPACE!r}")
     return jax.default_backend() == "gpu" if OUTPUT_WORKSPACE == "auto" else OUTPUT_WORKSPACE
+
+
+def _split_start() -> bool:
+    """SPLIT_START, checked (generate() refuses another value by name before anything compiles)."""
+    if SPLIT_START not in (True, False):
+        raise ValueError(f"engine.SPLIT_START must be True or False, got {SPLIT_START!r}")
+    return SPLIT_START
+
+
+def start_workspace(params, prompt, lengths, key, *, cfg, dcfg: DecodeConfig) -> DecodeState:
+    """Values in the shapes and dtypes of the loop's start state (what SPLIT_START first donates to the start's
+    program): zeros, and fresh keys where the state holds keys (never the caller's own key, which donation would
+    delete)."""
+    shapes = jax.eval_shape(lambda *a: _start(*a, cfg=cfg, dcfg=dcfg), params, prompt, lengths, key)
+
+    def fill(s):
+        if not jnp.issubdtype(s.dtype, jax.dtypes.prng_key):
+            return jnp.zeros(s.shape, s.dtype)
+        return jax.random.split(key, math.prod(s.shape)).reshape(s.shape) if s.shape else jax.random.fold_in(key, 0)
+
+    return jax.tree.map(fill, shapes)
 
 
 def output_workspace(batch: int, dcfg: DecodeConfig) -> GenerateOutput:
@@ -168,32 +208,135 @@ def graphed_config(cfg: ModelConfig, backend: str) -> ModelConfig:
     return cfg.replace(layer_unroll=cfg.num_layers) if cfg.layer_unroll is None and backend == "gpu" else cfg
 
 
-def _generate_loop(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeConfig) -> GenerateOutput:
+def _passes(cfg: ModelConfig, dcfg: DecodeConfig) -> tuple[bool, bool, bool]:
+    """(fused, fused_commits, shift): whether the prompt's prefill and the first denoising forward run as one pass,
+    whether a finished block's commit and the next block's first forward do, and whether the canvas' first logits
+    come from the last committed token (logit_shift)."""
+    model = model_module(cfg)
+    shift = getattr(cfg, "logit_shift", False)
+    fused = FUSED_FIRST_STEP and hasattr(model, "prefill_decode") and not shift
+    fused_commits = FUSED_COMMIT and dcfg.num_blocks > 1 and hasattr(model, "commit_decode") and not shift
+    return fused, fused_commits, shift
+
+
+def _head(cfg: ModelConfig, out):
+    """A pass's output as the samplers take it: a soft-capped model (DiffusionGemma) hands them its LM head's
+    product and the cap (softcapped.py)."""
+    return SoftCapped(out, cfg.final_logit_softcapping) if hasattr(model_module(cfg), "cap_logits") else out
+
+
+def _raw_out(cfg: ModelConfig) -> dict:
+    """The passes' keyword for the head's product (soft-capped models)."""
+    return {"capped": False} if hasattr(model_module(cfg), "cap_logits") else {}
+
+
+def _forward(params, s: DecodeState, *, cfg: ModelConfig, dcfg: DecodeConfig):
+    """One denoising forward over the canvas -> (logits [B, L, V], cache)."""
+    model = model_module(cfg)
+    L = dcfg.block_length
+    _, fused_commits, shift = _passes(cfg, dcfg)
+    x = dcfg.residual.embed(params, cfg, s.canvas, s.z, s.a)
+    if fused_commits:  # a block finished last step: its commit and this forward in one pass
+        # The loop runs on after a finished block only when the block needed its commit (another block follows,
+        # some row is not done), so a new block's first step in the loop is exactly a step with a commit owed.
+        pending = (s.step == 0) & (s.block > 0)
+
+        def commit_then(c):
+            block = jax.lax.dynamic_slice_in_dim(s.tokens, (s.block - 1) * L, L, axis=1)
+            return model.commit_decode(params, cfg, block, c, s.canvas, embeds=x, capped=False)
+
+        def plain(c):
+            return model.decode(params, cfg, s.canvas, c, embeds=x, capped=False), c
+
+        # the branches hand out the head's product (bf16 at the 26B: 134 MB), soft-capped inside the sampler's
+        # passes, as the plain path does; float32 logits out of the cond were written whole
+        raw, cache = jax.lax.cond(pending, commit_then, plain, s.cache)
+        return _head(cfg, raw), cache
+    shifted = {"prev_hidden": s.prev_h} if shift else {}
+    return _head(cfg, model.decode(params, cfg, s.canvas, s.cache, embeds=x, **shifted, **_raw_out(cfg))), s.cache
+
+
+def _advance(params, s: DecodeState, logits, cache, *, cfg: ModelConfig, dcfg: DecodeConfig) -> DecodeState:
+    """The step's decisions from its forward's output."""
+    model = model_module(cfg)
+    L, nb, sampler = dcfg.block_length, dcfg.num_blocks, dcfg.sampler
+    _, fused_commits, shift = _passes(cfg, dcfg)
+    b = s.canvas.shape[0]
+    key, k_step, k_init = jax.random.split(s.key, 3)
+    active = ~(s.block_done | s.seq_done)
+    out = sampler.step(logits, s.canvas, s.sampler, k_step, s.step, active)
+    keep = active[:, None]
+    block_done = s.block_done | (out.done & active)
+    step = s.step + 1
+    finish = jnp.all(block_done | s.seq_done) | (step >= dcfg.max_steps)
+    if isinstance(dcfg.residual, NoResidual):
+        z, a = s.z, s.a
+    else:
+        # a block's last step computes z for nothing (it is zeroed below), but skipping it under a lax.cond on
+        # `finish` made the 26B's generate() 1.2 ms slower on an H100 (session 58,
+        # benchmarks/results/2026-12-06_dg_output_workspace_h100.md): every step pays the cond
+        z = jnp.where(keep[..., None], soft_embed(params, cfg, out.probs, out.probs_scale), s.z)
+        a = jnp.where(keep, out.entropy, s.a)
+    cap = s.capture
+    if cap is not None:
+        i = s.total_forwards
+        rec = {"canvas": s.canvas, "z": s.z, "a": s.a, "entropy": out.entropy, "resolved": out.resolved,
+               "active": active, "block": s.block, "step": s.step}
+        cap = {k: cap[k].at[i].set(rec[k]) for k in cap}
+
+    final, eos = _finalize_block(dcfg, sampler.finalize(out.canvas, out.state), s.seq_done)
+    seq_done = jnp.where(finish, s.seq_done | eos, s.seq_done)
+    tokens = jnp.where(finish, jax.lax.dynamic_update_slice(s.tokens, final, (0, s.block * L)), s.tokens)
+    need_commit = finish & (s.block + 1 < nb) & ~jnp.all(seq_done)
+
+    def commit(c, h):  # with the shift, the block's last hidden state starts the next block
+        return model.commit(params, cfg, final, c, True) if shift else (model.commit(params, cfg, final, c), h)
+
+    prev_h = s.prev_h
+    if nb > 1 and not fused_commits:  # one block never commits: no commit forward traced
+        cache, prev_h = jax.lax.cond(need_commit, commit, lambda c, h: (c, h), cache, s.prev_h)
+    if dcfg.stream:
+        jax.lax.cond(finish, lambda: jax.debug.callback(_emit, final, s.block, ordered=True), lambda: None)
+
+    canvas0, sstate0 = sampler.init(k_init, b, L, cfg)
+    return DecodeState(
+        tokens=tokens,
+        canvas=jnp.where(finish, canvas0, out.canvas),
+        sampler=_select(finish, sstate0, out.state),
+        z=jnp.where(finish, jnp.zeros_like(z), z),
+        a=jnp.where(finish, jnp.zeros_like(a), a),
+        cache=cache,
+        block=s.block + finish.astype(jnp.int32),
+        step=jnp.where(finish, 0, step),
+        block_done=jnp.where(finish, jnp.zeros_like(block_done), block_done),
+        seq_done=seq_done,
+        key=key,
+        forwards=s.forwards + active.astype(jnp.int32),
+        total_forwards=s.total_forwards + 1,
+        commits=s.commits + need_commit.astype(jnp.int32),
+        steps_per_block=jnp.where(finish, s.steps_per_block.at[s.block].set(step), s.steps_per_block),
+        capture=cap,
+        prev_h=prev_h,
+    )
+
+
+def _start(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeConfig) -> DecodeState:
+    """Everything before the loop: the first canvas, the prompt's prefill and, where the model fuses them, the first
+    denoising step (its forward in the prefill's pass, its decisions through the loop's own body)."""
     b, p = prompt.shape
     L, nb, sampler = dcfg.block_length, dcfg.num_blocks, dcfg.sampler
     model = model_module(cfg)
-    shift = getattr(cfg, "logit_shift", False)  # the canvas' first logits come from the last committed token
+    fused, _, shift = _passes(cfg, dcfg)
     key, k_init = jax.random.split(key)
     canvas, sstate = sampler.init(k_init, b, L, cfg)
     d = cfg.hidden_size
     z0, a0 = jnp.zeros((b, L, d), cfg.jnp_dtype), jnp.zeros((b, L), jnp.float32)
-    # the prompt's prefill and the first denoising forward in one pass (each layer's weights read once)
-    fused = FUSED_FIRST_STEP and hasattr(model, "prefill_decode") and not shift
-    # a finished block's commit and the next block's first forward in one pass
-    fused_commits = FUSED_COMMIT and nb > 1 and hasattr(model, "commit_decode") and not shift
-    # a soft-capped model (DiffusionGemma) hands the samplers its LM head's product and the cap (softcapped.py)
-    capped = hasattr(model, "cap_logits")
-
-    def head(out):  # a pass's output as the samplers take it
-        return SoftCapped(out, cfg.final_logit_softcapping) if capped else out
-
-    raw_out = {"capped": False} if capped else {}  # the passes' keyword for the head's product
     first_logits = prev_h = None
-    if fused:
+    if fused:  # the prompt's prefill and the first denoising forward in one pass (each layer's weights read once)
         x0 = dcfg.residual.embed(params, cfg, canvas, z0, a0)
         first_logits, cache = model.prefill_decode(params, cfg, prompt, lengths, p + nb * L, canvas, embeds=x0,
-                                                   **raw_out)
-        first_logits = head(first_logits)
+                                                   **_raw_out(cfg))
+        first_logits = _head(cfg, first_logits)
     elif shift:
         _, cache, prev_h = model.prefill(params, cfg, prompt, lengths, p + nb * L, return_hidden=True)
     else:
@@ -219,91 +362,20 @@ def _generate_loop(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: Deco
         forwards=jnp.zeros((b,), jnp.int32), total_forwards=jnp.zeros((), jnp.int32),
         commits=jnp.zeros((), jnp.int32), steps_per_block=jnp.zeros((nb,), jnp.int32), capture=capture,
         prev_h=prev_h)
-
-    def cond(s: DecodeState):
-        return (s.block < nb) & ~jnp.all(s.seq_done)
-
-    def forward(s: DecodeState):  # one denoising forward over the canvas -> (logits [B, L, V], cache)
-        x = dcfg.residual.embed(params, cfg, s.canvas, s.z, s.a)
-        if fused_commits:  # a block finished last step: its commit and this forward in one pass
-            # The loop runs on after a finished block only when the block needed its commit (another block follows,
-            # some row is not done), so a new block's first step in the loop is exactly a step with a commit owed.
-            pending = (s.step == 0) & (s.block > 0)
-
-            def commit_then(c):
-                block = jax.lax.dynamic_slice_in_dim(s.tokens, (s.block - 1) * L, L, axis=1)
-                return model.commit_decode(params, cfg, block, c, s.canvas, embeds=x, capped=False)
-
-            def plain(c):
-                return model.decode(params, cfg, s.canvas, c, embeds=x, capped=False), c
-
-            # the branches hand out the head's product (bf16 at the 26B: 134 MB), soft-capped inside the sampler's
-            # passes, as the plain path does; float32 logits out of the cond were written whole
-            raw, cache = jax.lax.cond(pending, commit_then, plain, s.cache)
-            return head(raw), cache
-        shifted = {"prev_hidden": s.prev_h} if shift else {}
-        return head(model.decode(params, cfg, s.canvas, s.cache, embeds=x, **shifted, **raw_out)), s.cache
-
-    def advance(s: DecodeState, logits, cache) -> DecodeState:  # the step's decisions from its forward's output
-        key, k_step, k_init = jax.random.split(s.key, 3)
-        active = ~(s.block_done | s.seq_done)
-        out = sampler.step(logits, s.canvas, s.sampler, k_step, s.step, active)
-        keep = active[:, None]
-        block_done = s.block_done | (out.done & active)
-        step = s.step + 1
-        finish = jnp.all(block_done | s.seq_done) | (step >= dcfg.max_steps)
-        if isinstance(dcfg.residual, NoResidual):
-            z, a = s.z, s.a
-        else:
-            # a block's last step computes z for nothing (it is zeroed below), but skipping it under a lax.cond on
-            # `finish` made the 26B's generate() 1.2 ms slower on an H100 (session 58,
-            # benchmarks/results/2026-12-06_dg_output_workspace_h100.md): every step pays the cond
-            z = jnp.where(keep[..., None], soft_embed(params, cfg, out.probs, out.probs_scale), s.z)
-            a = jnp.where(keep, out.entropy, s.a)
-        cap = s.capture
-        if cap is not None:
-            i = s.total_forwards
-            rec = {"canvas": s.canvas, "z": s.z, "a": s.a, "entropy": out.entropy, "resolved": out.resolved,
-                   "active": active, "block": s.block, "step": s.step}
-            cap = {k: cap[k].at[i].set(rec[k]) for k in cap}
-
-        final, eos = _finalize_block(dcfg, sampler.finalize(out.canvas, out.state), s.seq_done)
-        seq_done = jnp.where(finish, s.seq_done | eos, s.seq_done)
-        tokens = jnp.where(finish, jax.lax.dynamic_update_slice(s.tokens, final, (0, s.block * L)), s.tokens)
-        need_commit = finish & (s.block + 1 < nb) & ~jnp.all(seq_done)
-        def commit(c, h):  # with the shift, the block's last hidden state starts the next block
-            return model.commit(params, cfg, final, c, True) if shift else (model.commit(params, cfg, final, c), h)
-
-        prev_h = s.prev_h
-        if nb > 1 and not fused_commits:  # one block never commits: no commit forward traced
-            cache, prev_h = jax.lax.cond(need_commit, commit, lambda c, h: (c, h), cache, s.prev_h)
-        if dcfg.stream:
-            jax.lax.cond(finish, lambda: jax.debug.callback(_emit, final, s.block, ordered=True), lambda: None)
-
-        canvas0, sstate0 = sampler.init(k_init, b, L, cfg)
-        return DecodeState(
-            tokens=tokens,
-            canvas=jnp.where(finish, canvas0, out.canvas),
-            sampler=_select(finish, sstate0, out.state),
-            z=jnp.where(finish, jnp.zeros_like(z), z),
-            a=jnp.where(finish, jnp.zeros_like(a), a),
-            cache=cache,
-            block=s.block + finish.astype(jnp.int32),
-            step=jnp.where(finish, 0, step),
-            block_done=jnp.where(finish, jnp.zeros_like(block_done), block_done),
-            seq_done=seq_done,
-            key=key,
-            forwards=s.forwards + active.astype(jnp.int32),
-            total_forwards=s.total_forwards + 1,
-            commits=s.commits + need_commit.astype(jnp.int32),
-            steps_per_block=jnp.where(finish, s.steps_per_block.at[s.block].set(step), s.steps_per_block),
-            capture=cap,
-            prev_h=prev_h,
-        )
-
     if fused:  # the loop's first iteration, its forward done above (cond holds: block 0, no row done)
-        state = advance(state, first_logits, state.cache)
-    s = jax.lax.while_loop(cond, lambda s: advance(s, *forward(s)), state)
+        state = _advance(params, state, first_logits, state.cache, cfg=cfg, dcfg=dcfg)
+    return state
+
+
+def _finish(params, state: DecodeState, *, cfg: ModelConfig, dcfg: DecodeConfig) -> GenerateOutput:
+    """The loop from `state` until every block is done (or every row hit EOS), then the outputs."""
+    def cond(s: DecodeState):
+        return (s.block < dcfg.num_blocks) & ~jnp.all(s.seq_done)
+
+    def body(s: DecodeState):
+        return _advance(params, s, *_forward(params, s, cfg=cfg, dcfg=dcfg), cfg=cfg, dcfg=dcfg)
+
+    s = jax.lax.while_loop(cond, body, state)
     lengths_out = _valid_lengths(s.tokens, dcfg)
     tpf = lengths_out / jnp.maximum(s.forwards + s.commits, 1)
     # transformers' tokens_per_forward (DiffusionGemma generate): non-pad new tokens / denoising forwards
@@ -313,6 +385,11 @@ def _generate_loop(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: Deco
                           capture=s.capture)
 
 
+def _generate_loop(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeConfig) -> GenerateOutput:
+    """The whole generation as one program."""
+    return _finish(params, _start(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg), cfg=cfg, dcfg=dcfg)
+
+
 _run = jax.jit(_generate_loop, static_argnames=("cfg", "dcfg"))
 _run_graphed = jax.jit(_generate_loop, static_argnames=("cfg", "dcfg"), compiler_options=ENGINE_COMPILER_OPTIONS)
 _run_concurrent = jax.jit(_generate_loop, static_argnames=("cfg", "dcfg"), compiler_options=DG_COMPILER_OPTIONS)
@@ -320,6 +397,26 @@ _run_graphed_into = jax.jit(_loop_into, static_argnames=("cfg", "dcfg"), donate_
                             compiler_options=ENGINE_COMPILER_OPTIONS)
 _run_concurrent_into = jax.jit(_loop_into, static_argnames=("cfg", "dcfg"), donate_argnums=0, keep_unused=True,
                                compiler_options=DG_COMPILER_OPTIONS)
+
+
+def _start_into(workspace, params, prompt, lengths, key, *, cfg, dcfg: DecodeConfig) -> DecodeState:
+    """_start, its state in `workspace` (donated: the previous call's state)."""
+    del workspace
+    return _start(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
+
+
+def _finish_into(workspace, params, state, *, cfg, dcfg: DecodeConfig) -> GenerateOutput:
+    """_finish, its outputs in `workspace` (donated)."""
+    del workspace
+    return _finish(params, state, cfg=cfg, dcfg=dcfg)
+
+
+def _split_programs(options: dict) -> tuple:
+    kw = dict(static_argnames=("cfg", "dcfg"), donate_argnums=0, keep_unused=True, compiler_options=options)
+    return jax.jit(_start_into, **kw), jax.jit(_finish_into, **kw)
+
+
+_split_graphed, _split_concurrent = _split_programs(ENGINE_COMPILER_OPTIONS), _split_programs(DG_COMPILER_OPTIONS)
 _copy_out = jax.jit(lambda out: jax.tree.map(jnp.copy, out))
 _workspaces: dict = {}  # OUTPUT_WORKSPACE: (program, cfg, dcfg, prompt shape) -> the last call's outputs
 
@@ -485,7 +582,8 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, *, key: jax.Array, max_
         raise TypeError(f"streamer must be callable(block_tokens, block_index), got {type(streamer).__name__}")
     if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    _use_workspace()  # an invalid engine.OUTPUT_WORKSPACE is refused on every path, not only the plain one
+    _use_workspace()  # invalid engine.OUTPUT_WORKSPACE / SPLIT_START values are refused on every path
+    _split_start()
 
     nb = math.ceil(max_new_tokens / L)
     prompt, lengths = left_pad(rows, cfg, nb * L, pad)
