@@ -60,14 +60,15 @@ FUSED_COMMIT = True
 # benchmarks/results/2026-12-06_dg_output_workspace_h100.md). "auto": on where the backend is a GPU (CUDA graphs);
 # True / False: on / off everywhere. Read at call time.
 OUTPUT_WORKSPACE: bool | str = "auto"
-# With the workspace, a plain call may run as two programs (True): the loop's start (the prompt's prefill, with the
-# first denoising step where the model fuses them) and then the loop. Why: before XLA submits a program's CUDA graph
-# it prepares and initializes every command of it on the host, at every call; the 26B's generate() is one graph,
-# and XLA's log showed ~2 ms from a call's start to that graph's update while the GPU had nothing to do (session 60,
-# benchmarks/results/2026-12-06_dg_new_defaults_h200.md). Two programs let the host prepare the loop's while the
-# GPU runs the prefill. The start's state sits in a donated workspace too, so neither graph sees new addresses.
-# The same tokens either way. Off until a GPU measures it; read at call time.
-SPLIT_START: bool = False
+# With the workspace, a plain call runs as two programs (True): the loop's start (the prompt's prefill, with the first
+# denoising step where the model fuses them) and then the loop, the start's state in a donated workspace too, so
+# neither program's CUDA graph sees new addresses. Why: before XLA submits a program's graph it prepares every
+# command of it on the host, updates the graph where an input moved (the prompt's buffer is new at every call) and
+# launches it; as one program the 26B's generate() waited ~1.8 ms for that with the GPU idle (session 61's host
+# probe). As two, the host prepares the loop's program while the GPU runs the prefill. On an H100 the 26B's
+# generate() ran 2.1 ms faster (median of 6 alternating rounds, 6 of 6 faster, the same tokens; session 61,
+# benchmarks/results/2026-12-06_dg_split_start_h100.md). False: one program. Read at call time.
+SPLIT_START: bool = True
 
 
 @dataclass(frozen=True)
