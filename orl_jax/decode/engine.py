@@ -67,7 +67,8 @@ OUTPUT_WORKSPACE: bool | str = "auto"
 # launches it; as one program the 26B's generate() waited ~1.8 ms for that with the GPU idle (session 61's host
 # probe). As two, the host prepares the loop's program while the GPU runs the prefill. On an H100 the 26B's
 # generate() ran 2.1 ms faster (median of 6 alternating rounds, 6 of 6 faster, the same tokens; session 61,
-# benchmarks/results/2026-12-06_dg_split_start_h100.md). False: one program. Read at call time.
+# benchmarks/results/2026-12-06_dg_split_start_h100.md). The cost: the last call's state (its KV cache included)
+# stays on the device per compiled program, beside the output workspace. False: one program. Read at call time.
 SPLIT_START: bool = True
 
 
