@@ -490,12 +490,14 @@ def host_probe(c, kw, n):
     from orl_jax.decode import engine
 
     real_run, real_split = engine._run_concurrent_into, engine._split_concurrent
-    for split in (False, True):
+    # one program; the start and the loop; also the fused pass's first layer group apart (SPLIT_START_GROUPS)
+    for split, groups in ((False, 0), (True, 0), (True, 1)):
         marks, rows = [], []
         engine._run_concurrent_into = spied_fn(real_run, marks)
         engine._split_concurrent = tuple(spied_fn(f, marks) for f in real_split)
         try:
-            with switched({"orl_jax.decode.engine.SPLIT_START": split}):
+            with switched({"orl_jax.decode.engine.SPLIT_START": split,
+                           "orl_jax.decode.engine.SPLIT_START_GROUPS": groups}):
                 for _ in range(2):  # compiles where new, then records the graphs
                     jax.block_until_ready(generate(params, c, prompt, **kw))
                 for _ in range(n):
@@ -509,9 +511,10 @@ def host_probe(c, kw, n):
         finally:
             engine._run_concurrent_into, engine._split_concurrent = real_run, real_split
         med = (np.median(np.asarray(rows), axis=0) * 1e3).tolist()
-        parts = ["python_before_ms"] + (["start_dispatch_ms", "loop_dispatch_ms"] if split else ["dispatch_ms"])
-        log(what="host_probe", split_start=split, calls=n, **dict(zip(parts, med[:-3])), after_ms=med[-3],
-            returned_ms=med[-2], call_ms=med[-1])
+        parts = ["python_before_ms"] + (["first_dispatch_ms"] if groups else []) + (
+            ["start_dispatch_ms", "loop_dispatch_ms"] if split else ["dispatch_ms"])
+        log(what="host_probe", split_start=split, split_start_groups=groups, calls=n,
+            **dict(zip(parts, med[:-3], strict=True)), after_ms=med[-3], returned_ms=med[-2], call_ms=med[-1])
     # a trivial program over generate()'s arguments: jax's own dispatch (the params' leaves, the prompt's copy)
     lengths = np.asarray([args.prompt], np.int32)
     trivial = jax.jit(lambda p, t, n_, k: t[0, 0] + n_[0])

@@ -344,6 +344,36 @@ def test_folded_norms_keep_both_fused_passes(dg_ours, dg_hf, moe_impl, attention
                     assert np.abs(np.asarray(logits)[r] - ref).max() < (2e-4 if fold == "attention" else 1e-4), r
 
 
+@pytest.mark.parametrize("moe_impl", ["bucketed", "pallas"])
+def test_prefill_decode_in_two_parts(dg_ours, moe_impl):
+    """prefill_decode_first (the first layer group) then prefill_decode_rest (the engine's SPLIT_START_GROUPS, two
+    programs): prefill_decode's logits and cache. Left-padded rows, self-conditioning input; the carry jitted apart
+    from the rest as the engine runs them."""
+    cfg, params = dg_ours
+    cfg = cfg.replace(moe_impl=moe_impl)
+    L, lengths = cfg.block_length, [11, 6]
+    _, padded = _left_padded(lengths, 70)
+    canvas = jnp.asarray(_tokens((2, L), 71))
+    _, embeds = _self_cond_input(params, cfg, np.asarray(canvas), 72)
+    args = (params, cfg, jnp.asarray(padded), jnp.asarray(lengths, jnp.int32), max(lengths) + L, canvas)
+    want, want_cache = jax.jit(dg.prefill_decode, static_argnums=(1, 4))(*args, embeds=embeds)
+    first = jax.jit(dg.prefill_decode_first, static_argnums=(1, 4), static_argnames="groups")(
+        *args, embeds=embeds, groups=1)
+    assert first["full"][0].shape[0] == 1 and first["sliding"][0].shape[0] == cfg.sliding_per_group
+    got, cache = jax.jit(dg.prefill_decode_rest, static_argnums=(1, 4))(*args, first)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+    for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(want_cache), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=0)
+    # the carry's layers are the pass's first ones: another pass's carry (other canvas inputs) moves the logits
+    other = jax.jit(dg.prefill_decode_first, static_argnums=(1, 4), static_argnames="groups")(
+        *args, embeds=None, groups=1)
+    moved, _ = jax.jit(dg.prefill_decode_rest, static_argnums=(1, 4))(*args, other)
+    assert np.abs(np.asarray(moved) - np.asarray(want)).max() > 1e-2
+    for bad in (0, cfg.num_groups, 1.5):
+        with pytest.raises(ValueError, match=f"groups must be an int in \\[1, {cfg.num_groups - 1}\\].*{bad}"):
+            dg.prefill_decode_first(*args, groups=bad)
+
+
 def test_prefill_decode_refuses(dg_ours):
     cfg, params = dg_ours
     prompt = jnp.asarray(_tokens((2, 6), 1))

@@ -54,11 +54,14 @@ def test_workspace_keeps_outputs_in_place(model, monkeypatch):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
 
 
-@pytest.mark.parametrize("model", [_qwendlm, _dg], ids=["qwendlm_graphed", "dg_concurrent"])
-def test_split_start_same_outputs_state_in_place(model, monkeypatch):
+@pytest.mark.parametrize("model,groups", [(_qwendlm, 0), (_dg, 0), (_dg, 1)],
+                         ids=["qwendlm_graphed", "dg_concurrent", "dg_first_group_apart"])
+def test_split_start_same_outputs_state_in_place(model, groups, monkeypatch):
     """engine.SPLIT_START: the loop's start and the loop as two programs, the start's state in a donated workspace
-    that stays in place across calls; the same outputs as one program, and the caller's key left alive."""
+    that stays in place across calls; the same outputs as one program, and the caller's key left alive. With
+    SPLIT_START_GROUPS the fused first pass's first layer group runs as a third program, its carry in place too."""
     cfg, params, kw = model()
+    monkeypatch.setattr(engine, "SPLIT_START_GROUPS", groups)
     kw |= dict(key=jax.random.key(3), sampler=UniformSampler(max_denoising_steps=4), eos_token_id=())
     prompts = [[5, 6, 7, 8, 9], [10, 11]]
     monkeypatch.setattr(engine, "OUTPUT_WORKSPACE", False)
@@ -71,14 +74,14 @@ def test_split_start_same_outputs_state_in_place(model, monkeypatch):
         warnings.simplefilter("error")  # "Some donated buffers were not usable" fails the test
         for _ in range(3):
             out = engine.generate(params, cfg, prompts, **kw)
-            (state,) = [v for k, v in engine._workspaces.items() if k[0] in (*engine._split_graphed,
-                                                                             *engine._split_concurrent)]
-            assert isinstance(state, engine.DecodeState)
-            places.append([a.unsafe_buffer_pointer() for a in jax.tree.leaves(state)])
+            kept = [v for k, v in engine._workspaces.items() if k[0] in (*engine._split_graphed,
+                                                                         *engine._split_concurrent)]
+            assert [type(v) for v in kept] == [dict] * bool(groups) + [engine.DecodeState]
+            places.append([a.unsafe_buffer_pointer() for a in jax.tree.leaves(kept)])
             for got, ref in zip(jax.tree.leaves(out), jax.tree.leaves(want), strict=True):
                 np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
     assert places[0] == places[1] == places[2]
-    assert len(engine._workspaces) == 2  # the start's state and the loop's outputs
+    assert len(engine._workspaces) == 2 + bool(groups)  # (the first groups' carry,) the start's state, the outputs
     assert int(jax.random.randint(kw["key"], (), 0, 9)) >= 0  # the caller's key was not donated
     # another prompt's values through the same programs: still the one program's outputs
     other = [[9, 8, 7, 6, 5], [4, 3]]
@@ -108,3 +111,24 @@ def test_workspace_auto_is_gpu_only_and_values_checked(monkeypatch):
     monkeypatch.setattr(engine, "SPLIT_START", "yes")
     with pytest.raises(ValueError, match="SPLIT_START.*'yes'"):
         engine.generate(params, cfg, [[5, 6, 7]], **kw)
+    monkeypatch.setattr(engine, "SPLIT_START", True)
+    for bad in (-1, True, "2"):
+        monkeypatch.setattr(engine, "SPLIT_START_GROUPS", bad)
+        with pytest.raises(ValueError, match="SPLIT_START_GROUPS must be an int >= 0"):
+            engine.generate(params, cfg, [[5, 6, 7]], **kw)
+
+
+def test_split_start_groups_beyond_the_model_refused(monkeypatch):
+    """SPLIT_START_GROUPS at the model's group count (nothing left for the start's program) is refused by name
+    before anything compiles; a model without the two-part pass (Qwen) ignores it."""
+    cfg, params, kw = _dg()
+    kw |= dict(key=jax.random.key(3), sampler=UniformSampler(max_denoising_steps=4), eos_token_id=())
+    monkeypatch.setattr(engine, "OUTPUT_WORKSPACE", True)
+    monkeypatch.setattr(engine, "_workspaces", {})
+    monkeypatch.setattr(engine, "SPLIT_START_GROUPS", cfg.num_groups)
+    with pytest.raises(ValueError, match=f"SPLIT_START_GROUPS must be < the model's {cfg.num_groups} layer groups"):
+        engine.generate(params, cfg, [[5, 6, 7]], **kw)
+    assert engine._workspaces == {}  # refused before the output workspace was made
+    qcfg, qparams, qkw = _qwendlm()
+    qkw |= dict(key=jax.random.key(3), sampler=UniformSampler(max_denoising_steps=4), eos_token_id=())
+    engine.generate(qparams, qcfg, [[5, 6, 7]], **qkw)

@@ -70,6 +70,11 @@ OUTPUT_WORKSPACE: bool | str = "auto"
 # benchmarks/results/2026-12-06_dg_split_start_h100.md). The cost: the last call's state (its KV cache included)
 # stays on the device per compiled program, beside the output workspace. False: one program. Read at call time.
 SPLIT_START: bool = True
+# ... and with SPLIT_START, the fused first pass's first N layer groups as a program of their own (DiffusionGemma:
+# prefill_decode_first / _rest; 0: not split). The GPU then waits only for that small program's host-side
+# preparation, and runs its groups while the host prepares the start's and the loop's. Off until a GPU measures
+# it; read at call time.
+SPLIT_START_GROUPS: int = 0
 
 
 @dataclass(frozen=True)
@@ -144,13 +149,23 @@ def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeCon
         # would cost the loop's next call a fresh recording of its graphs on the host
         _copy_out(workspace)
     if _split_start():
-        start, finish = _split_concurrent if run_into is _run_concurrent_into else _split_graphed
-        start_slot = (start, cfg, dcfg, prompt.shape)
+        start, finish, start_first = _split_concurrent if run_into is _run_concurrent_into else _split_graphed
+        first, groups = None, _start_groups(cfg, dcfg)
+        if groups:  # the fused first pass's first layer groups as a program of their own, before the start's
+            first_slot = (start_first, cfg, dcfg, prompt.shape, groups)
+            first = _workspaces.pop(first_slot, None)
+            if first is None:
+                first = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
+                    lambda *a: _start_first(*a, cfg=cfg, dcfg=dcfg, groups=groups), params, prompt, lengths, key))
+            first = start_first(first, params, prompt, lengths, key, cfg=cfg, dcfg=dcfg, groups=groups)
+        start_slot = (start, cfg, dcfg, prompt.shape, groups)
         state = _workspaces.pop(start_slot, None)
         if state is None:
-            state = start_workspace(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
+            state = start_workspace(params, prompt, lengths, key, first, cfg=cfg, dcfg=dcfg)
         # the loop's program reads the state that the next call's start overwrites: jax orders the two on the device
-        state = start(state, params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
+        state = start(state, params, prompt, lengths, key, first, cfg=cfg, dcfg=dcfg)
+        if groups:
+            _workspaces[first_slot] = first
         out = finish(workspace, params, state, cfg=cfg, dcfg=dcfg)
         _workspaces[start_slot] = state
     else:
@@ -174,11 +189,24 @@ def _split_start() -> bool:
     return SPLIT_START
 
 
-def start_workspace(params, prompt, lengths, key, *, cfg, dcfg: DecodeConfig) -> DecodeState:
+def _start_groups(cfg, dcfg: DecodeConfig) -> int:
+    """SPLIT_START_GROUPS where it applies (a model with the fused first pass in two parts, the pass taken), else 0;
+    a value outside [0, layer groups) is refused by name."""
+    g = SPLIT_START_GROUPS
+    if not isinstance(g, int) or isinstance(g, bool) or g < 0:
+        raise ValueError(f"engine.SPLIT_START_GROUPS must be an int >= 0, got {g!r}")
+    if not g or not _passes(cfg, dcfg)[0] or not hasattr(model_module(cfg), "prefill_decode_first"):
+        return 0
+    if g >= cfg.num_groups:
+        raise ValueError(f"engine.SPLIT_START_GROUPS must be < the model's {cfg.num_groups} layer groups, got {g}")
+    return g
+
+
+def start_workspace(params, prompt, lengths, key, first=None, *, cfg, dcfg: DecodeConfig) -> DecodeState:
     """Values in the shapes and dtypes of the loop's start state (what SPLIT_START first donates to the start's
     program): zeros, and fresh keys where the state holds keys (never the caller's own key, which donation would
     delete)."""
-    shapes = jax.eval_shape(lambda *a: _start(*a, cfg=cfg, dcfg=dcfg), params, prompt, lengths, key)
+    shapes = jax.eval_shape(lambda *a: _start(*a, cfg=cfg, dcfg=dcfg), params, prompt, lengths, key, first)
 
     def fill(s):
         if not jnp.issubdtype(s.dtype, jax.dtypes.prng_key):
@@ -322,20 +350,32 @@ def _advance(params, s: DecodeState, logits, cache, *, cfg: ModelConfig, dcfg: D
     )
 
 
-def _start(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeConfig) -> DecodeState:
+def _first_canvas(params, prompt, key, *, cfg: ModelConfig, dcfg: DecodeConfig):
+    """(key, canvas, sampler state, z0, a0, the fused first pass's canvas input x0 or None)."""
+    b, L = prompt.shape[0], dcfg.block_length
+    key, k_init = jax.random.split(key)
+    canvas, sstate = dcfg.sampler.init(k_init, b, L, cfg)
+    z0, a0 = jnp.zeros((b, L, cfg.hidden_size), cfg.jnp_dtype), jnp.zeros((b, L), jnp.float32)
+    x0 = dcfg.residual.embed(params, cfg, canvas, z0, a0) if _passes(cfg, dcfg)[0] else None
+    return key, canvas, sstate, z0, a0, x0
+
+
+def _start(params, prompt, lengths, key, first=None, *, cfg: ModelConfig, dcfg: DecodeConfig) -> DecodeState:
     """Everything before the loop: the first canvas, the prompt's prefill and, where the model fuses them, the first
-    denoising step (its forward in the prefill's pass, its decisions through the loop's own body)."""
+    denoising step (its forward in the prefill's pass, its decisions through the loop's own body). first: the fused
+    pass's first layer groups, run by another program (_start_first; the pass's rest runs here)."""
     b, p = prompt.shape
-    L, nb, sampler = dcfg.block_length, dcfg.num_blocks, dcfg.sampler
+    L, nb = dcfg.block_length, dcfg.num_blocks
     model = model_module(cfg)
     fused, _, shift = _passes(cfg, dcfg)
-    key, k_init = jax.random.split(key)
-    canvas, sstate = sampler.init(k_init, b, L, cfg)
+    key, canvas, sstate, z0, a0, x0 = _first_canvas(params, prompt, key, cfg=cfg, dcfg=dcfg)
     d = cfg.hidden_size
-    z0, a0 = jnp.zeros((b, L, d), cfg.jnp_dtype), jnp.zeros((b, L), jnp.float32)
     first_logits = prev_h = None
-    if fused:  # the prompt's prefill and the first denoising forward in one pass (each layer's weights read once)
-        x0 = dcfg.residual.embed(params, cfg, canvas, z0, a0)
+    if fused and first is not None:
+        first_logits, cache = model.prefill_decode_rest(params, cfg, prompt, lengths, p + nb * L, canvas, first,
+                                                        **_raw_out(cfg))
+        first_logits = _head(cfg, first_logits)
+    elif fused:  # the prompt's prefill and the first denoising forward in one pass (each layer's weights read once)
         first_logits, cache = model.prefill_decode(params, cfg, prompt, lengths, p + nb * L, canvas, embeds=x0,
                                                    **_raw_out(cfg))
         first_logits = _head(cfg, first_logits)
@@ -401,10 +441,24 @@ _run_concurrent_into = jax.jit(_loop_into, static_argnames=("cfg", "dcfg"), dona
                                compiler_options=DG_COMPILER_OPTIONS)
 
 
-def _start_into(workspace, params, prompt, lengths, key, *, cfg, dcfg: DecodeConfig) -> DecodeState:
+def _start_first(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeConfig, groups: int) -> dict:
+    """The fused first pass's first `groups` layer groups (SPLIT_START_GROUPS): its carry for _start."""
+    size = prompt.shape[1] + dcfg.num_blocks * dcfg.block_length
+    _, canvas, _, _, _, x0 = _first_canvas(params, prompt, key, cfg=cfg, dcfg=dcfg)
+    return model_module(cfg).prefill_decode_first(params, cfg, prompt, lengths, size, canvas, embeds=x0,
+                                                  groups=groups)
+
+
+def _start_into(workspace, params, prompt, lengths, key, first=None, *, cfg, dcfg: DecodeConfig) -> DecodeState:
     """_start, its state in `workspace` (donated: the previous call's state)."""
     del workspace
-    return _start(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
+    return _start(params, prompt, lengths, key, first, cfg=cfg, dcfg=dcfg)
+
+
+def _start_first_into(workspace, params, prompt, lengths, key, *, cfg, dcfg: DecodeConfig, groups: int) -> dict:
+    """_start_first, its carry in `workspace` (donated: the previous call's carry)."""
+    del workspace
+    return _start_first(params, prompt, lengths, key, cfg=cfg, dcfg=dcfg, groups=groups)
 
 
 def _finish_into(workspace, params, state, *, cfg, dcfg: DecodeConfig) -> GenerateOutput:
@@ -415,7 +469,8 @@ def _finish_into(workspace, params, state, *, cfg, dcfg: DecodeConfig) -> Genera
 
 def _split_programs(options: dict) -> tuple:
     kw = dict(static_argnames=("cfg", "dcfg"), donate_argnums=0, keep_unused=True, compiler_options=options)
-    return jax.jit(_start_into, **kw), jax.jit(_finish_into, **kw)
+    first = jax.jit(_start_first_into, **kw | {"static_argnames": ("cfg", "dcfg", "groups")})
+    return jax.jit(_start_into, **kw), jax.jit(_finish_into, **kw), first
 
 
 _split_graphed, _split_concurrent = _split_programs(ENGINE_COMPILER_OPTIONS), _split_programs(DG_COMPILER_OPTIONS)
@@ -591,6 +646,7 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, *, key: jax.Array, max_
     prompt, lengths = left_pad(rows, cfg, nb * L, pad)
     dcfg = DecodeConfig(sampler=sampler, residual=residual, block_length=L, num_blocks=nb, max_steps=max_steps,
                         eos_token_ids=eos, pad_token_id=pad, capture=bool(capture), stream=streamer is not None)
+    _start_groups(cfg, dcfg)  # an invalid engine.SPLIT_START_GROUPS is refused before anything compiles
     if mesh is not None:
         # tensor (heads / MLP / vocab) and expert parallelism come from the weights' logical axes; the loop itself
         # is unchanged, XLA partitions it (GSPMD) and inserts the collectives. The Pallas kernels are single-device:

@@ -339,13 +339,14 @@ def _rope(cfg: DiffusionGemmaConfig, positions):
 
 def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: jax.Array, vis: dict,
              cache: HybridKVCache | None = None, *, encoder: bool, collect_kv: bool = False, remat: bool = False,
-             in_place: bool = False, decoder_from: int | None = None):
+             in_place: bool = False, decoder_from: int | None = None, groups: tuple[int, int] | None = None):
     """Run all layers. x [B, L, D]; positions [B, L]; vis: {SLIDING, FULL} -> visibility among the current tokens
     [B, L, L], and with a cache also {"cache_" + type} -> visibility of the cache slots [B, L, S]. in_place: a
     cache-free pass that is never differentiated (the prefill) reads the weights in place as cached passes do.
     decoder_from (with encoder=True): tokens from this index on are decoder tokens, scaled by the decoder's
     layer_scalar (the fused passes `prefill_decode`, `commit_decode`); only the tokens before it have their K/V
-    collected.
+    collected. groups (g0, g1): only the layer groups g0 .. g1 - 1 (a pass split over two programs,
+    `prefill_decode_first` / `prefill_decode_rest`); the final norm only where g1 is the last group.
 
     Returns (hidden after the final norm [B, L, D], sliding (k, v) [G*k, B, L', K, H], full (k, v) [G, B, L', K, H],
     L' = decoder_from or L); the K/V are None unless collect_kv. The cache itself is not written here.
@@ -445,12 +446,13 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     if remat:
         full_layer = jax.checkpoint(full_layer, prevent_cse=False, static_argnums=(1,))
     kv_s, kv_f = [], []
-    for g in range(G):
+    g0, g1 = (0, G) if groups is None else groups
+    for g in range(g0, g1):
         x, kv = sliding_group(x, g * k)
         x, kf, vf = full_layer(x, g)
         kv_s.append(kv)
         kv_f.append((kf, vf))
-    h = rms_norm_fp32(x, params["final_norm"], cfg.rms_norm_eps)
+    h = rms_norm_fp32(x, params["final_norm"], cfg.rms_norm_eps) if g1 == G else x
     if not collect_kv:
         return h, None, None
     cat = lambda kvs, axis_op: tuple(axis_op([t[n] for t in kvs]) for n in (0, 1))  # noqa: E731
@@ -532,6 +534,58 @@ def prefill_decode(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, l
     valid = jnp.arange(p + l)[None] >= start[:, None]  # [B, P + L]: pad keys are invisible
     h, kv_s, kv_f = backbone(params, cfg, x, positions, fused_vis(cfg, b, p, l, valid), encoder=True,
                              collect_kv=True, in_place=True, decoder_from=p)
+    return logits(params, cfg, h[:, p:], capped), cache.write(kv_s, kv_f)
+
+
+def _prefill_decode_setup(cfg: DiffusionGemmaConfig, tokens, lengths, cache_size: int, canvas):
+    """prefill_decode's checks, empty cache (its start set), positions and visibility."""
+    check_tokens(tokens, cfg, prompt=True)
+    check_tokens(canvas, cfg, "canvas")
+    b, p = tokens.shape
+    l = canvas.shape[1]
+    if cache_size < p:
+        raise ValueError(f"cache_size={cache_size} is smaller than the padded prompt length {p}")
+    if canvas.shape[0] != b:
+        raise ValueError(f"canvas has {canvas.shape[0]} rows, tokens {b}")
+    cache = init_cache(cfg, b, cache_size)
+    start = (p - lengths).astype(jnp.int32)
+    cache = HybridKVCache(sliding=cache.sliding.replace(start=start), full=cache.full.replace(start=start))
+    positions = jnp.maximum(cache.positions(p + l), 0)  # the canvas at slots p .. p + l - 1, as after the prefill
+    valid = jnp.arange(p + l)[None] >= start[:, None]  # [B, P + L]: pad keys are invisible
+    return cache, positions, fused_vis(cfg, b, p, l, valid)
+
+
+def _check_split(cfg: DiffusionGemmaConfig, groups: int) -> None:
+    if not isinstance(groups, int) or not 0 < groups < cfg.num_groups:
+        raise ValueError(f"groups must be an int in [1, {cfg.num_groups - 1}] (the layer groups of the first part), "
+                         f"got {groups!r}")
+
+
+def prefill_decode_first(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, lengths: jax.Array,
+                         cache_size: int, canvas: jax.Array, *, embeds: jax.Array | None = None, groups: int):
+    """The first `groups` layer groups of `prefill_decode` (a program of its own: the engine's SPLIT_START_GROUPS).
+    Returns the part's carry (hidden [B, P + L, D], the groups' sliding and full (k, v)) for
+    `prefill_decode_rest`."""
+    _check_split(cfg, groups)
+    _, positions, vis = _prefill_decode_setup(cfg, tokens, lengths, cache_size, canvas)
+    x = _fused_input(params, cfg, tokens, canvas, embeds)
+    x, kv_s, kv_f = backbone(params, cfg, x, positions, vis, encoder=True, collect_kv=True, in_place=True,
+                             decoder_from=tokens.shape[1], groups=(0, groups))
+    return {"x": x, "sliding": kv_s, "full": kv_f}
+
+
+def prefill_decode_rest(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, lengths: jax.Array,
+                        cache_size: int, canvas: jax.Array, first: dict, *, capped: bool = True):
+    """The layer groups after `prefill_decode_first`'s (its carry `first`), the head and the cache: what
+    `prefill_decode` returns, the same arithmetic split over two programs."""
+    groups = first["full"][0].shape[0]
+    _check_split(cfg, groups)
+    cache, positions, vis = _prefill_decode_setup(cfg, tokens, lengths, cache_size, canvas)
+    p = tokens.shape[1]
+    h, kv_s, kv_f = backbone(params, cfg, first["x"], positions, vis, encoder=True, collect_kv=True, in_place=True,
+                             decoder_from=p, groups=(groups, cfg.num_groups))
+    kv_s, kv_f = (tuple(jnp.concatenate([a, b]) for a, b in zip(first[n], kv, strict=True))
+                  for n, kv in (("sliding", kv_s), ("full", kv_f)))
     return logits(params, cfg, h[:, p:], capped), cache.write(kv_s, kv_f)
 
 
