@@ -64,16 +64,18 @@ OUTPUT_WORKSPACE: bool | str = "auto"
 # denoising step where the model fuses them) and then the loop, the start's state in a donated workspace too, so
 # neither program's CUDA graph sees new addresses. Why: before XLA submits a program's graph it prepares every
 # command of it on the host, updates the graph where an input moved (the prompt's buffer is new at every call) and
-# launches it; as one program the 26B's generate() waited ~1.8 ms for that with the GPU idle (session 61's host
-# probe). As two, the host prepares the loop's program while the GPU runs the prefill. On an H100 the 26B's
-# generate() ran 2.1 ms faster (median of 6 alternating rounds, 6 of 6 faster, the same tokens; session 61,
-# benchmarks/results/2026-12-06_dg_split_start_h100.md). The cost: the last call's state (its KV cache included)
-# stays on the device per compiled program, beside the output workspace. False: one program. Read at call time.
+# launches it; as one program the 26B's generate() spent ~1.8 ms dispatching it on an H100 host, with nothing queued
+# on the GPU (session 61's host probe). As two, the host prepares the loop's program while the GPU runs the prefill.
+# The 26B's generate(), median of 6 alternating rounds, the same tokens: -2.16 ms on an H100 (6 of 6 faster), +0.19
+# ms for one program on an H200 (3 of 6: neutral) (session 61, benchmarks/results/2026-12-06_dg_split_start_h100.md,
+# 2026-12-06_dg_split_start_h200.md). The cost: the last call's state (its KV cache included) stays on the device
+# per compiled program, beside the output workspace. False: one program. Read at call time.
 SPLIT_START: bool = True
 # ... and with SPLIT_START, the fused first pass's first N layer groups as a program of their own (DiffusionGemma:
 # prefill_decode_first / _rest; 0: not split). The GPU then waits only for that small program's host-side
-# preparation, and runs its groups while the host prepares the start's and the loop's. Off until a GPU measures
-# it; read at call time.
+# preparation, and runs its groups while the host prepares the start's and the loop's. N = 1 on an H100: -0.60 ms,
+# 4 of 6 rounds, within the keys' 1.1 ms spread (2026-12-06_dg_split_start_h200.md, call 2). Off until an H200
+# measures it; read at call time.
 SPLIT_START_GROUPS: int = 0
 
 
