@@ -518,27 +518,16 @@ def prefill_decode(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, l
     `prefill` returns, up to rounding (each GEMM sees P + L rows). capped=False: the head's product in place of the
     logits (`logits`).
     """
-    check_tokens(tokens, cfg, prompt=True)
-    check_tokens(canvas, cfg, "canvas")
-    b, p = tokens.shape
-    l = canvas.shape[1]
-    if cache_size < p:
-        raise ValueError(f"cache_size={cache_size} is smaller than the padded prompt length {p}")
-    if canvas.shape[0] != b:
-        raise ValueError(f"canvas has {canvas.shape[0]} rows, tokens {b}")
-    cache = init_cache(cfg, b, cache_size)
-    start = (p - lengths).astype(jnp.int32)
-    cache = HybridKVCache(sliding=cache.sliding.replace(start=start), full=cache.full.replace(start=start))
-    positions = jnp.maximum(cache.positions(p + l), 0)  # the canvas at slots p .. p + l - 1, as after the prefill
+    cache, positions = _prefill_decode_setup(cfg, tokens, lengths, cache_size, canvas)
+    p = tokens.shape[1]
     x = _fused_input(params, cfg, tokens, canvas, embeds)
-    valid = jnp.arange(p + l)[None] >= start[:, None]  # [B, P + L]: pad keys are invisible
-    h, kv_s, kv_f = backbone(params, cfg, x, positions, fused_vis(cfg, b, p, l, valid), encoder=True,
-                             collect_kv=True, in_place=True, decoder_from=p)
+    h, kv_s, kv_f = backbone(params, cfg, x, positions, _prefill_decode_vis(cfg, cache, tokens, canvas),
+                             encoder=True, collect_kv=True, in_place=True, decoder_from=p)
     return logits(params, cfg, h[:, p:], capped), cache.write(kv_s, kv_f)
 
 
 def _prefill_decode_setup(cfg: DiffusionGemmaConfig, tokens, lengths, cache_size: int, canvas):
-    """prefill_decode's checks, empty cache (its start set), positions and visibility."""
+    """prefill_decode's checks, empty cache (its start set) and positions."""
     check_tokens(tokens, cfg, prompt=True)
     check_tokens(canvas, cfg, "canvas")
     b, p = tokens.shape
@@ -551,12 +540,18 @@ def _prefill_decode_setup(cfg: DiffusionGemmaConfig, tokens, lengths, cache_size
     start = (p - lengths).astype(jnp.int32)
     cache = HybridKVCache(sliding=cache.sliding.replace(start=start), full=cache.full.replace(start=start))
     positions = jnp.maximum(cache.positions(p + l), 0)  # the canvas at slots p .. p + l - 1, as after the prefill
-    valid = jnp.arange(p + l)[None] >= start[:, None]  # [B, P + L]: pad keys are invisible
-    return cache, positions, fused_vis(cfg, b, p, l, valid)
+    return cache, positions
+
+
+def _prefill_decode_vis(cfg: DiffusionGemmaConfig, cache: HybridKVCache, tokens, canvas) -> dict:
+    """prefill_decode's visibility: the prompt's pad keys invisible, the rest as fused_vis."""
+    (b, p), l = tokens.shape, canvas.shape[1]
+    valid = jnp.arange(p + l)[None] >= cache.full.start[:, None]  # [B, P + L]
+    return fused_vis(cfg, b, p, l, valid)
 
 
 def _check_split(cfg: DiffusionGemmaConfig, groups: int) -> None:
-    if not isinstance(groups, int) or not 0 < groups < cfg.num_groups:
+    if not isinstance(groups, int) or isinstance(groups, bool) or not 0 < groups < cfg.num_groups:
         raise ValueError(f"groups must be an int in [1, {cfg.num_groups - 1}] (the layer groups of the first part), "
                          f"got {groups!r}")
 
@@ -567,10 +562,11 @@ def prefill_decode_first(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Ar
     Returns the part's carry (hidden [B, P + L, D], the groups' sliding and full (k, v)) for
     `prefill_decode_rest`."""
     _check_split(cfg, groups)
-    _, positions, vis = _prefill_decode_setup(cfg, tokens, lengths, cache_size, canvas)
+    cache, positions = _prefill_decode_setup(cfg, tokens, lengths, cache_size, canvas)
     x = _fused_input(params, cfg, tokens, canvas, embeds)
-    x, kv_s, kv_f = backbone(params, cfg, x, positions, vis, encoder=True, collect_kv=True, in_place=True,
-                             decoder_from=tokens.shape[1], groups=(0, groups))
+    x, kv_s, kv_f = backbone(params, cfg, x, positions, _prefill_decode_vis(cfg, cache, tokens, canvas),
+                             encoder=True, collect_kv=True, in_place=True, decoder_from=tokens.shape[1],
+                             groups=(0, groups))
     return {"x": x, "sliding": kv_s, "full": kv_f}
 
 
@@ -580,10 +576,11 @@ def prefill_decode_rest(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Arr
     `prefill_decode` returns, the same arithmetic split over two programs."""
     groups = first["full"][0].shape[0]
     _check_split(cfg, groups)
-    cache, positions, vis = _prefill_decode_setup(cfg, tokens, lengths, cache_size, canvas)
+    cache, positions = _prefill_decode_setup(cfg, tokens, lengths, cache_size, canvas)
     p = tokens.shape[1]
-    h, kv_s, kv_f = backbone(params, cfg, first["x"], positions, vis, encoder=True, collect_kv=True, in_place=True,
-                             decoder_from=p, groups=(groups, cfg.num_groups))
+    h, kv_s, kv_f = backbone(params, cfg, first["x"], positions, _prefill_decode_vis(cfg, cache, tokens, canvas),
+                             encoder=True, collect_kv=True, in_place=True, decoder_from=p,
+                             groups=(groups, cfg.num_groups))
     kv_s, kv_f = (tuple(jnp.concatenate([a, b]) for a, b in zip(first[n], kv, strict=True))
                   for n, kv in (("sliding", kv_s), ("full", kv_f)))
     return logits(params, cfg, h[:, p:], capped), cache.write(kv_s, kv_f)
