@@ -7,7 +7,9 @@ block will follow — runs the commit forward that writes the block's K/V into t
 only when needed). Models with fused passes (DiffusionGemma) run the prefill together with the first step's forward
 (that step runs before the loop, through the same body), and each commit together with the next step's forward
 (FUSED_FIRST_STEP, FUSED_COMMIT). Nothing returns to the host until the loop ends; prompts are left-padded to a
-bucket length so a new prompt length inside a bucket reuses the compiled program.
+bucket length so a new prompt length inside a bucket reuses the compiled program. Plain calls on a GPU run the
+loop's start (_start: the prefill, the fused first step) and the loop (_finish) as two programs (SPLIT_START);
+elsewhere they are one (_generate_loop).
 
 Capture mode (static flag, a separate compiled program; the plain path carries no buffers) also records every
 step's input canvas, the residual (z, a) it consumed, the step's normalized entropies and resolved positions:
