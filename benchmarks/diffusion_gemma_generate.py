@@ -140,8 +140,8 @@ ap.add_argument("--host-probe", type=int, default=0, metavar="N",
                 help="also split N generate() calls' host time until they return: the Python before the engine's "
                      "jitted program, that program's dispatch (jax's argument handling, XLA's per-call preparation "
                      "of its commands, the graph's update and submission) and the rest; beside a trivial program's "
-                     "dispatch over the same arguments and the fused first pass's alone (with engine.SPLIT_START: "
-                     "both programs' dispatches)")
+                     "dispatch over the same arguments and the fused first pass's alone; as one program, as two "
+                     "(engine.SPLIT_START) and as three (SPLIT_START_GROUPS=1)")
 ap.add_argument("--key-spread", type=int, default=0, metavar="N",
                 help="also time generate() with N other keys (median of 3 calls each, the same program): how far the "
                      "time moves with the trajectory alone (the sampled tokens route the MoE), the yardstick of an "
@@ -771,14 +771,10 @@ for impl in IMPLS:
     # program's second and third calls ran 5-8 ms slower than later ones in every A/B (session 48), so also the
     # steady state: the median of 5 timed calls after 6 others (the compiling one, the row above's 4, one untimed)
     steady = median_seconds(lambda: generate(params, c, prompt, **kw), reps=5)
-    returned = []  # host time until generate() returns (checks, padding, dispatch), the device still running
-    for _ in range(5):
-        t = time.perf_counter()
-        pending = generate(params, c, prompt, **kw)
-        returned.append(time.perf_counter() - t)
-        jax.block_until_ready(pending)
+    # host time until generate() returns (checks, padding, dispatch), the device still running
+    returned_ms = _dispatch_ms(lambda: generate(params, c, prompt, **kw), 5)
     log(what="generate_steady", moe_impl=impl, seconds=steady, calls_before=6,
-        ms_per_forward_incl_prefill=steady * 1e3 / max(fwd + com, 1), returned_ms=float(np.median(returned)) * 1e3)
+        ms_per_forward_incl_prefill=steady * 1e3 / max(fwd + com, 1), returned_ms=returned_ms)
     for k in range(1, args.key_spread + 1):
         kk = kw | {"key": jax.random.key(k)}
         sec = median_seconds(lambda: generate(params, c, prompt, **kk), reps=3)

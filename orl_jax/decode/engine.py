@@ -18,6 +18,7 @@ what the ORL trainer replays.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -159,13 +160,14 @@ def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeCon
             first_slot = (start_first, cfg, dcfg, prompt.shape, groups)
             first = _workspaces.pop(first_slot, None)
             if first is None:
-                first = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
-                    lambda *a: _start_first(*a, cfg=cfg, dcfg=dcfg, groups=groups), params, prompt, lengths, key))
+                first = _workspace_like(functools.partial(_start_first, cfg=cfg, dcfg=dcfg, groups=groups), key,
+                                        params, prompt, lengths, key)
             first = start_first(first, params, prompt, lengths, key, cfg=cfg, dcfg=dcfg, groups=groups)
         start_slot = (start, cfg, dcfg, prompt.shape, groups)
         state = _workspaces.pop(start_slot, None)
         if state is None:
-            state = start_workspace(params, prompt, lengths, key, first, cfg=cfg, dcfg=dcfg)
+            state = _workspace_like(functools.partial(_start, cfg=cfg, dcfg=dcfg), key,
+                                    params, prompt, lengths, key, first)
         # the loop's program reads the state that the next call's start overwrites: jax orders the two on the device
         state = start(state, params, prompt, lengths, key, first, cfg=cfg, dcfg=dcfg)
         if groups:
@@ -206,11 +208,10 @@ def _start_groups(cfg, dcfg: DecodeConfig) -> int:
     return g
 
 
-def start_workspace(params, prompt, lengths, key, first=None, *, cfg, dcfg: DecodeConfig) -> DecodeState:
-    """Values in the shapes and dtypes of the loop's start state (what SPLIT_START first donates to the start's
-    program): zeros, and fresh keys where the state holds keys (never the caller's own key, which donation would
-    delete)."""
-    shapes = jax.eval_shape(lambda *a: _start(*a, cfg=cfg, dcfg=dcfg), params, prompt, lengths, key, first)
+def _workspace_like(fn, key, *args):
+    """Values in the shapes and dtypes of fn(*args) (what SPLIT_START first donates to its programs): zeros, and keys
+    derived from `key` where the output holds keys (never the caller's own key, which donation would delete)."""
+    shapes = jax.eval_shape(fn, *args)
 
     def fill(s):
         if not jnp.issubdtype(s.dtype, jax.dtypes.prng_key):
@@ -354,14 +355,13 @@ def _advance(params, s: DecodeState, logits, cache, *, cfg: ModelConfig, dcfg: D
     )
 
 
-def _first_canvas(params, prompt, key, *, cfg: ModelConfig, dcfg: DecodeConfig):
-    """(key, canvas, sampler state, z0, a0, the fused first pass's canvas input x0 or None)."""
+def _first_canvas(prompt, key, *, cfg: ModelConfig, dcfg: DecodeConfig):
+    """(key, canvas, sampler state, z0, a0): the first block's canvas and its empty residual."""
     b, L = prompt.shape[0], dcfg.block_length
     key, k_init = jax.random.split(key)
     canvas, sstate = dcfg.sampler.init(k_init, b, L, cfg)
     z0, a0 = jnp.zeros((b, L, cfg.hidden_size), cfg.jnp_dtype), jnp.zeros((b, L), jnp.float32)
-    x0 = dcfg.residual.embed(params, cfg, canvas, z0, a0) if _passes(cfg, dcfg)[0] else None
-    return key, canvas, sstate, z0, a0, x0
+    return key, canvas, sstate, z0, a0
 
 
 def _start(params, prompt, lengths, key, first=None, *, cfg: ModelConfig, dcfg: DecodeConfig) -> DecodeState:
@@ -372,7 +372,7 @@ def _start(params, prompt, lengths, key, first=None, *, cfg: ModelConfig, dcfg: 
     L, nb = dcfg.block_length, dcfg.num_blocks
     model = model_module(cfg)
     fused, _, shift = _passes(cfg, dcfg)
-    key, canvas, sstate, z0, a0, x0 = _first_canvas(params, prompt, key, cfg=cfg, dcfg=dcfg)
+    key, canvas, sstate, z0, a0 = _first_canvas(prompt, key, cfg=cfg, dcfg=dcfg)
     d = cfg.hidden_size
     first_logits = prev_h = None
     if fused and first is not None:
@@ -380,6 +380,7 @@ def _start(params, prompt, lengths, key, first=None, *, cfg: ModelConfig, dcfg: 
                                                         **_raw_out(cfg))
         first_logits = _head(cfg, first_logits)
     elif fused:  # the prompt's prefill and the first denoising forward in one pass (each layer's weights read once)
+        x0 = dcfg.residual.embed(params, cfg, canvas, z0, a0)
         first_logits, cache = model.prefill_decode(params, cfg, prompt, lengths, p + nb * L, canvas, embeds=x0,
                                                    **_raw_out(cfg))
         first_logits = _head(cfg, first_logits)
@@ -448,7 +449,8 @@ _run_concurrent_into = jax.jit(_loop_into, static_argnames=("cfg", "dcfg"), dona
 def _start_first(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeConfig, groups: int) -> dict:
     """The fused first pass's first `groups` layer groups (SPLIT_START_GROUPS): its carry for _start."""
     size = prompt.shape[1] + dcfg.num_blocks * dcfg.block_length
-    _, canvas, _, _, _, x0 = _first_canvas(params, prompt, key, cfg=cfg, dcfg=dcfg)
+    _, canvas, _, z0, a0 = _first_canvas(prompt, key, cfg=cfg, dcfg=dcfg)
+    x0 = dcfg.residual.embed(params, cfg, canvas, z0, a0)
     return model_module(cfg).prefill_decode_first(params, cfg, prompt, lengths, size, canvas, embeds=x0,
                                                   groups=groups)
 
