@@ -1,6 +1,7 @@
 """The LM head's GEMM with the one-pass statistics in its epilogue (kernels/softcap_softmax/head_stats.py, interpret
-mode): against the one-pass kernel on the product, through the sampler (softcapped.FUSED_HEAD's deferred head) and
-through generate(); its refusals; its Triton lowering at the 26B's shapes."""
+mode): against the one-pass kernel on the product and a float64 computation; its refusals; its Triton lowering at
+the 26B's shapes. (Not used by the engine: slower than cuBLAS + the one-pass kernel on an H100,
+benchmarks/results/2026-12-06_dg_head_stats_h100.md.)"""
 
 from __future__ import annotations
 
@@ -10,10 +11,7 @@ import numpy as np
 import pytest
 from triton_ir import verified_triton_modules
 
-from orl_jax.decode import softcapped
-from orl_jax.decode.samplers import UniformSampler, _chunk_width
-from orl_jax.decode.softcapped import SoftCapped
-from orl_jax.diffusion_gemma_config import DG_PRESETS
+from orl_jax.decode.samplers import _chunk_width
 from orl_jax_kernels.softcap_softmax import head_stats as hs
 from orl_jax_kernels.softcap_softmax import kernel as sk
 
@@ -89,83 +87,6 @@ def test_refusals_name_the_shape():
     with pytest.raises(ValueError, match="per_chunk=3"):
         hs.merge_pieces(3, *(jnp.zeros((2, 8)),) * 5)
     assert not hs.supported(256, 2816, 262144, 512, hs.Tiles(bk=512)) and hs.supported(256, 2816, 262144, 512)
-
-
-def _spy(monkeypatch) -> list:
-    calls = []
-    for mod, name in ((hs, "head_one_pass_stats"), (sk, "softcap_one_pass_stats")):
-        real = getattr(mod, name)
-        monkeypatch.setattr(mod, name, lambda *a, name=name, real=real, **k: calls.append(name) or real(*a, **k))
-    return calls
-
-
-def _same_decisions(got, want):
-    """The same canvas, state, acceptances and bf16 probabilities; entropies and the probabilities' scale within
-    float32 rounding (the chunk sums merged from pieces)."""
-    for a, b in zip(jax.tree.leaves((got.canvas, got.state, got.resolved, got.done, got.probs)),
-                    jax.tree.leaves((want.canvas, want.state, want.resolved, want.done, want.probs))):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    np.testing.assert_allclose(np.asarray(got.entropy), np.asarray(want.entropy), rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(np.asarray(got.probs_scale), np.asarray(want.probs_scale), rtol=1e-5)
-
-
-def test_sampler_decides_as_with_the_product(monkeypatch):
-    """UniformSampler.step given the head's input and weight (FUSED_HEAD's deferred head) under "one_pass": the fused
-    kernel runs, and every output equals the step given the product (exact operands); where the tiles do not fit,
-    the product is computed and the one-pass kernel reads it."""
-    calls = _spy(monkeypatch)
-    monkeypatch.setattr(softcapped, "SOFTCAP_STATS", "one_pass")
-    monkeypatch.setattr(hs, "TILES", hs.Tiles(bm=16, bn=16, bk=32))
-    h, w = _operands(rows=32)
-    sampler = UniformSampler(confidence=0.0)
-    canvas, state = sampler.init(jax.random.key(2), 2, 16, DG_PRESETS["tiny-dg"])
-    product = jnp.dot(h, w.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-
-    def step(logits):
-        jax.clear_caches()
-        return jax.jit(lambda lg: sampler.step(lg, canvas, state, jax.random.key(1), 3, jnp.ones((2,), bool)))(logits)
-
-    want = step(SoftCapped(product.reshape(2, 16, -1), CAP))
-    assert calls == ["softcap_one_pass_stats"]
-    calls.clear()
-    got = step(SoftCapped(None, CAP, hidden=h.reshape(2, 16, -1), head=w))
-    assert calls == ["head_one_pass_stats"]
-    _same_decisions(got, want)
-    calls.clear()
-    monkeypatch.setattr(hs, "TILES", hs.Tiles(bm=64, bn=16, bk=32))  # 32 rows: not in whole tiles
-    again = step(SoftCapped(None, CAP, hidden=h.reshape(2, 16, -1), head=w))
-    assert calls == ["softcap_one_pass_stats"]
-    _same_decisions(again, want)
-
-
-def test_generate_with_the_fused_head(monkeypatch):
-    """generate() of a bf16 DiffusionGemma (both fused passes, two blocks) with FUSED_HEAD: the fused kernel takes
-    every step's head, and the tokens equal those of the head's product through the one-pass kernel (the GEMM's
-    sums round to the same bf16 products at this model and key: not guaranteed in general, being another order of
-    float32 additions)."""
-    from orl_jax import params as P
-    from orl_jax.decode.engine import generate
-    from orl_jax.model import diffusion_gemma as dg
-
-    cfg = DG_PRESETS["tiny-dg"].replace(dtype="bfloat16", vocab_size=1024, image_token_id=None, boi_token_id=None,
-                                        eoi_token_id=None)
-    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), P.init(dg.param_specs(cfg), jax.random.key(0)))
-    calls = _spy(monkeypatch)
-    monkeypatch.setattr(softcapped, "SOFTCAP_STATS", "one_pass")
-    monkeypatch.setattr(hs, "TILES", hs.Tiles(bm=8, bn=16, bk=32))
-    kw = dict(key=jax.random.key(3), max_new_tokens=16, sampler=UniformSampler(max_denoising_steps=4),
-              eos_token_id=())
-    outs = {}
-    for fused in (False, True):
-        monkeypatch.setattr(softcapped, "FUSED_HEAD", fused)
-        jax.clear_caches()
-        calls.clear()
-        out = generate(params, cfg, [[5, 6, 7, 8, 9]], **kw)
-        outs[fused] = np.asarray(out.tokens)
-        assert set(calls) == {"head_one_pass_stats" if fused else "softcap_one_pass_stats"}, fused
-    jax.clear_caches()
-    assert outs[True].max() < cfg.vocab_size
-    np.testing.assert_array_equal(outs[True], outs[False])
 
 
 def test_lowers_to_verified_triton_at_the_26b():

@@ -1,14 +1,16 @@
 """The LM head's GEMM with the sampler's one-pass statistics in its epilogue: h [R, K] @ w [V, K]^T (the embedding's
 own layout), each output tile soft-capped, exponentiated and reduced while it is still in registers.
 
-Why: at DiffusionGemma's canvas the head (cuBLAS, ~545 us per step on an H200) writes the [256, 262144] bf16 product
-and `kernel.softcap_one_pass_stats` (~144 us) reads it back to write the probabilities and the chunk sums. Here the
-GEMM's programs do both: the product is written as before (the draw reads one chunk of it per row), the
-probabilities e beside it, and the statistics per BN-wide piece of a row, which `merge_pieces` folds into the
-samplers' W-wide chunks exactly as `one_pass_totals` folds chunks into rows (every term relative to a maximum, so
-nothing cancels). The GEMM is compute-bound there, so the extra bytes ride under the tensor work; the epilogue's
-tanh / exp is what it costs (not hidden: Triton runs a program's epilogue after its main loop; a second program
-resident per SM overlaps them where registers and shared memory allow one).
+Why it was built: at DiffusionGemma's canvas the head (cuBLAS, ~545 us per step on an H200) writes the [256, 262144]
+bf16 product and `kernel.softcap_one_pass_stats` (~144 us) reads it back to write the probabilities and the chunk
+sums. Here the GEMM's programs do both: the product is written as before (the draw reads one chunk of it per row),
+the probabilities e beside it, and the statistics per BN-wide piece of a row, which `merge_pieces` folds into the
+samplers' W-wide chunks exactly as `one_pass_totals` folds chunks into rows (every term relative to a maximum).
+
+Measured (benchmarks/results/2026-12-06_dg_head_stats_h100.md, H100): slower, so the engine does not use it. Triton's
+GEMM alone runs the head at best 741 us against cuBLAS' 646, and the epilogue costs 285 us or more inside it (its
+best setting 1083 us against 771 for cuBLAS + the one-pass kernel). Kept with its tests and
+`head_bench.py` so the probe can be repeated on a later Triton.
 
 Semantics: `softcap_one_pass_stats(bf16(h @ w^T), ...)` merged into W-wide chunks: the product is rounded to the
 output dtype before the soft-cap, as transformers rounds its lm_head output; the float32 accumulation order is

@@ -32,7 +32,6 @@ from jax.sharding import Mesh
 from orl_jax import params as P
 from orl_jax.checks import int_at_least
 from orl_jax.config import ModelConfig, xla_for_auto
-from orl_jax.decode import softcapped
 from orl_jax.decode.residual import NoResidual, ORLResidual, RCDResidual, Residual, soft_embed
 from orl_jax.decode.samplers import MaskSampler, Sampler, UniformSampler
 from orl_jax.decode.softcapped import SoftCapped
@@ -255,22 +254,15 @@ def _passes(cfg: ModelConfig, dcfg: DecodeConfig) -> tuple[bool, bool, bool]:
     return fused, fused_commits, shift
 
 
-def _head(cfg: ModelConfig, out, params):
+def _head(cfg: ModelConfig, out):
     """A pass's output as the samplers take it: a soft-capped model (DiffusionGemma) hands them its LM head's
-    product and the cap (softcapped.py), or with softcapped.FUSED_HEAD the head's input and weight."""
-    if not hasattr(model_module(cfg), "cap_logits"):
-        return out
-    if softcapped.FUSED_HEAD:
-        return SoftCapped(None, cfg.final_logit_softcapping, hidden=out,
-                          head=model_module(cfg).head_weight(params, cfg))
-    return SoftCapped(out, cfg.final_logit_softcapping)
+    product and the cap (softcapped.py)."""
+    return SoftCapped(out, cfg.final_logit_softcapping) if hasattr(model_module(cfg), "cap_logits") else out
 
 
 def _raw_out(cfg: ModelConfig) -> dict:
-    """The passes' keyword for the head's product (soft-capped models), or its input (FUSED_HEAD)."""
-    if not hasattr(model_module(cfg), "cap_logits"):
-        return {}
-    return {"capped": None if softcapped.FUSED_HEAD else False}
+    """The passes' keyword for the head's product (soft-capped models)."""
+    return {"capped": False} if hasattr(model_module(cfg), "cap_logits") else {}
 
 
 def _forward(params, s: DecodeState, *, cfg: ModelConfig, dcfg: DecodeConfig):
@@ -286,18 +278,17 @@ def _forward(params, s: DecodeState, *, cfg: ModelConfig, dcfg: DecodeConfig):
 
         def commit_then(c):
             block = jax.lax.dynamic_slice_in_dim(s.tokens, (s.block - 1) * L, L, axis=1)
-            return model.commit_decode(params, cfg, block, c, s.canvas, embeds=x, **_raw_out(cfg))
+            return model.commit_decode(params, cfg, block, c, s.canvas, embeds=x, capped=False)
 
         def plain(c):
-            return model.decode(params, cfg, s.canvas, c, embeds=x, **_raw_out(cfg)), c
+            return model.decode(params, cfg, s.canvas, c, embeds=x, capped=False), c
 
         # the branches hand out the head's product (bf16 at the 26B: 134 MB), soft-capped inside the sampler's
         # passes, as the plain path does; float32 logits out of the cond were written whole
         raw, cache = jax.lax.cond(pending, commit_then, plain, s.cache)
-        return _head(cfg, raw, params), cache
+        return _head(cfg, raw), cache
     shifted = {"prev_hidden": s.prev_h} if shift else {}
-    return _head(cfg, model.decode(params, cfg, s.canvas, s.cache, embeds=x, **shifted, **_raw_out(cfg)),
-                 params), s.cache
+    return _head(cfg, model.decode(params, cfg, s.canvas, s.cache, embeds=x, **shifted, **_raw_out(cfg))), s.cache
 
 
 def _advance(params, s: DecodeState, logits, cache, *, cfg: ModelConfig, dcfg: DecodeConfig) -> DecodeState:
@@ -387,12 +378,12 @@ def _start(params, prompt, lengths, key, first=None, *, cfg: ModelConfig, dcfg: 
     if fused and first is not None:
         first_logits, cache = model.prefill_decode_rest(params, cfg, prompt, lengths, p + nb * L, canvas, first,
                                                         **_raw_out(cfg))
-        first_logits = _head(cfg, first_logits, params)
+        first_logits = _head(cfg, first_logits)
     elif fused:  # the prompt's prefill and the first denoising forward in one pass (each layer's weights read once)
         x0 = dcfg.residual.embed(params, cfg, canvas, z0, a0)
         first_logits, cache = model.prefill_decode(params, cfg, prompt, lengths, p + nb * L, canvas, embeds=x0,
                                                    **_raw_out(cfg))
-        first_logits = _head(cfg, first_logits, params)
+        first_logits = _head(cfg, first_logits)
     elif shift:
         _, cache, prev_h = model.prefill(params, cfg, prompt, lengths, p + nb * L, return_hidden=True)
     else:

@@ -28,8 +28,6 @@ float32 products (the parity tests' models) always take "xla".
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -40,33 +38,15 @@ SOFTCAP_STATS = "auto"
 SOFTCAP_STATS_CHOICES = ("auto", "xla", "raw_max", "kernel", "one_pass")
 
 
-# The LM head's GEMM run by the samplers' statistics pass itself (True): the engine hands the sampler the head's
-# input and weight instead of its product, and where "one_pass" applies and the shapes fit
-# (kernels/softcap_softmax/head_stats.py) one kernel writes the product, the probabilities and the chunk statistics
-# (cuBLAS' head, then the one-pass kernel reading its 134 MB product back, otherwise). Not yet timed in generate();
-# read at trace time.
-FUSED_HEAD: bool = False
-
-
 @struct.dataclass
 class SoftCapped:
-    """The LM head's product [..., V] (the model dtype) and its soft-cap (static), or with FUSED_HEAD the head's input
-    `hidden` [..., D] and weight `head` [V, D] in its place (raw None: the product not yet computed). A pytree of
-    array leaves, so it may cross jit boundaries: the logits are `logits()`."""
-    raw: jax.Array | None
+    """The LM head's product [..., V] (the model dtype) and its soft-cap (static: a pytree of one array leaf, so it
+    may cross jit boundaries): the logits are `logits()`."""
+    raw: jax.Array
     cap: float | None = struct.field(pytree_node=False)
-    hidden: jax.Array | None = None
-    head: jax.Array | None = None
-
-    def product(self) -> jax.Array:
-        """The head's product in the model dtype (as diffusion_gemma.logits writes it)."""
-        if self.raw is not None:
-            return self.raw
-        return jnp.einsum("...d,vd->...v", self.hidden, self.head.astype(self.hidden.dtype),
-                          preferred_element_type=self.hidden.dtype)
 
     def logits(self) -> jax.Array:
-        return soft_cap(self.product().astype(jnp.float32), self.cap)
+        return soft_cap(self.raw.astype(jnp.float32), self.cap)
 
 
 def as_logits(logits) -> jax.Array:
@@ -86,38 +66,26 @@ def softcapped_parts(logits: SoftCapped, t, t_floor: float | None = None) -> tup
     stats = SOFTCAP_STATS
     if stats == "auto":
         stats = "one_pass" if jax.default_backend() == "gpu" else "xla"
-    dtype = (logits.raw if logits.raw is not None else logits.hidden).dtype
-    if stats == "xla" or dtype not in (jnp.bfloat16, jnp.float16):
-        return (*softmax_parts(logits.logits() / t), None, 0.0)
-    from orl_jax_kernels.softcap_softmax import head_stats as hs
+    raw = logits.raw
+    x = logits.logits() / t
+    if stats == "xla" or raw.dtype not in (jnp.bfloat16, jnp.float16):
+        return (*softmax_parts(x), None, 0.0)
     from orl_jax_kernels.softcap_softmax import kernel as sk
 
-    if logits.raw is None:
-        *lead, d = logits.hidden.shape
-        v = logits.head.shape[0]
-    else:
-        *lead, v = logits.raw.shape
+    *lead, v = raw.shape
     width = _chunk_width(v)  # samplers' chunks (0: none near sqrt(V), padded there)
     fits = logits.cap is not None and width and sk.supported(v, width)
     unflat = lambda a: a.reshape(*lead, a.shape[-1])  # noqa: E731
     interpret = jax.default_backend() == "cpu"
     if stats == "one_pass" and fits and t_floor is not None and logits.cap / t_floor <= sk.MAX_CAP_OVER_T:
-        if logits.raw is None and hs.supported(math.prod(lead), d, v, width):  # the head's GEMM with the pass
-            raw, *chunked, shift = hs.head_one_pass_stats(logits.hidden.reshape(-1, d), logits.head.astype(dtype),
-                                                          1.0 / t, cap=logits.cap, width=width, interpret=interpret)
-            logits = SoftCapped(unflat(raw), logits.cap)
-        else:
-            *chunked, shift = sk.softcap_one_pass_stats(logits.product().reshape(-1, v), 1.0 / t, cap=logits.cap,
-                                                        width=width, interpret=interpret)
-        x = logits.logits() / t
+        *chunked, shift = sk.softcap_one_pass_stats(raw.reshape(-1, v), 1.0 / t, cap=logits.cap, width=width,
+                                                    interpret=interpret)
         e, mass, tsum, first, chunk_raw_max, x_max = map(unflat, chunked)
         raw_max = jnp.max(chunk_raw_max, axis=-1, keepdims=True)
         argmax = jnp.min(jnp.where(chunk_raw_max == raw_max, first, v), axis=-1)
         m_kernel, log_s, entropy, mass = sk.one_pass_totals(mass, tsum, x_max)
         m = soft_cap(raw_max.astype(jnp.float32), logits.cap) / t  # as below: z's maximum in x's own expression
         return argmax, x - m, log_s, entropy, mass, e, shift - m_kernel
-    raw = logits.product()
-    x = logits.logits() / t
     raw_max = jnp.max(raw, axis=-1, keepdims=True)  # exact in any dtype
     m = soft_cap(raw_max.astype(jnp.float32), logits.cap) / t  # x's own expression at its maximal entry
     if stats == "raw_max" or not fits:

@@ -459,22 +459,15 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     return h, cat(kv_s, jnp.concatenate), cat(kv_f, jnp.stack)
 
 
-def head_weight(params: dict, cfg: DiffusionGemmaConfig) -> jax.Array:
-    """The LM head's weight [V, D] (the embedding where tied)."""
-    return params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-
-
-def logits(params: dict, cfg: DiffusionGemmaConfig, h: jax.Array, capped: bool | None = True) -> jax.Array:
+def logits(params: dict, cfg: DiffusionGemmaConfig, h: jax.Array, capped: bool = True) -> jax.Array:
     """[B, L, D] -> soft-capped float32 logits [B, L, V] (capped=False: the head's product, `cap_logits` of it are
-    the logits; capped=None: h itself, the head's input, for a caller that runs the head's GEMM in its own kernel:
-    the engine's softcapped.FUSED_HEAD). The head's product (float32 sums) is rounded to the model
+    the logits). The head's product (float32 sums) is rounded to the model
     dtype before the float32 soft-cap, as transformers' DiffusionGemmaForBlockDiffusion rounds its lm_head output.
     The GEMM writes that dtype itself (one rounding in its epilogue, as a bf16 lm_head in PyTorch does): the 26B's
     [256, 262144] product is then 134 MB instead of 268 of float32 sums converted after it; in the forward
     15.600 / 15.603 against 15.617 / 15.617 ms (benchmarks/results/2026-12-01_dg_graph_loops_h200.md, call 4)."""
-    if capped is None:
-        return h
-    z = jnp.einsum("bld,vd->blv", h, head_weight(params, cfg).astype(h.dtype), preferred_element_type=h.dtype)
+    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    z = jnp.einsum("bld,vd->blv", h, head.astype(h.dtype), preferred_element_type=h.dtype)
     return cap_logits(cfg, z) if capped else z
 
 
