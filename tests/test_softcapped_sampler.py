@@ -140,17 +140,19 @@ def test_kernel_equals_a_direct_computation():
         softcap_chunk_stats(raw[:, :1000], m, raw_max, 1.0, cap=CAP, width=8, interpret=True)
 
 
-def test_one_pass_equals_a_direct_computation():
+@pytest.mark.parametrize("fast_math", [False, True])
+def test_one_pass_equals_a_direct_computation(fast_math):
     """The one-pass form against float64: its chunks relative to their own maxima, e relative to the shift, and the
     merged row statistics, at cap / T = 75.3 (just inside its bound: e spans e^-86.6 .. e^64), 75 (DiffusionGemma at
-    T = 0.4) and 30."""
+    T = 0.4) and 30. fast_math: FAST_MATH's formula (in exact float32 operations here; PTX's approximations in
+    test_one_pass_fast_math_on_gpu)."""
     raw = _raw(v=1024).reshape(-1, 1024)
     raw = raw.at[3].set(-300.0).at[4, :512].set(300.0)  # a row at the cap's floor; one half at its top
     w = _chunk_width(1024)
     chunks = lambda a: a.reshape(a.shape[0], -1, w)  # noqa: E731
     for t in (CAP / MAX_CAP_OVER_T + 1e-3, 0.4, 1.0):
-        e, mass, tsum, first, chunk_raw_max, x_max, shift = softcap_one_pass_stats(raw, jnp.float32(1 / t), cap=CAP,
-                                                                                  width=w, interpret=True)
+        e, mass, tsum, first, chunk_raw_max, x_max, shift = softcap_one_pass_stats(
+            raw, jnp.float32(1 / t), cap=CAP, width=w, interpret=True, fast_math=fast_math)
         x = np.tanh(np.asarray(raw, np.float64) / CAP) * CAP / t
         assert float(shift) == pytest.approx(CAP / t - 64.0, rel=1e-6)
         np.testing.assert_allclose(np.asarray(e, np.float64), np.exp(x - float(shift)), rtol=8e-3)
@@ -212,10 +214,29 @@ def test_kernel_lowers_to_verified_triton_at_the_26b():
                             sd((), jnp.float32))
 
 
-def test_one_pass_lowers_to_verified_triton_at_the_26b():
+@pytest.mark.parametrize("fast_math", [False, True])
+def test_one_pass_lowers_to_verified_triton_at_the_26b(fast_math):
     sd = jax.ShapeDtypeStruct
-    verified_triton_modules(lambda r, t: softcap_one_pass_stats(r, t, cap=CAP, width=512),
+    verified_triton_modules(lambda r, t: softcap_one_pass_stats(r, t, cap=CAP, width=512, fast_math=fast_math),
                             sd((256, 262144), jnp.bfloat16), sd((), jnp.float32))
+
+
+@pytest.mark.gpu
+def test_one_pass_fast_math_on_gpu():
+    """FAST_MATH's PTX approximations at the 26B's canvas against the libdevice form: the same argmax, maxima and
+    (up to a bf16 rounding step) probabilities; the chunk sums within 1e-5."""
+    raw = _raw(b=1, l=256, v=262144).reshape(256, -1)
+    for t in (0.4, 0.8):
+        want = softcap_one_pass_stats(raw, jnp.float32(1 / t), cap=CAP, width=512)
+        got = softcap_one_pass_stats(raw, jnp.float32(1 / t), cap=CAP, width=512, fast_math=True)
+        for name, a, b in zip(("e", "mass", "t", "first", "raw_max", "x_max"), got, want):
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            if name in ("first", "raw_max"):
+                np.testing.assert_array_equal(a, b, err_msg=name)
+            elif name == "e":
+                np.testing.assert_allclose(a, b, rtol=8e-3, err_msg=name)
+            else:
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 @pytest.mark.gpu

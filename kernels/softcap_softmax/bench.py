@@ -5,12 +5,13 @@ the samplers' chunks; beside XLA's read of the product and its copy (the bytes' 
 write 134 MB). Each row: us per call (20 calls per sync) and the bytes' rate.
 
   python kernels/softcap_softmax/bench.py [--out softcap_bench.jsonl] [--rows 256] [--vocab 262144]
-      [--chunks 4,8,16] [--warps 4,8]
+      [--chunks 4,8,16] [--warps 4,8] [--once]
 
 Why: session 54's H200 trace had the kernel at 151.7 us per step (1.8 TB/s), the row max before it at ~38 us;
 A branch-free tanh (fewer instructions) did not change the step's tail on an H100 (session 56). Halves of the
 chunks (one warp each) at 8 chunks / 4 warps were 6.7 us faster alone on an H100, but generate() on halves at 4 / 4
-ran 10.9 ms slower (session 60, 2026-12-06_dg_one_pass_split_h100.md; that switch was removed).
+ran 10.9 ms slower (session 60, 2026-12-06_dg_one_pass_split_h100.md; that switch was removed). The one-pass kernel
+also with FAST_MATH (PTX's approximate exponential and reciprocal: "one_pass_fast_math").
 """
 
 import argparse
@@ -31,6 +32,9 @@ ap.add_argument("--temperature", type=float, default=0.4)
 ints = lambda text: [int(n) for n in text.split(",")]  # noqa: E731  (argparse names the option on a bad value)
 ap.add_argument("--chunks", type=ints, default=[4, 8, 16], help="chunks per program to time, comma-separated")
 ap.add_argument("--warps", type=ints, default=[4, 8], help="warps per program to time, comma-separated")
+ap.add_argument("--once", action="store_true",
+                help="only the one-pass kernel, once per FAST_MATH setting, untimed (for Nsight Compute: "
+                     "ncu -k regex:one_pass -c 2 ... bench.py --once)")
 args = ap.parse_args()
 
 import jax  # noqa: E402
@@ -66,12 +70,17 @@ def two_pass(r):
     return sk.softcap_chunk_stats(r, m, raw_max, inv_t, cap=CAP, width=W)
 
 
-def one_pass(r, width=W):
-    return sk.softcap_one_pass_stats(r, inv_t, cap=CAP, width=width)
+def one_pass(r, width=W, fast_math=False):
+    return sk.softcap_one_pass_stats(r, inv_t, cap=CAP, width=width, fast_math=fast_math)
 
 
+if args.once:
+    for fast_math in (False, True):
+        jax.block_until_ready(sk.softcap_one_pass_stats(raw, inv_t, cap=CAP, width=W, fast_math=fast_math))
+    sys.exit(0)
 prev = (sk.CHUNKS_PER_PROGRAM, sk.NUM_WARPS)
-variants = [("two_pass", two_pass, W), ("one_pass", one_pass, W)]
+variants = [("two_pass", two_pass, W), ("one_pass", one_pass, W),
+            ("one_pass_fast_math", functools.partial(one_pass, fast_math=True), W)]
 variants += [("one_pass", functools.partial(one_pass, width=W // s), W // s) for s in (2, 4)]
 for cpp, warps in itertools.product(args.chunks, args.warps):
     sk.CHUNKS_PER_PROGRAM, sk.NUM_WARPS = cpp, warps

@@ -105,37 +105,79 @@ E_TOP, E_FLOOR = 64.0, 87.0
 MAX_CAP_OVER_T = (E_TOP + E_FLOOR) / 2
 
 
+# The one-pass kernel's soft-cap and exponentials from PTX's approximate base-2 exponential and reciprocal (True):
+# x = c - 2c / (1 + 2^(r 2 log2(e) / cap)) with c = cap / T, e = 2^((x - shift) log2(e)), the chunk sums taken on e and
+# rescaled once per chunk. Three MUFU operations and ~15 others per entry against libdevice's tanhf and expf. Its x is
+# within ~4e-7 c of the exact soft-cap (the reciprocal's and exponential's relative errors, ~2^-22), below the bf16
+# probabilities' own rounding by four orders. Not yet timed; read at trace time (the caller passes it: the function is
+# jitted). In interpret mode (CPU) the same formula runs in exact float32 operations.
+FAST_MATH = False
+LOG2E = 1.4426950408889634
+
+
+def _ex2(x, fast: bool):
+    if not fast:
+        return jnp.exp2(x)
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+                                           result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
+
+
+def _rcp(x, fast: bool):
+    if not fast:
+        return 1.0 / x
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.elementwise_inline_asm("rcp.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+                                           result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
+
+
 def _one_pass_kernel(inv_t_ref, shift_ref, raw_ref, e_ref, mass_ref, t_ref, first_ref, raw_max_ref, x_max_ref, *,
-                     cap: float):
+                     cap: float, fast_math: bool, asm: bool):
     r = raw_ref[0]  # [chunks, W] in the product's dtype
     cpp, w = r.shape
     inv_t = inv_t_ref[0]
     raw_max = jnp.max(r, axis=1)  # [chunks]
-    x = jnp.tanh(r.astype(jnp.float32) / cap) * cap * inv_t
-    x_max = jnp.tanh(raw_max.astype(jnp.float32) / cap) * cap * inv_t  # x's own expression at the chunk's maximum
-    e = jnp.exp(x - shift_ref[0])  # never under- or overflows (E_TOP)
-    e_ref[0] = e.astype(e_ref.dtype)
-    # relative to the chunk's maximum: <= 1 (up to the tanh's rounding above ~200, where it saturates); an entry
-    # below e^-87 of it may flush to 0, where it adds nothing to the chunk's float32 sums either way
-    f = e * jnp.exp(shift_ref[0] - x_max)[:, None]
-    mass_ref[0] = jnp.sum(f, axis=1)
-    t_ref[0] = jnp.sum(f * (x - x_max[:, None]), axis=1)  # finite: x is bounded by the cap
+    if fast_math:  # FAST_MATH (asm: PTX's approximations; else the same formula in exact operations)
+        c = cap * inv_t
+        soft = lambda a: c - (2.0 * c) * _rcp(1.0 + _ex2(a.astype(jnp.float32) * (2.0 * LOG2E / cap), asm), asm)  # noqa: E731
+        x, x_max = soft(r), soft(raw_max)
+        exp_shifted = lambda a: _ex2(a * LOG2E - shift_ref[0] * LOG2E, asm)  # noqa: E731
+        e = exp_shifted(x)
+        e_ref[0] = e.astype(e_ref.dtype)
+        # e <= e^E_TOP: a chunk's entries sum far below float32's range. Relative to the chunk's maximum by one
+        # division per chunk by e at that maximum, computed by the same operations (its own term is then exactly 1)
+        e_max = exp_shifted(x_max)
+        mass_ref[0] = jnp.sum(e, axis=1) / e_max
+        t_ref[0] = jnp.sum(e * (x - x_max[:, None]), axis=1) / e_max
+    else:
+        x = jnp.tanh(r.astype(jnp.float32) / cap) * cap * inv_t
+        x_max = jnp.tanh(raw_max.astype(jnp.float32) / cap) * cap * inv_t  # x's own expression at the chunk's maximum
+        e = jnp.exp(x - shift_ref[0])  # never under- or overflows (E_TOP)
+        e_ref[0] = e.astype(e_ref.dtype)
+        # relative to the chunk's maximum: <= 1 (up to the tanh's rounding above ~200, where it saturates); an entry
+        # below e^-87 of it may flush to 0, where it adds nothing to the chunk's float32 sums either way
+        f = e * jnp.exp(shift_ref[0] - x_max)[:, None]
+        mass_ref[0] = jnp.sum(f, axis=1)
+        t_ref[0] = jnp.sum(f * (x - x_max[:, None]), axis=1)  # finite: x is bounded by the cap
     local = jnp.min(jnp.where(r == raw_max[:, None], jax.lax.broadcasted_iota(jnp.int32, (cpp, w), 1), w), axis=1)
     first_ref[0] = (pl.program_id(1) * cpp + jax.lax.broadcasted_iota(jnp.int32, (cpp,), 0)) * w + local
     raw_max_ref[0] = raw_max
     x_max_ref[0] = x_max
 
 
-@functools.partial(jax.jit, static_argnames=("cap", "width", "chunks_per_program", "interpret"))
+@functools.partial(jax.jit, static_argnames=("cap", "width", "chunks_per_program", "interpret", "fast_math"))
 def softcap_one_pass_stats(raw: jax.Array, inv_t: jax.Array, *, cap: float, width: int,
-                           chunks_per_program: int | None = None, interpret: bool = False):
+                           chunks_per_program: int | None = None, interpret: bool = False, fast_math: bool = False):
     """The statistics pass without the row max before it. raw [R, V] (the LM head's product); inv_t a float32 scalar
     (1 / temperature; the caller checks cap * inv_t <= MAX_CAP_OVER_T) -> per chunk of `width` entries, relative to
     the chunk's own maximum x_max of x = cap * tanh(raw / cap) * inv_t:
     (e [R, V] = exp(x - shift) in raw's dtype with shift = cap * inv_t - E_TOP (returned: the probabilities are
     e * exp(shift - row max) / sum), mass [R, C] = sum exp(x - x_max), t [R, C] = sum exp(x - x_max) (x - x_max),
     first [R, C] the chunk's first index of its raw maximum, raw_max [R, C] in raw's dtype, x_max [R, C] float32,
-    shift float32). `one_pass_totals` merges them: without cancellation, as every term is relative to a maximum."""
+    shift float32). `one_pass_totals` merges them: without cancellation, as every term is relative to a maximum.
+    fast_math: FAST_MATH's formula (PTX's approximations on a GPU)."""
     rows, v = raw.shape
     chunks_per_program = chunks_per_program or CHUNKS_PER_PROGRAM
     if not supported(v, width, chunks_per_program):
@@ -150,7 +192,7 @@ def softcap_one_pass_stats(raw: jax.Array, inv_t: jax.Array, *, cap: float, widt
     tile = pl.BlockSpec((1, cpp, width), lambda i, j: (i, j, 0))
     per_chunk = lambda dtype: jax.ShapeDtypeStruct((rows, c), dtype)  # noqa: E731
     e, mass, t, first, raw_max, x_max = pl.pallas_call(
-        functools.partial(_one_pass_kernel, cap=float(cap)),
+        functools.partial(_one_pass_kernel, cap=float(cap), fast_math=fast_math, asm=fast_math and not interpret),
         out_shape=(jax.ShapeDtypeStruct((rows, c, width), raw.dtype), per_chunk(jnp.float32), per_chunk(jnp.float32),
                    per_chunk(jnp.int32), per_chunk(raw.dtype), per_chunk(jnp.float32)),
         grid=(rows, c // cpp),

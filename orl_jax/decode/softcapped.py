@@ -79,7 +79,7 @@ def softcapped_parts(logits: SoftCapped, t, t_floor: float | None = None) -> tup
     interpret = jax.default_backend() == "cpu"
     if stats == "one_pass" and fits and t_floor is not None and logits.cap / t_floor <= sk.MAX_CAP_OVER_T:
         *chunked, shift = sk.softcap_one_pass_stats(raw.reshape(-1, v), 1.0 / t, cap=logits.cap, width=width,
-                                                    interpret=interpret)
+                                                    interpret=interpret, fast_math=sk.FAST_MATH)
         e, mass, tsum, first, chunk_raw_max, x_max = map(unflat, chunked)
         raw_max = jnp.max(chunk_raw_max, axis=-1, keepdims=True)
         argmax = jnp.min(jnp.where(chunk_raw_max == raw_max, first, v), axis=-1)
