@@ -288,8 +288,11 @@ def test_generate_equal_in_every_mode(tiny_dg, monkeypatch):
     from orl_jax.decode import samplers
 
     monkeypatch.setattr(samplers, "UNNORMALIZED_PROBS", False)
-    for mode in ("xla_normalized", "one_pass_normalized"):
-        monkeypatch.setattr(softcapped, "SOFTCAP_STATS", mode.removesuffix("_normalized"))
+    from orl_jax_kernels.softcap_softmax import kernel as sk
+
+    for mode in ("xla_normalized", "one_pass_normalized", "one_pass_fast_math_normalized"):
+        monkeypatch.setattr(softcapped, "SOFTCAP_STATS", mode.split("_")[0] if mode.startswith("xla") else "one_pass")
+        monkeypatch.setattr(sk, "FAST_MATH", "fast_math" in mode)  # its formula, in exact operations on a CPU
         jax.clear_caches()
         outs[mode] = np.asarray(generate(params, cfg, [[5, 6, 7, 8, 9]], **kw).tokens)
     jax.clear_caches()
@@ -297,6 +300,7 @@ def test_generate_equal_in_every_mode(tiny_dg, monkeypatch):
     for mode in ("raw_max", "kernel"):
         np.testing.assert_array_equal(outs[mode], outs["xla"])
     np.testing.assert_array_equal(outs["one_pass_normalized"], outs["xla_normalized"])
+    np.testing.assert_array_equal(outs["one_pass_fast_math_normalized"], outs["xla_normalized"])
 
 
 def test_bad_mode_named():
