@@ -107,11 +107,15 @@ MAX_CAP_OVER_T = (E_TOP + E_FLOOR) / 2
 
 # The one-pass kernel's soft-cap and exponentials from PTX's approximate base-2 exponential and reciprocal (True):
 # x = c - 2c / (1 + 2^(r 2 log2(e) / cap)) with c = cap / T, e = 2^((x - shift) log2(e)), the chunk sums taken on e and
-# rescaled once per chunk. Three MUFU operations and ~15 others per entry against libdevice's tanhf and expf. Its x is
-# within ~4e-7 c of the exact soft-cap (the reciprocal's and exponential's relative errors, ~2^-22), below the bf16
-# probabilities' own rounding by four orders. Not yet timed; read at trace time (the caller passes it: the function is
-# jitted). In interpret mode (CPU) the same formula runs in exact float32 operations.
-FAST_MATH = False
+# divided once per chunk by e at its maximum. Three MUFU operations and ~15 others per entry against libdevice's tanhf
+# and expf. Its x is within ~4e-7 c of the exact soft-cap (the reciprocal's and exponential's relative errors,
+# ~2^-22), four orders below the bf16 probabilities' own rounding; it is an approximation all the same (README).
+# On an H100 (session 62, benchmarks/results/2026-12-06_dg_fast_math_h100.md): alone 114.8 against 140.7 us at 4
+# chunks / 4 warps; Nsight Compute: 101 against 133 us, issue slots 68% against 84% busy (the libdevice form is
+# instruction-bound), DRAM 75% against 57%, 48 against 64 registers; generate() -0.74 ms (median of 6 alternating
+# rounds, 5 faster, 1 equal). Read at trace time (the caller passes it: the function is jitted). In interpret mode
+# (CPU) the same formula runs in exact float32 operations.
+FAST_MATH = True
 LOG2E = 1.4426950408889634
 
 
