@@ -119,22 +119,25 @@ FAST_MATH = True
 LOG2E = 1.4426950408889634
 
 
-def _ex2(x, fast: bool):
-    if not fast:
-        return jnp.exp2(x)
+def _ptx(instruction: str, x):
+    """x [float32] through one PTX instruction per entry (Pallas Triton's inline assembly)."""
     from jax.experimental.pallas import triton as pltriton
 
-    return pltriton.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+    return pltriton.elementwise_inline_asm(f"{instruction} $0, $1;", args=[x], constraints="=f,f", pack=1,
                                            result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
 
 
-def _rcp(x, fast: bool):
-    if not fast:
-        return 1.0 / x
-    from jax.experimental.pallas import triton as pltriton
+def _ex2(x, asm: bool):
+    return _ptx("ex2.approx.ftz.f32", x) if asm else jnp.exp2(x)
 
-    return pltriton.elementwise_inline_asm("rcp.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
-                                           result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
+
+def _rcp(x, asm: bool):
+    return _ptx("rcp.approx.ftz.f32", x) if asm else 1.0 / x
+
+
+def _fast_soft_cap(r, c, cap: float, asm: bool):
+    """c tanh(r / cap) (c = cap / T) as c - 2c / (1 + 2^(2 log2(e) r / cap)): exact at both saturations."""
+    return c - (2.0 * c) * _rcp(1.0 + _ex2(r.astype(jnp.float32) * (2.0 * LOG2E / cap), asm), asm)
 
 
 def _one_pass_kernel(inv_t_ref, shift_ref, raw_ref, e_ref, mass_ref, t_ref, first_ref, raw_max_ref, x_max_ref, *,
@@ -144,9 +147,7 @@ def _one_pass_kernel(inv_t_ref, shift_ref, raw_ref, e_ref, mass_ref, t_ref, firs
     inv_t = inv_t_ref[0]
     raw_max = jnp.max(r, axis=1)  # [chunks]
     if fast_math:  # FAST_MATH (asm: PTX's approximations; else the same formula in exact operations)
-        c = cap * inv_t
-        soft = lambda a: c - (2.0 * c) * _rcp(1.0 + _ex2(a.astype(jnp.float32) * (2.0 * LOG2E / cap), asm), asm)  # noqa: E731
-        x, x_max = soft(r), soft(raw_max)
+        x, x_max = (_fast_soft_cap(a, cap * inv_t, cap, asm) for a in (r, raw_max))
         exp_shifted = lambda a: _ex2(a * LOG2E - shift_ref[0] * LOG2E, asm)  # noqa: E731
         e = exp_shifted(x)
         e_ref[0] = e.astype(e_ref.dtype)
