@@ -224,7 +224,7 @@ def test_one_pass_lowers_to_verified_triton_at_the_26b(fast_math):
 @pytest.mark.gpu
 def test_one_pass_fast_math_on_gpu():
     """FAST_MATH's PTX approximations at the 26B's canvas against the libdevice form: the same argmax, maxima and
-    (up to a bf16 rounding step) probabilities; the chunk sums within 1e-5."""
+    (up to a bf16 rounding step) probabilities; the chunk sums and maxima within 1e-4."""
     raw = _raw(b=1, l=256, v=262144).reshape(256, -1)
     for t in (0.4, 0.8):
         want = softcap_one_pass_stats(raw, jnp.float32(1 / t), cap=CAP, width=512)
@@ -236,7 +236,8 @@ def test_one_pass_fast_math_on_gpu():
             elif name == "e":
                 np.testing.assert_allclose(a, b, rtol=8e-3, err_msg=name)
             else:
-                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
+                # x within ~2.4e-7 * 2 cap / T (~4e-5 at T = 0.4) of the exact soft-cap
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4, err_msg=name)
 
 
 @pytest.mark.gpu
