@@ -291,9 +291,10 @@ def test_generate_equal_in_every_mode(tiny_dg, monkeypatch):
     monkeypatch.setattr(samplers, "UNNORMALIZED_PROBS", False)
     from orl_jax_kernels.softcap_softmax import kernel as sk
 
-    for mode in ("xla_normalized", "one_pass_normalized", "one_pass_fast_math_normalized"):
-        monkeypatch.setattr(softcapped, "SOFTCAP_STATS", mode.split("_")[0] if mode.startswith("xla") else "one_pass")
-        monkeypatch.setattr(sk, "FAST_MATH", "fast_math" in mode)  # its formula, in exact operations on a CPU
+    for mode, stats, fast_math in (("xla_normalized", "xla", False), ("one_pass_normalized", "one_pass", False),
+                                   ("one_pass_fast_math_normalized", "one_pass", True)):
+        monkeypatch.setattr(softcapped, "SOFTCAP_STATS", stats)
+        monkeypatch.setattr(sk, "FAST_MATH", fast_math)  # its formula, in exact operations on a CPU
         jax.clear_caches()
         outs[mode] = np.asarray(generate(params, cfg, [[5, 6, 7, 8, 9]], **kw).tokens)
     jax.clear_caches()

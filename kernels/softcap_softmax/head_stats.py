@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from orl_jax_kernels.pallas_args import triton_params
-from orl_jax_kernels.softcap_softmax.kernel import E_TOP
+from orl_jax_kernels.softcap_softmax.kernel import E_TOP, one_pass_terms
 
 
 @dataclass(frozen=True)
@@ -63,19 +63,11 @@ def _kernel(inv_t_ref, shift_ref, h_ref, w_ref, raw_ref, e_ref, mass_ref, t_ref,
     raw_ref[...] = r
     if not stats:  # the bare GEMM (benchmarks: what the epilogue costs)
         return
-    inv_t, shift = inv_t_ref[0], shift_ref[0]
-    raw_max = jnp.max(r, axis=1)  # [bm]: the piece's maximum per row
-    x = jnp.tanh(r.astype(jnp.float32) / cap) * cap * inv_t  # layers.soft_cap, then / T (kernel.py's expression)
-    x_max = jnp.tanh(raw_max.astype(jnp.float32) / cap) * cap * inv_t
-    e = jnp.exp(x - shift)  # never under- or overflows (kernel.E_TOP)
+    # the one-pass kernel's own terms on the tile's rows (libdevice's form: this kernel was measured with it)
+    e, mass_ref[0], t_ref[0], local, raw_max_ref[0], x_max_ref[0] = one_pass_terms(
+        r, inv_t_ref[0], shift_ref[0], cap=cap, fast_math=False, asm=False)
     e_ref[...] = e.astype(e_ref.dtype)
-    f = e * jnp.exp(shift - x_max)[:, None]  # relative to the piece's maximum
-    mass_ref[0] = jnp.sum(f, axis=1)
-    t_ref[0] = jnp.sum(f * (x - x_max[:, None]), axis=1)
-    local = jnp.min(jnp.where(r == raw_max[:, None], jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 1), bn), axis=1)
     first_ref[0] = pl.program_id(1) * bn + local
-    raw_max_ref[0] = raw_max
-    x_max_ref[0] = x_max
 
 
 @functools.partial(jax.jit, static_argnames=("cap", "tiles", "stats", "interpret"))

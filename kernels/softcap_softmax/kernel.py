@@ -140,36 +140,42 @@ def _fast_soft_cap(r, c, cap: float, asm: bool):
     return c - (2.0 * c) * _rcp(1.0 + _ex2(r.astype(jnp.float32) * (2.0 * LOG2E / cap), asm), asm)
 
 
+def one_pass_terms(r, inv_t, shift, *, cap: float, fast_math: bool, asm: bool):
+    """The one-pass statistics of each row of r [n, W] (raw product entries, in registers) -> (e [n, W] float32,
+    mass, t, the row's first index of its raw maximum, raw_max, x_max, each [n]); also the LM head kernel's epilogue
+    (head_stats.py). fast_math: FAST_MATH's formula (asm: PTX's approximations; else in exact operations)."""
+    n, w = r.shape
+    raw_max = jnp.max(r, axis=1)  # [n]
+    if fast_math:
+        x, x_max = (_fast_soft_cap(a, cap * inv_t, cap, asm) for a in (r, raw_max))
+        exp_shifted = lambda a: _ex2(a * LOG2E - shift * LOG2E, asm)  # noqa: E731
+        e = exp_shifted(x)
+        # e <= e^E_TOP: a chunk's entries sum far below float32's range. Relative to the chunk's maximum by one
+        # division per chunk by e at that maximum, computed by the same operations (its own term is then exactly 1)
+        e_max = exp_shifted(x_max)
+        mass = jnp.sum(e, axis=1) / e_max
+        t = jnp.sum(e * (x - x_max[:, None]), axis=1) / e_max
+    else:
+        x = jnp.tanh(r.astype(jnp.float32) / cap) * cap * inv_t
+        x_max = jnp.tanh(raw_max.astype(jnp.float32) / cap) * cap * inv_t  # x's own expression at the chunk's maximum
+        e = jnp.exp(x - shift)  # never under- or overflows (E_TOP)
+        # relative to the chunk's maximum: <= 1 (up to the tanh's rounding above ~200, where it saturates); an entry
+        # below e^-87 of it may flush to 0, where it adds nothing to the chunk's float32 sums either way
+        f = e * jnp.exp(shift - x_max)[:, None]
+        mass = jnp.sum(f, axis=1)
+        t = jnp.sum(f * (x - x_max[:, None]), axis=1)  # finite: x is bounded by the cap
+    first = jnp.min(jnp.where(r == raw_max[:, None], jax.lax.broadcasted_iota(jnp.int32, (n, w), 1), w), axis=1)
+    return e, mass, t, first, raw_max, x_max
+
+
 def _one_pass_kernel(inv_t_ref, shift_ref, raw_ref, e_ref, mass_ref, t_ref, first_ref, raw_max_ref, x_max_ref, *,
                      cap: float, fast_math: bool, asm: bool):
     r = raw_ref[0]  # [chunks, W] in the product's dtype
     cpp, w = r.shape
-    inv_t = inv_t_ref[0]
-    raw_max = jnp.max(r, axis=1)  # [chunks]
-    if fast_math:  # FAST_MATH (asm: PTX's approximations; else the same formula in exact operations)
-        x, x_max = (_fast_soft_cap(a, cap * inv_t, cap, asm) for a in (r, raw_max))
-        exp_shifted = lambda a: _ex2(a * LOG2E - shift_ref[0] * LOG2E, asm)  # noqa: E731
-        e = exp_shifted(x)
-        e_ref[0] = e.astype(e_ref.dtype)
-        # e <= e^E_TOP: a chunk's entries sum far below float32's range. Relative to the chunk's maximum by one
-        # division per chunk by e at that maximum, computed by the same operations (its own term is then exactly 1)
-        e_max = exp_shifted(x_max)
-        mass_ref[0] = jnp.sum(e, axis=1) / e_max
-        t_ref[0] = jnp.sum(e * (x - x_max[:, None]), axis=1) / e_max
-    else:
-        x = jnp.tanh(r.astype(jnp.float32) / cap) * cap * inv_t
-        x_max = jnp.tanh(raw_max.astype(jnp.float32) / cap) * cap * inv_t  # x's own expression at the chunk's maximum
-        e = jnp.exp(x - shift_ref[0])  # never under- or overflows (E_TOP)
-        e_ref[0] = e.astype(e_ref.dtype)
-        # relative to the chunk's maximum: <= 1 (up to the tanh's rounding above ~200, where it saturates); an entry
-        # below e^-87 of it may flush to 0, where it adds nothing to the chunk's float32 sums either way
-        f = e * jnp.exp(shift_ref[0] - x_max)[:, None]
-        mass_ref[0] = jnp.sum(f, axis=1)
-        t_ref[0] = jnp.sum(f * (x - x_max[:, None]), axis=1)  # finite: x is bounded by the cap
-    local = jnp.min(jnp.where(r == raw_max[:, None], jax.lax.broadcasted_iota(jnp.int32, (cpp, w), 1), w), axis=1)
+    e, mass_ref[0], t_ref[0], local, raw_max_ref[0], x_max_ref[0] = one_pass_terms(
+        r, inv_t_ref[0], shift_ref[0], cap=cap, fast_math=fast_math, asm=asm)
+    e_ref[0] = e.astype(e_ref.dtype)
     first_ref[0] = (pl.program_id(1) * cpp + jax.lax.broadcasted_iota(jnp.int32, (cpp,), 0)) * w + local
-    raw_max_ref[0] = raw_max
-    x_max_ref[0] = x_max
 
 
 @functools.partial(jax.jit, static_argnames=("cap", "width", "chunks_per_program", "interpret", "fast_math"))
