@@ -374,6 +374,43 @@ def test_prefill_decode_in_two_parts(dg_ours, moe_impl):
             dg.prefill_decode_first(*args, groups=bad)
 
 
+@pytest.mark.parametrize("moe_impl", ["bucketed", "pallas"])
+def test_trimmed_last_layer(dg_ours, moe_impl, monkeypatch):
+    """TRIM_LAST_LAYER: the passes that keep some rows (prefill: the last prompt token; prefill_decode and
+    commit_decode: the canvas) run the last layer's MoE for those rows alone, with the logits and cache of the
+    untrimmed passes (float32 rounding apart; a sliced row would move them by ~1). Left-padded rows,
+    self-conditioning input on the commit's canvas."""
+    cfg, params = dg_ours
+    cfg = cfg.replace(moe_impl=moe_impl)
+    L, lengths = cfg.block_length, [11, 6]
+    _, padded = _left_padded(lengths, 80)
+    p = padded.shape[1]
+    canvas, block = jnp.asarray(_tokens((2, L), 81)), jnp.asarray(_tokens((2, L), 82))
+    _, embeds = _self_cond_input(params, cfg, np.asarray(canvas), 83)
+    prompt = (jnp.asarray(padded), jnp.asarray(lengths, jnp.int32))
+
+    def passes():  # the three passes' outputs and each pass's experts_mlp rows, call by call
+        rows = []
+        record = lambda x, *a, **k: rows[-1].append(x.shape[0]) or experts_mlp(x, *a, **k)  # noqa: E731
+        fresh = lambda f, **k: jax.jit(lambda *a, **kw: f(*a, **kw), **k)  # noqa: E731  (traced anew: the switch)
+        with um.patch.object(dg, "experts_mlp", record):
+            rows.append([])
+            out = fresh(dg.prefill, static_argnums=(1, 4))(params, cfg, *prompt, p + 2 * L)
+            rows.append([])
+            fused = fresh(dg.prefill_decode, static_argnums=(1, 4))(params, cfg, *prompt, p + 2 * L, canvas)
+            rows.append([])
+            commit = fresh(dg.commit_decode, static_argnums=(1,))(params, cfg, block, fused[1], canvas, embeds=embeds)
+        return (out, fused, commit), rows
+
+    want, trimmed = passes()
+    monkeypatch.setattr(dg, "TRIM_LAST_LAYER", False)
+    got, untrimmed = passes()
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=0)
+    for t, u, n, kept in zip(trimmed, untrimmed, (p, p + L, 2 * L), (1, L, L), strict=True):
+        assert set(u) == {2 * n} and t == u[:-1] + [2 * kept]  # batch 2: the last layer's rows only
+
+
 def test_prefill_decode_refuses(dg_ours):
     cfg, params = dg_ours
     prompt = jnp.asarray(_tokens((2, 6), 1))

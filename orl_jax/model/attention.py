@@ -109,7 +109,8 @@ def attention(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array]],
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale  # jax.nn.dot_product_attention's default too
     forced = q.shape[-1] in EINSUM_HEAD_DIMS
-    if impl == "pallas" and len(parts) == 2 and not forced:
+    # the fused kernel takes as many own keys as queries (a pass's last layer may keep fewer query rows)
+    if impl == "pallas" and len(parts) == 2 and not forced and parts[1][0].shape[1] == q.shape[1]:
         from orl_jax_kernels.decode_attention.kernel import cached_attention
 
         (kc, vc, cm), (ks, vs, sm) = parts

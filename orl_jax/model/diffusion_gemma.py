@@ -59,7 +59,7 @@ import numpy as np
 from orl_jax.config import kernel_choice
 from orl_jax.diffusion_gemma_config import FULL, SLIDING, DiffusionGemmaConfig
 from orl_jax.model import qwen3
-from orl_jax.model.attention import attention, causal_segments, kernel_masks, window_mask
+from orl_jax.model.attention import KernelMask, attention, causal_segments, kernel_masks, window_mask
 from orl_jax.model.cache import HybridKVCache, KVCache
 from orl_jax.model.diffusion_gemma_vis import decoder_vis, encoder_vis, fused_vis
 from orl_jax.model.layers import (
@@ -107,6 +107,14 @@ SLIDING_LOOP = "unrolled"
 # benchmarks/results/2026-12-05_dg_softcap_masked_h200.md). Read at trace time.
 UNCACHED_ATTENTION = "pallas"
 UNCACHED_ATTENTION_CHOICES = ("orl_jax", "auto", "pallas")
+
+# The passes that keep only some rows of their output (`prefill_decode` and `commit_decode` the canvas rows,
+# `prefill` the last prompt token's): True runs the last layer's attention output, MLP and MoE for those rows
+# alone; every row's K/V is still computed and cached. At the 26B's first step that leaves 512 of 768 rows out of
+# the last layer's o projection, dense MLP and experts (~0.2 ms by the rows' share of the 768-row pass; not yet
+# timed). The kept rows' products then run at fewer rows, so their rounding may differ, as between the fused pass
+# and the two passes it fuses. Read at trace time.
+TRIM_LAST_LAYER = True
 
 
 def _layer_specs(cfg: DiffusionGemmaConfig, n: int, kv: int, hd: int, own_v: bool) -> dict:
@@ -246,7 +254,15 @@ def _weight(w: dict, name: str, letters: str) -> tuple:
     return w[name + "_t"], "".join(letters[i - 1] for i in TRANSPOSES[name][1:])
 
 
-def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: str, self_impl: str = "orl_jax"):
+def _rows(m, r: int):
+    """A visibility mask's (or KernelMask's) query rows from r on."""
+    return KernelMask(m.mask[:, r:], m.extent[:, r:]) if isinstance(m, KernelMask) else m[:, r:]
+
+
+def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: str, self_impl: str = "orl_jax",
+           rows_from: int = 0):
+    """One layer over x [B, L, D] -> (x, k, v); rows_from > 0: every row's k and v, the output of rows rows_from ..
+    L - 1 alone (TRIM_LAST_LAYER)."""
     eps = cfg.rms_norm_eps
     b, l, d = x.shape
     # folded params (diffusion_gemma_inference.fold_attention_norms): the norm's weight is in the projection, its
@@ -266,6 +282,11 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
         k = rms_norm_fp32(proj[:, :, :, g], w["k_norm"], eps)  # [B, L, K, H]
         v = rms_norm_fp32(proj[:, :, :, g + 1 if own_v else g], None, eps)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    if rows_from:  # the queries and the residual of the kept rows; the keys stay whole
+        q, x, self_vis = q[:, rows_from:], x[:, rows_from:], _rows(self_vis, rows_from)
+        cache_part = None if cache_part is None else (*cache_part[:2], _rows(cache_part[2], rows_from))
+        scalar = scalar if isinstance(scalar, str) else scalar[:, rows_from:]
+        l = x.shape[1]
     parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
     impl = self_impl if cache_part is None else qwen3.cached_attention_impl(cfg)
     o, letters = _weight(w, "o", "nhd")
@@ -339,17 +360,21 @@ def _rope(cfg: DiffusionGemmaConfig, positions):
 
 def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: jax.Array, vis: dict,
              cache: HybridKVCache | None = None, *, encoder: bool, collect_kv: bool = False, remat: bool = False,
-             in_place: bool = False, decoder_from: int | None = None, groups: tuple[int, int] | None = None):
+             in_place: bool = False, decoder_from: int | None = None, groups: tuple[int, int] | None = None,
+             out_from: int = 0):
     """Run all layers. x [B, L, D]; positions [B, L]; vis: {SLIDING, FULL} -> visibility among the current tokens
     [B, L, L], and with a cache also {"cache_" + type} -> visibility of the cache slots [B, L, S]. in_place: a
     cache-free pass that is never differentiated (the prefill) reads the weights in place as cached passes do.
     decoder_from (with encoder=True): tokens from this index on are decoder tokens, scaled by the decoder's
     layer_scalar (the fused passes `prefill_decode`, `commit_decode`); only the tokens before it have their K/V
     collected. groups (g0, g1): only the layer groups g0 .. g1 - 1 (a pass split over two programs,
-    `prefill_decode_first` / `prefill_decode_rest`); the final norm only where g1 is the last group.
+    `prefill_decode_first` / `prefill_decode_rest`); the final norm only where g1 is the last group. out_from: only
+    the hidden of tokens out_from .. L - 1 is wanted (where g1 is the last group); under TRIM_LAST_LAYER the last
+    layer computes only those rows' output (every row's K/V).
 
-    Returns (hidden after the final norm [B, L, D], sliding (k, v) [G*k, B, L', K, H], full (k, v) [G, B, L', K, H],
-    L' = decoder_from or L); the K/V are None unless collect_kv. The cache itself is not written here.
+    Returns (hidden after the final norm [B, L - out_from, D], sliding (k, v) [G*k, B, L', K, H], full (k, v)
+    [G, B, L', K, H], L' = decoder_from or L); the K/V are None unless collect_kv. The cache itself is not written
+    here.
     """
     G, k = cfg.num_groups, cfg.sliding_per_group
     rope_s, rope_f = _rope(cfg, positions)
@@ -387,8 +412,8 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
     take = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False, allow_negative_indices=False)  # noqa
     norm_offsets = _qk_kernel_offsets(cfg, sliding_layout) if cache is not None or self_impl == "pallas" else None
 
-    def layer(x, w, rope, kind, part):  # -> (x, k, v), the K/V of the first kv_len tokens
-        x, kk, vv = _layer(cfg, x, w, rope, vis[kind], part, scalar, self_impl)
+    def layer(x, w, rope, kind, part, rows_from=0):  # -> (x, k, v), the K/V of the first kv_len tokens
+        x, kk, vv = _layer(cfg, x, w, rope, vis[kind], part, scalar, self_impl, rows_from)
         return x, kk[:, :kv_len], vv[:, :kv_len]
 
     def sliding_layer(x, i, w, ck=None, cv=None):
@@ -433,7 +458,7 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
         _, x, kv = jax.lax.while_loop(lambda c: c[0] < lo + k, step, (jnp.int32(lo), x, kv))
         return x, kv
 
-    def full_layer(x, g):
+    def full_layer(x, g, rows_from=0):
         w = {n: a[g] for n, a in full_w.items()} | {n: StackedWeight(params["full"][n], jnp.int32(g)) for n in stacks}
         part = None
         if full_v is not None:
@@ -441,17 +466,19 @@ def backbone(params: dict, cfg: DiffusionGemmaConfig, x: jax.Array, positions: j
         if cache is not None:
             ck, cv = (StackedWeight(c, jnp.int32(g), c[g]) for c in (cache.full.k, cache.full.v))
             part = (ck, cv, vis["cache_" + FULL])
-        return layer(x, w, rope_f, FULL, part)
+        return layer(x, w, rope_f, FULL, part, rows_from)
 
     if remat:
-        full_layer = jax.checkpoint(full_layer, prevent_cse=False, static_argnums=(1,))
+        full_layer = jax.checkpoint(full_layer, prevent_cse=False, static_argnums=(1, 2))
     kv_s, kv_f = [], []
     g0, g1 = (0, G) if groups is None else groups
     for g in range(g0, g1):
         x, kv = sliding_group(x, g * k)
-        x, kf, vf = full_layer(x, g)
+        x, kf, vf = full_layer(x, g, out_from if TRIM_LAST_LAYER and g == G - 1 else 0)
         kv_s.append(kv)
         kv_f.append((kf, vf))
+    if g1 == G and not TRIM_LAST_LAYER:
+        x = x[:, out_from:]
     h = rms_norm_fp32(x, params["final_norm"], cfg.rms_norm_eps) if g1 == G else x
     if not collect_kv:
         return h, None, None
@@ -500,8 +527,9 @@ def prefill(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, lengths:
     positions = jnp.maximum(cache.positions(p), 0)
     valid = jnp.arange(p)[None] >= start[:, None]  # [B, P]: pad keys are invisible
     h, kv_s, kv_f = backbone(params, cfg, token_embed(params, cfg, tokens), positions,
-                             encoder_vis(cfg, b, p, valid), encoder=True, collect_kv=True, in_place=True)
-    return logits(params, cfg, h[:, -1:])[:, 0], cache.write(kv_s, kv_f)
+                             encoder_vis(cfg, b, p, valid), encoder=True, collect_kv=True, in_place=True,
+                             out_from=p - 1)
+    return logits(params, cfg, h)[:, 0], cache.write(kv_s, kv_f)
 
 
 def prefill_decode(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, lengths: jax.Array, cache_size: int,
@@ -522,8 +550,8 @@ def prefill_decode(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, l
     p = tokens.shape[1]
     x = _fused_input(params, cfg, tokens, canvas, embeds)
     h, kv_s, kv_f = backbone(params, cfg, x, positions, _prefill_decode_vis(cfg, cache, tokens, canvas),
-                             encoder=True, collect_kv=True, in_place=True, decoder_from=p)
-    return logits(params, cfg, h[:, p:], capped), cache.write(kv_s, kv_f)
+                             encoder=True, collect_kv=True, in_place=True, decoder_from=p, out_from=p)
+    return logits(params, cfg, h, capped), cache.write(kv_s, kv_f)
 
 
 def _prefill_decode_setup(cfg: DiffusionGemmaConfig, tokens, lengths, cache_size: int, canvas):
@@ -580,10 +608,10 @@ def prefill_decode_rest(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Arr
     p = tokens.shape[1]
     h, kv_s, kv_f = backbone(params, cfg, first["x"], positions, _prefill_decode_vis(cfg, cache, tokens, canvas),
                              encoder=True, collect_kv=True, in_place=True, decoder_from=p,
-                             groups=(groups, cfg.num_groups))
+                             groups=(groups, cfg.num_groups), out_from=p)
     kv_s, kv_f = (tuple(jnp.concatenate([a, b]) for a, b in zip(first[n], kv, strict=True))
                   for n, kv in (("sliding", kv_s), ("full", kv_f)))
-    return logits(params, cfg, h[:, p:], capped), cache.write(kv_s, kv_f)
+    return logits(params, cfg, h, capped), cache.write(kv_s, kv_f)
 
 
 def _fused_input(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, canvas: jax.Array,
@@ -609,8 +637,8 @@ def commit_decode(params: dict, cfg: DiffusionGemmaConfig, block: jax.Array, cac
         raise ValueError(f"canvas has {canvas.shape[0]} rows, block {b}")
     x = _fused_input(params, cfg, block, canvas, embeds)
     h, kv_s, kv_f = backbone(params, cfg, x, cache.positions(lb + l), fused_vis(cfg, b, lb, l, cache=cache), cache,
-                             encoder=True, collect_kv=True, decoder_from=lb)
-    return logits(params, cfg, h[:, lb:], capped), cache.write(kv_s, kv_f)
+                             encoder=True, collect_kv=True, decoder_from=lb, out_from=lb)
+    return logits(params, cfg, h, capped), cache.write(kv_s, kv_f)
 
 
 def decode(params: dict, cfg: DiffusionGemmaConfig, canvas: jax.Array, cache: HybridKVCache, *,
