@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from orl_jax.decode import samplers
 from orl_jax.decode.samplers import (
     EXCLUDED_LOGIT,
     RNGS,
@@ -27,11 +26,9 @@ def test_chunk_width_tiles_the_vocabulary(v, width):
     assert width == 0 or v % width == 0
 
 
-@pytest.mark.parametrize("rng", [*RNGS, "inverse_cdf+matmul"])  # the draw's running sums as a product too
+@pytest.mark.parametrize("rng", RNGS)
 @pytest.mark.parametrize("v", [64, 61])  # 61 is prime: inverse_cdf pads its chunks
-def test_draws_follow_the_distribution(rng, v, monkeypatch):
-    rng, _, running = rng.partition("+")
-    monkeypatch.setattr(samplers, "RUNNING_SUM", running or "scan")
+def test_draws_follow_the_distribution(rng, v):
     logits = 2.0 * jax.random.normal(jax.random.key(1), (v,))
     logits = logits.at[3].set(EXCLUDED_LOGIT).at[v - 1].set(-jnp.inf)
     logp = jax.nn.log_softmax(logits)
@@ -55,35 +52,13 @@ def test_same_key_same_draw_any_shape(rng):
     assert not np.array_equal(a, categorical(jax.random.key(4), logp, rng))
 
 
-@pytest.mark.parametrize("running", samplers.RUNNING_SUMS)
-def test_inverse_cdf_with_one_likely_entry_per_row(running, monkeypatch):
+def test_inverse_cdf_with_one_likely_entry_per_row():
     """A nearly one-hot row returns its entry whatever the uniform is (top end of the CDF included)."""
-    monkeypatch.setattr(samplers, "RUNNING_SUM", running)
     v = 1000
     hot = jnp.asarray([0, 999, 517, 128])
     logp = jax.nn.log_softmax(jnp.where(jnp.arange(v)[None] == hot[:, None], 0.0, EXCLUDED_LOGIT))
     for s in range(20):
         np.testing.assert_array_equal(categorical(jax.random.key(s), logp, "inverse_cdf"), hot)
-
-
-def test_running_sums_as_a_product_draw_the_same(monkeypatch):
-    """RUNNING_SUM "matmul" against "scan" for the same keys at the 26B's chunking (512 x 512): the same draws but for
-    a uniform that falls within float32 rounding of a boundary. Each running sum carries ~n eps of its total, against
-    entries of ~1 / n of it: n^2 eps ~ 1.6% of draws may move to a neighbour (either order is exact only up to
-    that). An unknown value is refused by name."""
-    logp = jax.nn.log_softmax(3.0 * jax.random.normal(jax.random.key(0), (8, 262144)))
-    keys = jax.random.split(jax.random.key(5), 32)
-    draws = {}
-    for running in samplers.RUNNING_SUMS:
-        monkeypatch.setattr(samplers, "RUNNING_SUM", running)
-        draws[running] = np.asarray(jax.jit(jax.vmap(lambda k: categorical(k, logp, "inverse_cdf")))(keys))
-    same = draws["matmul"] == draws["scan"]
-    assert same.mean() > 0.95
-    moved = np.abs(draws["matmul"] - draws["scan"])[~same]
-    assert (moved < 512).all()  # a neighbour within the chunk, at most
-    monkeypatch.setattr(samplers, "RUNNING_SUM", "tree")
-    with pytest.raises(ValueError, match="RUNNING_SUM.*'tree'"):
-        categorical(jax.random.key(0), logp, "inverse_cdf")
 
 
 def test_unknown_rng_is_a_value_error():

@@ -136,32 +136,15 @@ def chunk_totals(first, z, mass, t) -> tuple[jax.Array, jax.Array, jax.Array, ja
     return jnp.min(first, axis=-1), z, log_s, entropy, mass / s[..., None]
 
 
-# The inverse-CDF draw's two running sums ([..., C] chunk masses, then one chunk's W probabilities) as XLA's cumsum
-# ("scan": a reduce_window; session 43's trace had the draw's two such fusions at 22.0 + 15.6 us per step of the 26B)
-# or as a float32 product with an upper-triangular matrix of ones ("matmul": a GEMM of 2 R n^2 flops, exact float32
-# sums in another order). Not yet timed; read at trace time.
-RUNNING_SUM = "scan"
-RUNNING_SUMS = ("scan", "matmul")
-
-
-def _running_sum(x: jax.Array) -> jax.Array:
-    """cumsum over the last axis, as RUNNING_SUM says."""
-    if RUNNING_SUM not in RUNNING_SUMS:
-        raise ValueError(f"samplers.RUNNING_SUM must be one of {RUNNING_SUMS}, got {RUNNING_SUM!r}")
-    if RUNNING_SUM == "scan":
-        return jnp.cumsum(x, axis=-1)
-    n = x.shape[-1]
-    upper = (jnp.arange(n)[:, None] <= jnp.arange(n)[None, :]).astype(x.dtype)
-    return jnp.einsum("...i,ij->...j", x, upper, precision=jax.lax.Precision.HIGHEST)
-
-
 def _inverse_cdf(key: jax.Array, logp: jax.Array, mass: jax.Array | None = None) -> jax.Array:
     lead = logp.shape[:-1]
     chunks = _chunks(logp)  # [..., C, W]
     n, w = chunks.shape[-2:]
     if mass is None:
         mass = jnp.sum(jnp.exp(chunks), axis=-1)  # [..., C]
-    cum = _running_sum(mass)
+    # XLA's cumsum (reduce_window); as float32 products with a triangular matrix of ones the 26B's generate() was
+    # 9.2 ms slower on an H100 (session 63, 2026-12-06_dg_trim_last_layer_h100.md; in git at cb12876)
+    cum = jnp.cumsum(mass, axis=-1)
     u = jax.random.uniform(key, tuple(lead), jnp.float32) * cum[..., -1]
     # the first chunk whose cumulative mass exceeds u (it has mass > 0); float rounding at the top end falls back to
     # the last chunk with mass, so a zero-probability entry is never drawn
@@ -169,7 +152,7 @@ def _inverse_cdf(key: jax.Array, logp: jax.Array, mass: jax.Array | None = None)
     c = jnp.minimum(jnp.sum(cum <= u[..., None], axis=-1), last)
     before = jnp.where(c > 0, jnp.take_along_axis(cum, jnp.maximum(c - 1, 0)[..., None], axis=-1)[..., 0], 0.0)
     p = jnp.exp(jnp.take_along_axis(chunks, c[..., None, None], axis=-2)[..., 0, :])  # [..., W]
-    j = jnp.sum(_running_sum(p) <= (u - before)[..., None], axis=-1)
+    j = jnp.sum(jnp.cumsum(p, axis=-1) <= (u - before)[..., None], axis=-1)
     j = jnp.minimum(j, w - 1 - jnp.argmax(jnp.flip(p > 0, axis=-1), axis=-1))
     return (c * w + j).astype(jnp.int32)
 
