@@ -111,9 +111,10 @@ UNCACHED_ATTENTION_CHOICES = ("orl_jax", "auto", "pallas")
 # The passes that keep only some rows of their output (`prefill_decode` and `commit_decode` the canvas rows,
 # `prefill` the last prompt token's): True runs the last layer's attention output, MLP and MoE for those rows
 # alone; every row's K/V is still computed and cached. At the 26B's first step that leaves 512 of 768 rows out of
-# the last layer's o projection, dense MLP and experts (~0.2 ms by the rows' share of the 768-row pass; not yet
-# timed). The kept rows' products then run at fewer rows, so their rounding may differ, as between the fused pass
-# and the two passes it fuses. Read at trace time.
+# the last layer's o projection, dense MLP and experts; the experts still read all their weights, so ~0.1 ms by
+# estimate. On an H100 generate(max_steps=1) was unchanged within its rounds' spread (-0.03 ms median, +-0.55;
+# benchmarks/results/2026-12-06_dg_trim_last_layer_h100.md). The kept rows' products run at fewer rows, so their
+# rounding may differ, as between the fused pass and the two passes it fuses. Read at trace time.
 TRIM_LAST_LAYER = True
 
 
