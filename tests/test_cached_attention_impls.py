@@ -174,3 +174,20 @@ def test_einsum_head_dims_send_the_kernel_path_to_the_joined_einsums(monkeypatch
     got = attn.attention(q, parts, "pallas", scale=1.0)
     assert kernel_calls == [1]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+def test_fewer_queries_than_own_keys_leave_the_fused_kernel():
+    """A pass whose last layer keeps some query rows (diffusion_gemma.TRIM_LAST_LAYER) attends with fewer queries
+    than own keys: impl "pallas" then takes the einsums (the fused kernel reads as many own keys as queries), with
+    the values of the untrimmed pass's kept rows."""
+    ks = jax.random.split(jax.random.key(10), 6)
+    b, l, s, kv, g, h, kept = 1, 32, 32, 2, 2, 64, 16
+    q = jax.random.normal(ks[0], (b, l, kv * g, h))
+    parts = [(jax.random.normal(ks[1], (b, s, kv, h)), jax.random.normal(ks[2], (b, s, kv, h)),
+              jnp.arange(s)[None, None, :] < jnp.full((b, l, 1), 20)),
+             (jax.random.normal(ks[4], (b, l, kv, h)), jax.random.normal(ks[5], (b, l, kv, h)),
+              jax.random.bernoulli(ks[3], 0.6, (b, l, l)).at[:, :, 0].set(True))]
+    whole = attn.attention(q, parts, "pallas", scale=1.0)  # the kernel (interpret mode)
+    rows = [(k, v, m[:, l - kept:]) for k, v, m in parts]
+    got = attn.attention(q[:, l - kept:], rows, "pallas", scale=1.0)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(whole)[:, l - kept:], atol=1e-5, rtol=1e-5)

@@ -374,14 +374,15 @@ def test_prefill_decode_in_two_parts(dg_ours, moe_impl):
             dg.prefill_decode_first(*args, groups=bad)
 
 
-@pytest.mark.parametrize("moe_impl", ["bucketed", "pallas"])
-def test_trimmed_last_layer(dg_ours, moe_impl, monkeypatch):
+@pytest.mark.parametrize("moe_impl,attention", [("bucketed", "orl_jax"), ("pallas", "pallas")])
+def test_trimmed_last_layer(dg_ours, moe_impl, attention, monkeypatch):
     """TRIM_LAST_LAYER: the passes that keep some rows (prefill: the last prompt token; prefill_decode and
     commit_decode: the canvas) run the last layer's MoE for those rows alone, with the logits and cache of the
     untrimmed passes (float32 rounding apart; a sliced row would move them by ~1). Left-padded rows,
-    self-conditioning input on the commit's canvas."""
+    self-conditioning input on the commit's canvas; with "pallas" the kernels in interpret mode. (The attention of
+    fewer queries than own keys: test_cached_attention_impls.py.)"""
     cfg, params = dg_ours
-    cfg = cfg.replace(moe_impl=moe_impl)
+    cfg = cfg.replace(moe_impl=moe_impl, cached_attention_impl=attention)
     L, lengths = cfg.block_length, [11, 6]
     _, padded = _left_padded(lengths, 80)
     p = padded.shape[1]
