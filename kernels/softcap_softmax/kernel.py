@@ -155,9 +155,8 @@ def one_pass_terms(r, inv_t, shift, *, cap: float, fast_math: bool, asm: bool):
         e_max = exp_shifted(x_max)
         mass = jnp.sum(e, axis=1) / e_max
         t = jnp.sum(e * (x - x_max[:, None]), axis=1) / e_max
-    else:
-        x = jnp.tanh(r.astype(jnp.float32) / cap) * cap * inv_t
-        x_max = jnp.tanh(raw_max.astype(jnp.float32) / cap) * cap * inv_t  # x's own expression at the chunk's maximum
+    else:  # x_max: x's own expression at the chunk's maximum
+        x, x_max = (jnp.tanh(a.astype(jnp.float32) / cap) * cap * inv_t for a in (r, raw_max))
         e = jnp.exp(x - shift)  # never under- or overflows (E_TOP)
         # relative to the chunk's maximum: <= 1 (up to the tanh's rounding above ~200, where it saturates); an entry
         # below e^-87 of it may flush to 0, where it adds nothing to the chunk's float32 sums either way

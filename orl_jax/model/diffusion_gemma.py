@@ -59,7 +59,7 @@ import numpy as np
 from orl_jax.config import kernel_choice
 from orl_jax.diffusion_gemma_config import FULL, SLIDING, DiffusionGemmaConfig
 from orl_jax.model import qwen3
-from orl_jax.model.attention import KernelMask, attention, causal_segments, kernel_masks, window_mask
+from orl_jax.model.attention import attention, causal_segments, kernel_masks, window_mask
 from orl_jax.model.cache import HybridKVCache, KVCache
 from orl_jax.model.diffusion_gemma_vis import decoder_vis, encoder_vis, fused_vis
 from orl_jax.model.layers import (
@@ -255,11 +255,6 @@ def _weight(w: dict, name: str, letters: str) -> tuple:
     return w[name + "_t"], "".join(letters[i - 1] for i in TRANSPOSES[name][1:])
 
 
-def _rows(m, r: int):
-    """A visibility mask's (or KernelMask's) query rows from r on."""
-    return KernelMask(m.mask[:, r:], m.extent[:, r:]) if isinstance(m, KernelMask) else m[:, r:]
-
-
 def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: str, self_impl: str = "orl_jax",
            rows_from: int = 0):
     """One layer over x [B, L, D] -> (x, k, v); rows_from > 0: every row's k and v, the output of rows rows_from ..
@@ -283,10 +278,11 @@ def _layer(cfg: DiffusionGemmaConfig, x, w, rope, self_vis, cache_part, scalar: 
         k = rms_norm_fp32(proj[:, :, :, g], w["k_norm"], eps)  # [B, L, K, H]
         v = rms_norm_fp32(proj[:, :, :, g + 1 if own_v else g], None, eps)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    if rows_from:  # the queries and the residual of the kept rows; the keys stay whole
-        q, x, self_vis = q[:, rows_from:], x[:, rows_from:], _rows(self_vis, rows_from)
-        cache_part = None if cache_part is None else (*cache_part[:2], _rows(cache_part[2], rows_from))
-        scalar = scalar if isinstance(scalar, str) else scalar[:, rows_from:]
+    if rows_from:  # the queries, residual and masks (a KernelMask's fields too) of the kept rows; the keys whole
+        kept = lambda t: jax.tree.map(lambda a: a[:, rows_from:], t)  # noqa: E731
+        q, x, self_vis = kept(q), kept(x), kept(self_vis)
+        cache_part = None if cache_part is None else (*cache_part[:2], kept(cache_part[2]))
+        scalar = scalar if isinstance(scalar, str) else kept(scalar)
         l = x.shape[1]
     parts = [(k, v, self_vis)] if cache_part is None else [cache_part, (k, v, self_vis)]
     impl = self_impl if cache_part is None else qwen3.cached_attention_impl(cfg)
