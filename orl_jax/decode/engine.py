@@ -18,6 +18,7 @@ what the ORL trainer replays.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import threading
@@ -80,6 +81,12 @@ SPLIT_START: bool = True
 # 4 of 6 rounds, within the keys' 1.1 ms spread (2026-12-06_dg_split_start_h200.md, call 2). Off until an H200
 # measures it; read at call time.
 SPLIT_START_GROUPS: int = 0
+# Where the model fuses the first step into the prefill and a residual is carried: the step's distribution rides in
+# the loop's state and its soft embedding (the [B, L, V] x [V, D] GEMM, ~0.5 ms per step at the 26B) is computed at
+# the start of the next step's body (_resolve_residual), so the generation's last step, after which the loop ends,
+# skips it: one GEMM less per generate(), the same results. The cost: the distribution (bf16 [B, L, V], 134 MB at the
+# 26B) in the loop's carry. Off until an A/B on the device measures it; read at call time.
+LAZY_RESIDUAL: bool = False
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,7 @@ class DecodeConfig:
     pad_token_id: int
     capture: bool = False
     stream: bool = False
+    lazy_residual: bool = False  # LAZY_RESIDUAL, where it applies
 
 
 # --- streaming: a host callback per finished block ------------------------------------------------------------
@@ -304,8 +312,12 @@ def _advance(params, s: DecodeState, logits, cache, *, cfg: ModelConfig, dcfg: D
     block_done = s.block_done | (out.done & active)
     step = s.step + 1
     finish = jnp.all(block_done | s.seq_done) | (step >= dcfg.max_steps)
+    pending = None
     if isinstance(dcfg.residual, NoResidual):
         z, a = s.z, s.a
+    elif dcfg.lazy_residual:  # z from this step's distribution when (if) the next step runs: _resolve_residual
+        z, a = s.z, jnp.where(keep, out.entropy, s.a)
+        pending = {"probs": out.probs, "scale": out.probs_scale, "fresh": active & ~finish}
     else:
         # a block's last step computes z for nothing (it is zeroed below), but skipping it under a lax.cond on
         # `finish` made the 26B's generate() 1.2 ms slower on an H100 (session 58,
@@ -352,7 +364,17 @@ def _advance(params, s: DecodeState, logits, cache, *, cfg: ModelConfig, dcfg: D
         steps_per_block=jnp.where(finish, s.steps_per_block.at[s.block].set(step), s.steps_per_block),
         capture=cap,
         prev_h=prev_h,
+        pending=pending,
     )
+
+
+def _resolve_residual(params, s: DecodeState, *, cfg: ModelConfig) -> DecodeState:
+    """LAZY_RESIDUAL: the last step's soft embedding, for the rows that stepped and did not finish their block."""
+    if s.pending is None:
+        return s
+    p = s.pending
+    z = jnp.where(p["fresh"][:, None, None], soft_embed(params, cfg, p["probs"], p["scale"]), s.z)
+    return s.replace(z=z)
 
 
 def _first_canvas(prompt, key, *, cfg: ModelConfig, dcfg: DecodeConfig):
@@ -420,6 +442,7 @@ def _finish(params, state: DecodeState, *, cfg: ModelConfig, dcfg: DecodeConfig)
         return (s.block < dcfg.num_blocks) & ~jnp.all(s.seq_done)
 
     def body(s: DecodeState):
+        s = _resolve_residual(params, s, cfg=cfg)
         return _advance(params, s, *_forward(params, s, cfg=cfg, dcfg=dcfg), cfg=cfg, dcfg=dcfg)
 
     s = jax.lax.while_loop(cond, body, state)
@@ -653,6 +676,10 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, *, key: jax.Array, max_
     dcfg = DecodeConfig(sampler=sampler, residual=residual, block_length=L, num_blocks=nb, max_steps=max_steps,
                         eos_token_ids=eos, pad_token_id=pad, capture=bool(capture), stream=streamer is not None)
     _start_groups(cfg, dcfg)  # an invalid engine.SPLIT_START_GROUPS is refused before anything compiles
+    if LAZY_RESIDUAL not in (True, False):
+        raise ValueError(f"engine.LAZY_RESIDUAL must be True or False, got {LAZY_RESIDUAL!r}")
+    if LAZY_RESIDUAL and not isinstance(residual, NoResidual) and _passes(cfg, dcfg)[0]:
+        dcfg = dataclasses.replace(dcfg, lazy_residual=True)
     if mesh is not None:
         # tensor (heads / MLP / vocab) and expert parallelism come from the weights' logical axes; the loop itself
         # is unchanged, XLA partitions it (GSPMD) and inserts the collectives. The Pallas kernels are single-device:
