@@ -36,7 +36,7 @@ def _counted_soft_embed(monkeypatch):
 def _eos_for_first_row(cfg, params, prompts, kw) -> int:
     """A token of row 0's first block absent from row 1's: as EOS, row 0 stops after block 0 and row 1 goes on (the
     first block's steps do not depend on the EOS)."""
-    first = np.asarray(engine.generate(params, cfg, prompts, **kw | dict(capture=False)).tokens)[:, :16]
+    first = np.asarray(engine.generate(params, cfg, prompts, **kw | dict(capture=False)).tokens)[:, :kw["block_length"]]
     only_row0 = sorted(set(first[0].tolist()) - set(first[1].tolist()))
     assert only_row0, first
     return only_row0[0]

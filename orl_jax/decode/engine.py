@@ -216,6 +216,14 @@ def _start_groups(cfg, dcfg: DecodeConfig) -> int:
     return g
 
 
+def _lazy_residual(cfg, dcfg: DecodeConfig) -> bool:
+    """LAZY_RESIDUAL where it applies (a residual is carried and the first step is fused into the prefill, which
+    hands the loop its first distribution); another value is refused by name before anything compiles."""
+    if LAZY_RESIDUAL not in (True, False):
+        raise ValueError(f"engine.LAZY_RESIDUAL must be True or False, got {LAZY_RESIDUAL!r}")
+    return LAZY_RESIDUAL and not isinstance(dcfg.residual, NoResidual) and _passes(cfg, dcfg)[0]
+
+
 def _workspace_like(fn, key, *args):
     """Values in the shapes and dtypes of fn(*args) (what SPLIT_START first donates to its programs): zeros, and keys
     derived from `key` where the output holds keys (never the caller's own key, which donation would delete)."""
@@ -312,18 +320,16 @@ def _advance(params, s: DecodeState, logits, cache, *, cfg: ModelConfig, dcfg: D
     block_done = s.block_done | (out.done & active)
     step = s.step + 1
     finish = jnp.all(block_done | s.seq_done) | (step >= dcfg.max_steps)
-    pending = None
-    if isinstance(dcfg.residual, NoResidual):
-        z, a = s.z, s.a
-    elif dcfg.lazy_residual:  # z from this step's distribution when (if) the next step runs: _resolve_residual
-        z, a = s.z, jnp.where(keep, out.entropy, s.a)
-        pending = {"probs": out.probs, "scale": out.probs_scale, "fresh": active & ~finish}
-    else:
-        # a block's last step computes z for nothing (it is zeroed below), but skipping it under a lax.cond on
-        # `finish` made the 26B's generate() 1.2 ms slower on an H100 (session 58,
-        # benchmarks/results/2026-12-06_dg_output_workspace_h100.md): every step pays the cond
-        z = jnp.where(keep[..., None], soft_embed(params, cfg, out.probs, out.probs_scale), s.z)
+    z, a, pending = s.z, s.a, None
+    if not isinstance(dcfg.residual, NoResidual):
         a = jnp.where(keep, out.entropy, s.a)
+        if dcfg.lazy_residual:  # z from this step's distribution when (if) the next step runs: _resolve_residual
+            pending = {"probs": out.probs, "scale": out.probs_scale, "fresh": active & ~finish}
+        else:
+            # a block's last step computes z for nothing (it is zeroed below), but skipping it under a lax.cond on
+            # `finish` made the 26B's generate() 1.2 ms slower on an H100 (session 58,
+            # benchmarks/results/2026-12-06_dg_output_workspace_h100.md): every step pays the cond
+            z = jnp.where(keep[..., None], soft_embed(params, cfg, out.probs, out.probs_scale), s.z)
     cap = s.capture
     if cap is not None:
         i = s.total_forwards
@@ -676,10 +682,7 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, *, key: jax.Array, max_
     dcfg = DecodeConfig(sampler=sampler, residual=residual, block_length=L, num_blocks=nb, max_steps=max_steps,
                         eos_token_ids=eos, pad_token_id=pad, capture=bool(capture), stream=streamer is not None)
     _start_groups(cfg, dcfg)  # an invalid engine.SPLIT_START_GROUPS is refused before anything compiles
-    if LAZY_RESIDUAL not in (True, False):
-        raise ValueError(f"engine.LAZY_RESIDUAL must be True or False, got {LAZY_RESIDUAL!r}")
-    if LAZY_RESIDUAL and not isinstance(residual, NoResidual) and _passes(cfg, dcfg)[0]:
-        dcfg = dataclasses.replace(dcfg, lazy_residual=True)
+    dcfg = dataclasses.replace(dcfg, lazy_residual=_lazy_residual(cfg, dcfg))
     if mesh is not None:
         # tensor (heads / MLP / vocab) and expert parallelism come from the weights' logical axes; the loop itself
         # is unchanged, XLA partitions it (GSPMD) and inserts the collectives. The Pallas kernels are single-device:
