@@ -75,6 +75,11 @@ OUTPUT_WORKSPACE: bool | str = "auto"
 # 2026-12-06_dg_split_start_h200.md). The cost: the last call's state (its KV cache included) stays on the device
 # per compiled program, beside the output workspace. False: one program. Read at call time.
 SPLIT_START: bool = True
+# ... and with SPLIT_START, the loop's program takes the start's state donated and hands back its last state in the
+# same buffers (kept for the next call's start), so the loop runs in them. Without it the loop's program copies every
+# carried buffer at entry, since a while loop cannot update an input it does not own: at the 26B the KV caches alone
+# are ~175 MB (~0.1 ms of copies per generate() on an H200, by bandwidth). Read at call time.
+DONATE_STATE: bool = True
 # ... and with SPLIT_START, the fused first pass's first N layer groups as a program of their own (DiffusionGemma:
 # prefill_decode_first / _rest; 0: not split). The GPU then waits only for that small program's host-side
 # preparation, and runs its groups while the host prepares the start's and the loop's. N = 1 on an H100: -0.60 ms,
@@ -162,7 +167,7 @@ def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeCon
         # would cost the loop's next call a fresh recording of its graphs on the host
         _copy_out(workspace)
     if _split_start():
-        start, finish, start_first = _split_concurrent if run_into is _run_concurrent_into else _split_graphed
+        start, finish, start_first, in_place = _split_concurrent if run_into is _run_concurrent_into else _split_graphed
         first, groups = None, _start_groups(cfg, dcfg)
         if groups:  # the fused first pass's first layer groups as a program of their own, before the start's
             first_slot = (start_first, cfg, dcfg, prompt.shape, groups)
@@ -180,7 +185,10 @@ def _generate(params, prompt, lengths, key, *, cfg: ModelConfig, dcfg: DecodeCon
         state = start(state, params, prompt, lengths, key, first, cfg=cfg, dcfg=dcfg)
         if groups:
             _workspaces[first_slot] = first
-        out = finish(workspace, params, state, cfg=cfg, dcfg=dcfg)
+        if _donate_state():  # the loop runs in the state's buffers and hands them back for the next call's start
+            out, state = in_place(workspace, params, state, cfg=cfg, dcfg=dcfg)
+        else:
+            out = finish(workspace, params, state, cfg=cfg, dcfg=dcfg)
         _workspaces[start_slot] = state
     else:
         out = run_into(workspace, params, prompt, lengths, key, cfg=cfg, dcfg=dcfg)
@@ -201,6 +209,13 @@ def _split_start() -> bool:
     if SPLIT_START not in (True, False):
         raise ValueError(f"engine.SPLIT_START must be True or False, got {SPLIT_START!r}")
     return SPLIT_START
+
+
+def _donate_state() -> bool:
+    """DONATE_STATE, checked (generate() refuses another value by name before anything compiles)."""
+    if not isinstance(DONATE_STATE, bool):
+        raise ValueError(f"engine.DONATE_STATE must be True or False, got {DONATE_STATE!r}")
+    return DONATE_STATE
 
 
 def _start_groups(cfg, dcfg: DecodeConfig) -> int:
@@ -442,8 +457,8 @@ def _start(params, prompt, lengths, key, first=None, *, cfg: ModelConfig, dcfg: 
     return state
 
 
-def _finish(params, state: DecodeState, *, cfg: ModelConfig, dcfg: DecodeConfig) -> GenerateOutput:
-    """The loop from `state` until every block is done (or every row hit EOS), then the outputs."""
+def _loop(params, state: DecodeState, *, cfg: ModelConfig, dcfg: DecodeConfig) -> DecodeState:
+    """The loop from `state` until every block is done (or every row hit EOS): its last state."""
     def cond(s: DecodeState):
         return (s.block < dcfg.num_blocks) & ~jnp.all(s.seq_done)
 
@@ -451,7 +466,16 @@ def _finish(params, state: DecodeState, *, cfg: ModelConfig, dcfg: DecodeConfig)
         s = _resolve_residual(params, s, cfg=cfg)
         return _advance(params, s, *_forward(params, s, cfg=cfg, dcfg=dcfg), cfg=cfg, dcfg=dcfg)
 
-    s = jax.lax.while_loop(cond, body, state)
+    return jax.lax.while_loop(cond, body, state)
+
+
+def _finish(params, state: DecodeState, *, cfg: ModelConfig, dcfg: DecodeConfig) -> GenerateOutput:
+    """The loop from `state`, then the outputs."""
+    return _outputs(_loop(params, state, cfg=cfg, dcfg=dcfg), dcfg)
+
+
+def _outputs(s: DecodeState, dcfg: DecodeConfig) -> GenerateOutput:
+    """generate()'s outputs from the loop's last state."""
     lengths_out = _valid_lengths(s.tokens, dcfg)
     tpf = lengths_out / jnp.maximum(s.forwards + s.commits, 1)
     # transformers' tokens_per_forward (DiffusionGemma generate): non-pad new tokens / denoising forwards
@@ -502,10 +526,19 @@ def _finish_into(workspace, params, state, *, cfg, dcfg: DecodeConfig) -> Genera
     return _finish(params, state, cfg=cfg, dcfg=dcfg)
 
 
+def _finish_in_place(workspace, params, state, *, cfg, dcfg: DecodeConfig) -> tuple[GenerateOutput, DecodeState]:
+    """_finish, its outputs in `workspace` and the loop's last state in `state`'s buffers (both donated: DONATE_STATE),
+    so the loop runs in the start's buffers instead of copies of them."""
+    del workspace
+    s = _loop(params, state, cfg=cfg, dcfg=dcfg)
+    return _outputs(s, dcfg), s
+
+
 def _split_programs(options: dict) -> tuple:
     kw = dict(static_argnames=("cfg", "dcfg"), donate_argnums=0, keep_unused=True, compiler_options=options)
     first = jax.jit(_start_first_into, **kw | {"static_argnames": ("cfg", "dcfg", "groups")})
-    return jax.jit(_start_into, **kw), jax.jit(_finish_into, **kw), first
+    in_place = jax.jit(_finish_in_place, **kw | {"donate_argnums": (0, 2)})
+    return jax.jit(_start_into, **kw), jax.jit(_finish_into, **kw), first, in_place
 
 
 _split_graphed, _split_concurrent = _split_programs(ENGINE_COMPILER_OPTIONS), _split_programs(DG_COMPILER_OPTIONS)
@@ -674,8 +707,9 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, *, key: jax.Array, max_
         raise TypeError(f"streamer must be callable(block_tokens, block_index), got {type(streamer).__name__}")
     if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    _use_workspace()  # invalid engine.OUTPUT_WORKSPACE / SPLIT_START values are refused on every path
+    _use_workspace()  # invalid engine.OUTPUT_WORKSPACE / SPLIT_START / DONATE_STATE values are refused on every path
     _split_start()
+    _donate_state()
 
     nb = math.ceil(max_new_tokens / L)
     prompt, lengths = left_pad(rows, cfg, nb * L, pad)
