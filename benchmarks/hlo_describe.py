@@ -77,3 +77,41 @@ def describe(hlo_text: str, kernels) -> dict:
                   "fused": [f for f in fused if f != "parameter"], "op_name": op_name.group(1) if op_name else "",
                   "source": _source(tables, frame.group(1)) if frame else ""}
     return out
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+                "f64": 8, "s64": 8, "u64": 8}
+
+
+def _bytes(typ: str) -> int:
+    m = re.match(r"(\w+)\[([\d,]*)\]", typ)
+    if not m:
+        return 0
+    n = 1
+    for d in filter(None, m.group(2).split(",")):
+        n *= int(d)
+    return n * _DTYPE_BYTES.get(m.group(1), 4)
+
+
+def copies(hlo_text: str) -> list[dict]:
+    """Every copy instruction of a compiled module that runs as its own operation (not one inside a fusion's body):
+    {"computation", "entry", "result", "bytes", "operand", "op_name"}. Copies in ENTRY run once per call; those in a
+    while loop's body or a conditional's branch, every iteration or branch taken. Most are copy insertion's: a value
+    that cannot share its buffer with another (a while loop's carry from an input it does not own, a conditional's
+    branch handing back its own parameter)."""
+    out, comp, fusion_body = [], None, False
+    fused = set(re.findall(r"\bcalls=%?([\w.\-]+)", hlo_text))  # fusion bodies, whose copies are not operations
+    for ln in hlo_text.splitlines():
+        if (c := _COMP.match(ln)) and ln.rstrip().endswith("{"):
+            comp = c.group(1) or c.group(2)
+            fusion_body = comp in fused and not ln.startswith("ENTRY")
+            entry = ln.startswith("ENTRY")
+            continue
+        m = _INSTR.match(ln)
+        if not m or m.group(3) != "copy" or fusion_body or comp is None:
+            continue
+        name, typ, _, args, rest = m.groups()
+        op_name = re.search(r'op_name="([^"]*)"', rest)
+        out.append({"computation": comp, "entry": entry, "result": re.sub(r"\{.*", "", typ), "bytes": _bytes(typ),
+                    "operand": args.strip().lstrip("%"), "op_name": op_name.group(1) if op_name else ""})
+    return out

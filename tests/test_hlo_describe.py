@@ -1,5 +1,6 @@
 """benchmarks/hlo_describe.py: a kernel name from a trace resolves to its fusion in the compiled module, with its
-shapes, the ops fused into it and the source line of the JAX op (inside a loop body too)."""
+shapes, the ops fused into it and the source line of the JAX op (inside a loop body too); and the copies a
+compiled module makes, where they run."""
 
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from hlo_describe import describe  # noqa: E402
+from hlo_describe import copies, describe  # noqa: E402
 
 
 def _body(i, x):
@@ -31,3 +32,16 @@ def test_kernel_names_resolve_to_their_fusions_with_shapes_and_source():
     assert d["operands"] and all(o.startswith("f32[48,24]") for o in d["operands"])
     assert d["source"] == f"{__file__}:{_body.__code__.co_firstlineno + 1}"
     assert "tanh" in d["op_name"] or "add" in d["op_name"] or "mul" in d["op_name"]
+
+
+def _grow(x, n):  # a while loop that updates its carry in place
+    return jax.lax.fori_loop(0, n, lambda i, c: jax.lax.dynamic_update_slice(c, c[:1] + 1.0, (i % 4, 0)), x)
+
+
+def test_copies_finds_the_entry_copy_of_an_input_the_loop_does_not_own():
+    x = jnp.ones((64, 128), jnp.float32)
+    read = [c for c in copies(jax.jit(_grow).lower(x, 3).compile().as_text()) if c["result"] == "f32[64,128]"]
+    assert [(c["entry"], c["bytes"], c["operand"].startswith("x") or c["operand"].startswith("Arg")) for c in read] \
+        == [(True, 64 * 128 * 4, True)], read
+    donated = jax.jit(_grow, donate_argnums=0).lower(x, 3).compile().as_text()
+    assert not [c for c in copies(donated) if c["result"] == "f32[64,128]"]
