@@ -77,8 +77,9 @@ OUTPUT_WORKSPACE: bool | str = "auto"
 SPLIT_START: bool = True
 # ... and with SPLIT_START, the loop's program takes the start's state donated and hands back its last state in the
 # same buffers (kept for the next call's start), so the loop runs in them. Without it the loop's program copies every
-# carried buffer at entry, since a while loop cannot update an input it does not own: at the 26B the KV caches alone
-# are ~175 MB (~0.1 ms of copies per generate() on an H200, by bandwidth). Read at call time.
+# carried buffer the loop updates at entry, since a while loop cannot update an input it does not own: at the 26B
+# LAZY_RESIDUAL's distribution (134 MB) and, where blocks are committed in the loop, the KV caches (~175 MB at 768
+# slots), each ~0.05 ms per 100 MB copied on an H200 by bandwidth (tests/test_loop_copies.py). Read at call time.
 DONATE_STATE: bool = True
 # ... and with SPLIT_START, the fused first pass's first N layer groups as a program of their own (DiffusionGemma:
 # prefill_decode_first / _rest; 0: not split). The GPU then waits only for that small program's host-side
@@ -309,15 +310,17 @@ def _forward(params, s: DecodeState, *, cfg: ModelConfig, dcfg: DecodeConfig):
 
         def commit_then(c):
             block = jax.lax.dynamic_slice_in_dim(s.tokens, (s.block - 1) * L, L, axis=1)
-            return model.commit_decode(params, cfg, block, c, s.canvas, embeds=x, capped=False)
+            return model.commit_decode(params, cfg, block, c, s.canvas, embeds=x, capped=False, write=False)
 
-        def plain(c):
-            return model.decode(params, cfg, s.canvas, c, embeds=x, capped=False), c
+        def plain(c):  # the slots a commit would write, as they are: written back below, they change nothing
+            return model.decode(params, cfg, s.canvas, c, embeds=x, capped=False), c.read(L)
 
         # the branches hand out the head's product (bf16 at the 26B: 134 MB), soft-capped inside the sampler's
-        # passes, as the plain path does; float32 logits out of the cond were written whole
-        raw, cache = jax.lax.cond(pending, commit_then, plain, s.cache)
-        return _head(cfg, raw), cache
+        # passes, as the plain path does; float32 logits out of the cond were written whole. They only read the
+        # cache and the block's K/V is written after the cond: a branch handing the cache back made XLA copy the
+        # whole cache twice per step (benchmarks/hlo_copies.py), ~0.2 ms per step at the 26B's 768 slots.
+        raw, kv = jax.lax.cond(pending, commit_then, plain, s.cache)
+        return _head(cfg, raw), s.cache.write(*kv, advance=pending)
     shifted = {"prev_hidden": s.prev_h} if shift else {}
     return _head(cfg, model.decode(params, cfg, s.canvas, s.cache, embeds=x, **shifted, **_raw_out(cfg))), s.cache
 

@@ -32,9 +32,17 @@ class KVCache:
         """[B, L] RoPE positions of `num_tokens` tokens placed right after the filled slots."""
         return self.length - self.start[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None]
 
-    def write(self, k_new: jax.Array, v_new: jax.Array) -> KVCache:
+    def read(self, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+        """(k, v) [layers, B, num_tokens, K, H] at slot `length`: what a commit of num_tokens would overwrite."""
+        at = (0, 0, self.length, 0, 0)
+        size = self.k.shape[:2] + (num_tokens,) + self.k.shape[3:]
+        return jax.lax.dynamic_slice(self.k, at, size), jax.lax.dynamic_slice(self.v, at, size)
+
+    def write(self, k_new: jax.Array, v_new: jax.Array, advance: bool | jax.Array = True) -> KVCache:
         """Append [layers, B, L, K, H] at slot `length` (the commit). The caller sizes the cache so that
-        length + L <= size (the engine does); past the end, XLA would clamp the slot and overwrite the tail."""
+        length + L <= size (the engine does); past the end, XLA would clamp the slot and overwrite the tail.
+        advance (a traced bool too): whether `length` moves past the written slots; False with what `read(L)` gave
+        leaves the cache as it was (a write in place where a lax.cond's branches would pass the cache through)."""
         if k_new.shape[2] > self.k.shape[2]:
             raise ValueError(f"cannot write {k_new.shape[2]} tokens into a KV cache of {self.k.shape[2]} slots")
         if k_new.shape != v_new.shape or k_new.shape[:2] + k_new.shape[3:] != self.k.shape[:2] + self.k.shape[3:]:
@@ -42,7 +50,7 @@ class KVCache:
         at = (0, 0, self.length, 0, 0)
         return self.replace(k=jax.lax.dynamic_update_slice(self.k, k_new.astype(self.k.dtype), at),
                             v=jax.lax.dynamic_update_slice(self.v, v_new.astype(self.v.dtype), at),
-                            length=self.length + k_new.shape[2])
+                            length=self.length + jnp.where(advance, k_new.shape[2], 0).astype(self.length.dtype))
 
 
 @struct.dataclass
@@ -68,6 +76,11 @@ class HybridKVCache:
     def positions(self, num_tokens: int) -> jax.Array:
         return self.full.positions(num_tokens)
 
-    def write(self, sliding: tuple[jax.Array, jax.Array], full: tuple[jax.Array, jax.Array]) -> HybridKVCache:
-        """Append each stack's (k, v) [layers, B, L, K, H] at slot `length` (the commit)."""
-        return HybridKVCache(sliding=self.sliding.write(*sliding), full=self.full.write(*full))
+    def read(self, num_tokens: int) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+        """(sliding (k, v), full (k, v)) at slot `length`, as `write` takes them (KVCache.read)."""
+        return self.sliding.read(num_tokens), self.full.read(num_tokens)
+
+    def write(self, sliding: tuple[jax.Array, jax.Array], full: tuple[jax.Array, jax.Array],
+              advance: bool | jax.Array = True) -> HybridKVCache:
+        """Append each stack's (k, v) [layers, B, L, K, H] at slot `length` (the commit; KVCache.write)."""
+        return HybridKVCache(sliding=self.sliding.write(*sliding, advance), full=self.full.write(*full, advance))

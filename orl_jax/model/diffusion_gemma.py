@@ -620,12 +620,13 @@ def _fused_input(params: dict, cfg: DiffusionGemmaConfig, tokens: jax.Array, can
 
 
 def commit_decode(params: dict, cfg: DiffusionGemmaConfig, block: jax.Array, cache: HybridKVCache,
-                  canvas: jax.Array, *, embeds: jax.Array | None = None, capped: bool = True):
+                  canvas: jax.Array, *, embeds: jax.Array | None = None, capped: bool = True, write: bool = True):
     """`commit` of the finished block [B, Lb] and the next block's first `decode` of canvas [B, L] after it as one
     pass over Lb + L tokens (as `prefill_decode` after a prompt: the block rows the encoder's, the canvas rows the
     decoder's, each layer's weights read once). Returns (float32 logits of the canvas [B, L, V], cache with the
     block's K/V written), what `decode` after `commit` returns, up to rounding. capped=False: the head's product in
-    place of the logits (`logits`)."""
+    place of the logits (`logits`). write=False: the block's K/V (sliding (k, v), full (k, v)), as
+    HybridKVCache.write takes them, in place of the cache."""
     check_tokens(block, cfg, "block")
     check_tokens(canvas, cfg, "canvas")
     b, lb = block.shape
@@ -635,7 +636,7 @@ def commit_decode(params: dict, cfg: DiffusionGemmaConfig, block: jax.Array, cac
     x = _fused_input(params, cfg, block, canvas, embeds)
     h, kv_s, kv_f = backbone(params, cfg, x, cache.positions(lb + l), fused_vis(cfg, b, lb, l, cache=cache), cache,
                              encoder=True, collect_kv=True, decoder_from=lb, out_from=lb)
-    return logits(params, cfg, h, capped), cache.write(kv_s, kv_f)
+    return logits(params, cfg, h, capped), cache.write(kv_s, kv_f) if write else (kv_s, kv_f)
 
 
 def decode(params: dict, cfg: DiffusionGemmaConfig, canvas: jax.Array, cache: HybridKVCache, *,

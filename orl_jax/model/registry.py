@@ -15,10 +15,12 @@ and optionally (generate() takes them where they exist)
   prefill_decode(params, cfg, tokens, lengths, cache_size, canvas, *, embeds)
                                                     -> (logits [B, L, V], KVCache): prefill and the first decode
                                                        in one pass (the first step)
-  commit_decode(params, cfg, block, cache, canvas, *, embeds, capped)
+  commit_decode(params, cfg, block, cache, canvas, *, embeds, capped, write)
                                                     -> (logits [B, L, V], KVCache): commit and the next block's
                                                        first decode in one pass (capped=False: the head's product,
-                                                       cap_logits(cfg, z) of it are the logits; decode takes it too)
+                                                       cap_logits(cfg, z) of it are the logits; decode takes it too;
+                                                       write=False: the block's K/V as cache.write takes them
+                                                       instead of the cache, which also has read(L))
 """
 
 from __future__ import annotations
