@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from hlo_describe import copies  # noqa: E402
 
-BIG = ("cache", "z", "canvas", "pending")  # the carried state larger than a few scalars per row
+BIG = ("cache", "z", "canvas")  # the carried state larger than a few scalars per row
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +32,10 @@ def dg_model():
     return cfg, params
 
 
-def _loop_program_copies(cfg, params, monkeypatch, *, blocks: int, lazy: bool = False) -> dict:
+def _loop_program_copies(cfg, params, monkeypatch, *, blocks: int) -> dict:
     """{"finish": copies of the program that reads the state, "in_place": of the one it is donated to, "cache": the
     KV cache's array types} after one plain generate() of `blocks` blocks through the split programs."""
     monkeypatch.setattr(engine, "OUTPUT_WORKSPACE", True)
-    monkeypatch.setattr(engine, "LAZY_RESIDUAL", lazy)
     monkeypatch.setattr(engine, "_workspaces", {})
     engine.generate(params, cfg, [[5, 6, 7, 8, 9], [10, 11]], key=jax.random.key(3), eos_token_id=(),
                     sampler=UniformSampler(max_denoising_steps=4), max_new_tokens=16 * blocks, block_length=16)
@@ -55,15 +54,14 @@ def _entry_state_copies(found) -> set[str]:
             if c["entry"] and c["operand"].startswith("state_")}
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["eager_residual", "lazy_residual"])
-def test_donated_state_is_not_copied_into_the_loop(dg_model, lazy, monkeypatch):
+def test_donated_state_is_not_copied_into_the_loop(dg_model, monkeypatch):
     """With DONATE_STATE the loop runs in the start's buffers: no entry copy of the KV caches, the residual, the
-    canvas or LAZY_RESIDUAL's distribution, where the program that only reads the state copies them all (a while
+    canvas, where the program that only reads the state copies them all (a while
     loop cannot update an input it does not own). Only small values that are both an output and part of the
     handed-back state are copied."""
-    found = _loop_program_copies(*dg_model, monkeypatch, blocks=2, lazy=lazy)
+    found = _loop_program_copies(*dg_model, monkeypatch, blocks=2)
     copied, donated = _entry_state_copies(found["finish"]), _entry_state_copies(found["in_place"])
-    assert {b for b in BIG for c in copied if c.startswith(b)} == {*BIG[:3], *BIG[3:] * lazy}, copied
+    assert {b for b in BIG for c in copied if c.startswith(b)} == set(BIG), copied
     assert not [c for c in donated if c.startswith(BIG)], donated
     assert donated <= {"tokens", "forwards", "total_forwards", "commits", "steps_per_block"}
 

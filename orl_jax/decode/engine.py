@@ -18,7 +18,6 @@ what the ORL trainer replays.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import threading
@@ -77,9 +76,9 @@ OUTPUT_WORKSPACE: bool | str = "auto"
 SPLIT_START: bool = True
 # ... and with SPLIT_START, the loop's program takes the start's state donated and hands back its last state in the
 # same buffers (kept for the next call's start), so the loop runs in them. Without it the loop's program copies every
-# carried buffer the loop updates at entry, since a while loop cannot update an input it does not own: at the 26B
-# LAZY_RESIDUAL's distribution (134 MB) and, where blocks are committed in the loop, the KV caches (~175 MB at 768
-# slots), each ~0.05 ms per 100 MB copied on an H200 by bandwidth (tests/test_loop_copies.py). Read at call time.
+# carried buffer the loop updates at entry, since a while loop cannot update an input it does not own: at the 26B,
+# where blocks are committed in the loop, the KV caches (~175 MB at 768 slots, ~0.09 ms on an H200 by bandwidth;
+# tests/test_loop_copies.py). Read at call time.
 DONATE_STATE: bool = True
 # ... and with SPLIT_START, the fused first pass's first N layer groups as a program of their own (DiffusionGemma:
 # prefill_decode_first / _rest; 0: not split). The GPU then waits only for that small program's host-side
@@ -87,12 +86,6 @@ DONATE_STATE: bool = True
 # 4 of 6 rounds, within the keys' 1.1 ms spread (2026-12-06_dg_split_start_h200.md, call 2). Off until an H200
 # measures it; read at call time.
 SPLIT_START_GROUPS: int = 0
-# Where the model fuses the first step into the prefill and a residual is carried: the step's distribution rides in
-# the loop's state and its soft embedding (the [B, L, V] x [V, D] GEMM, ~0.5 ms per step at the 26B) is computed at
-# the start of the next step's body (_resolve_residual), so the generation's last step, after which the loop ends,
-# skips it: one GEMM less per generate(), the same results. The cost: the distribution (bf16 [B, L, V], 134 MB at the
-# 26B) in the loop's carry. Off until an A/B on the device measures it; read at call time.
-LAZY_RESIDUAL: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,7 +101,6 @@ class DecodeConfig:
     pad_token_id: int
     capture: bool = False
     stream: bool = False
-    lazy_residual: bool = False  # LAZY_RESIDUAL, where it applies
 
 
 # --- streaming: a host callback per finished block ------------------------------------------------------------
@@ -232,14 +224,6 @@ def _start_groups(cfg, dcfg: DecodeConfig) -> int:
     return g
 
 
-def _lazy_residual(cfg, dcfg: DecodeConfig) -> bool:
-    """LAZY_RESIDUAL where it applies (a residual is carried and the first step is fused into the prefill, which
-    hands the loop its first distribution); another value is refused by name before anything compiles."""
-    if LAZY_RESIDUAL not in (True, False):
-        raise ValueError(f"engine.LAZY_RESIDUAL must be True or False, got {LAZY_RESIDUAL!r}")
-    return LAZY_RESIDUAL and not isinstance(dcfg.residual, NoResidual) and _passes(cfg, dcfg)[0]
-
-
 def _workspace_like(fn, key, *args):
     """Values in the shapes and dtypes of fn(*args) (what SPLIT_START first donates to its programs): zeros, and keys
     derived from `key` where the output holds keys (never the caller's own key, which donation would delete)."""
@@ -338,16 +322,15 @@ def _advance(params, s: DecodeState, logits, cache, *, cfg: ModelConfig, dcfg: D
     block_done = s.block_done | (out.done & active)
     step = s.step + 1
     finish = jnp.all(block_done | s.seq_done) | (step >= dcfg.max_steps)
-    z, a, pending = s.z, s.a, None
+    z, a = s.z, s.a
     if not isinstance(dcfg.residual, NoResidual):
         a = jnp.where(keep, out.entropy, s.a)
-        if dcfg.lazy_residual:  # z from this step's distribution when (if) the next step runs: _resolve_residual
-            pending = {"probs": out.probs, "scale": out.probs_scale, "fresh": active & ~finish}
-        else:
-            # a block's last step computes z for nothing (it is zeroed below), but skipping it under a lax.cond on
-            # `finish` made the 26B's generate() 1.2 ms slower on an H100 (session 58,
-            # benchmarks/results/2026-12-06_dg_output_workspace_h100.md): every step pays the cond
-            z = jnp.where(keep[..., None], soft_embed(params, cfg, out.probs, out.probs_scale), s.z)
+        # A block's last step computes z for nothing (it is zeroed below). Skipping it under a lax.cond on `finish`
+        # made the 26B's generate() 1.2 ms slower on an H100 (session 58,
+        # benchmarks/results/2026-12-06_dg_output_workspace_h100.md): every step pays the cond. Carrying the
+        # distribution in the loop's state and embedding it at the next step's start (the last step then skips
+        # it) made it 1.3 ms slower, 6 of 6 rounds (session 69, 2026-12-07_dg_lazy_residual_h100.md).
+        z = jnp.where(keep[..., None], soft_embed(params, cfg, out.probs, out.probs_scale), s.z)
     cap = s.capture
     if cap is not None:
         i = s.total_forwards
@@ -388,17 +371,7 @@ def _advance(params, s: DecodeState, logits, cache, *, cfg: ModelConfig, dcfg: D
         steps_per_block=jnp.where(finish, s.steps_per_block.at[s.block].set(step), s.steps_per_block),
         capture=cap,
         prev_h=prev_h,
-        pending=pending,
     )
-
-
-def _resolve_residual(params, s: DecodeState, *, cfg: ModelConfig) -> DecodeState:
-    """LAZY_RESIDUAL: the last step's soft embedding, for the rows that stepped and did not finish their block."""
-    if s.pending is None:
-        return s
-    p = s.pending
-    z = jnp.where(p["fresh"][:, None, None], soft_embed(params, cfg, p["probs"], p["scale"]), s.z)
-    return s.replace(z=z)
 
 
 def _first_canvas(prompt, key, *, cfg: ModelConfig, dcfg: DecodeConfig):
@@ -466,7 +439,6 @@ def _loop(params, state: DecodeState, *, cfg: ModelConfig, dcfg: DecodeConfig) -
         return (s.block < dcfg.num_blocks) & ~jnp.all(s.seq_done)
 
     def body(s: DecodeState):
-        s = _resolve_residual(params, s, cfg=cfg)
         return _advance(params, s, *_forward(params, s, cfg=cfg, dcfg=dcfg), cfg=cfg, dcfg=dcfg)
 
     return jax.lax.while_loop(cond, body, state)
@@ -719,7 +691,6 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, *, key: jax.Array, max_
     dcfg = DecodeConfig(sampler=sampler, residual=residual, block_length=L, num_blocks=nb, max_steps=max_steps,
                         eos_token_ids=eos, pad_token_id=pad, capture=bool(capture), stream=streamer is not None)
     _start_groups(cfg, dcfg)  # an invalid engine.SPLIT_START_GROUPS is refused before anything compiles
-    dcfg = dataclasses.replace(dcfg, lazy_residual=_lazy_residual(cfg, dcfg))
     if mesh is not None:
         # tensor (heads / MLP / vocab) and expert parallelism come from the weights' logical axes; the loop itself
         # is unchanged, XLA partitions it (GSPMD) and inserts the collectives. The Pallas kernels are single-device:

@@ -27,9 +27,6 @@ class DecodeState:
     steps_per_block: jax.Array  # [blocks] int32
     capture: dict | None = None  # capture mode only: per-step records, see engine.py
     prev_h: jax.Array | None = None  # [B, D] logit_shift models: the last committed token's hidden state
-    # engine.LAZY_RESIDUAL: the last step's distribution ("probs" [B, L, V], "scale" [B, L] or None) and the rows
-    # whose z it replaces ("fresh" [B]); z is then computed at the next step's start
-    pending: dict | None = None
 
 
 @struct.dataclass
