@@ -17,16 +17,13 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from orl_jax import runtime  # noqa: E402
-
-runtime.configure(None)
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from bench_io import recorder  # noqa: E402
 from hlo_describe import copies  # noqa: E402
 
 from orl_jax import params as P  # noqa: E402
+from orl_jax import runtime  # noqa: E402
 from orl_jax.config import preset  # noqa: E402
 from orl_jax.decode import engine  # noqa: E402
 from orl_jax.decode.samplers import UniformSampler  # noqa: E402
@@ -46,17 +43,17 @@ def _model(name: str):
     return cfg, P.init(qwen3.param_specs(cfg), jax.random.key(0)), 4
 
 
-def loop_copies(name: str, blocks: int) -> list[dict]:
-    """The copies of the loop's program (the split path's last program) after one plain generate()."""
-    cfg, params, block = _model(name)
-    engine.OUTPUT_WORKSPACE, engine._workspaces = True, {}
+def loop_program_copies(cfg, params, block: int, blocks: int) -> tuple[engine.DecodeState, dict]:
+    """After one plain generate() of `blocks` blocks of `block` tokens through the split programs (the caller sets
+    engine.OUTPUT_WORKSPACE on and empties engine._workspaces): the state the engine kept, and the copies of the
+    loop's program that reads it ("finish") and of the one it is donated to ("in_place", DONATE_STATE)."""
     engine.generate(params, cfg, [[5, 6, 7, 8, 9], [10, 11]], key=jax.random.key(3), eos_token_id=(),
                     sampler=UniformSampler(max_denoising_steps=4), max_new_tokens=blocks * block, block_length=block)
     (slot, state), = [(k, v) for k, v in engine._workspaces.items() if isinstance(v, engine.DecodeState)]
     (workspace,) = [v for v in engine._workspaces.values() if isinstance(v, engine.GenerateOutput)]
-    programs = [p for p in (engine._split_concurrent, engine._split_graphed) if slot[0] is p[0]][0]
-    program = programs[3] if engine.DONATE_STATE else programs[1]
-    return copies(program.lower(workspace, params, state, cfg=slot[1], dcfg=slot[2]).compile().as_text())
+    _, finish, _, in_place = [p for p in (engine._split_concurrent, engine._split_graphed) if slot[0] is p[0]][0]
+    return state, {name: copies(p.lower(workspace, params, state, cfg=slot[1], dcfg=slot[2]).compile().as_text())
+                   for name, p in (("finish", finish), ("in_place", in_place))}
 
 
 def main():
@@ -67,8 +64,11 @@ def main():
     args = ap.parse_args()
     if args.blocks < 1:
         raise ValueError(f"--blocks must be >= 1, got {args.blocks}")
+    runtime.configure(None)  # before the backend starts (the first generate())
     record = recorder(args.out)
-    found = loop_copies(args.model, args.blocks)
+    engine.OUTPUT_WORKSPACE, engine._workspaces = True, {}
+    program = "in_place" if engine.DONATE_STATE else "finish"  # the one generate() runs
+    found = loop_program_copies(*_model(args.model), args.blocks)[1][program]
     per = defaultdict(lambda: [0, 0])
     for c in found:
         per[c["computation"]][0] += 1

@@ -103,14 +103,13 @@ def copies(hlo_text: str) -> list[dict]:
     fused = set(re.findall(r"\bcalls=%?([\w.\-]+)", hlo_text))  # fusion bodies, whose copies are not operations
     for ln in hlo_text.splitlines():
         if (c := _COMP.match(ln)) and ln.rstrip().endswith("{"):
-            comp = c.group(1) or c.group(2)
-            fusion_body = comp in fused and not ln.startswith("ENTRY")
-            entry = ln.startswith("ENTRY")
+            comp, entry = c.group(1) or c.group(2), ln.startswith("ENTRY")
+            fusion_body = comp in fused and not entry
             continue
         m = _INSTR.match(ln)
         if not m or m.group(3) != "copy" or fusion_body or comp is None:
             continue
-        name, typ, _, args, rest = m.groups()
+        _, typ, _, args, rest = m.groups()
         op_name = re.search(r'op_name="([^"]*)"', rest)
         out.append({"computation": comp, "entry": entry, "result": re.sub(r"\{.*", "", typ), "bytes": _bytes(typ),
                     "operand": args.strip().lstrip("%"), "op_name": op_name.group(1) if op_name else ""})

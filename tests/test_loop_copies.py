@@ -1,4 +1,4 @@
-"""What the compiled loop program copies (benchmarks/hlo_describe.copies over the program generate() runs): with
+"""What the compiled loop program copies (benchmarks/hlo_copies.py over the programs generate() runs): with
 DONATE_STATE nothing of the carried state at entry, and in the loop's body no copy of the KV cache, also where a
 lax.cond chooses between a block's commit pass and the plain one (the cache is only read inside the cond and the
 commit's K/V written after it). The cache's read / no-op write-back that this rests on is exact."""
@@ -13,14 +13,13 @@ import pytest
 
 from orl_jax import params as P
 from orl_jax.decode import engine
-from orl_jax.decode.samplers import UniformSampler
 from orl_jax.diffusion_gemma_config import DG_PRESETS
 from orl_jax.model import diffusion_gemma as dg
 from orl_jax.model.cache import KVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from hlo_describe import copies  # noqa: E402
+from hlo_copies import loop_program_copies  # noqa: E402
 
 BIG = ("cache", "z", "canvas")  # the carried state larger than a few scalars per row
 
@@ -37,13 +36,7 @@ def _loop_program_copies(cfg, params, monkeypatch, *, blocks: int) -> dict:
     KV cache's array types} after one plain generate() of `blocks` blocks through the split programs."""
     monkeypatch.setattr(engine, "OUTPUT_WORKSPACE", True)
     monkeypatch.setattr(engine, "_workspaces", {})
-    engine.generate(params, cfg, [[5, 6, 7, 8, 9], [10, 11]], key=jax.random.key(3), eos_token_id=(),
-                    sampler=UniformSampler(max_denoising_steps=4), max_new_tokens=16 * blocks, block_length=16)
-    (slot, state), = [(k, v) for k, v in engine._workspaces.items() if isinstance(v, engine.DecodeState)]
-    (workspace,) = [v for v in engine._workspaces.values() if isinstance(v, engine.GenerateOutput)]
-    _, finish, _, in_place = engine._split_concurrent
-    found = {name: copies(p.lower(workspace, params, state, cfg=slot[1], dcfg=slot[2]).compile().as_text())
-             for name, p in (("finish", finish), ("in_place", in_place))}
+    state, found = loop_program_copies(cfg, params, 16, blocks)
     return found | {"cache": {f"{a.dtype}[{','.join(map(str, a.shape))}]".replace("bfloat16", "bf16")
                               for a in (state.cache.sliding.k, state.cache.full.k)}}
 
@@ -55,10 +48,9 @@ def _entry_state_copies(found) -> set[str]:
 
 
 def test_donated_state_is_not_copied_into_the_loop(dg_model, monkeypatch):
-    """With DONATE_STATE the loop runs in the start's buffers: no entry copy of the KV caches, the residual, the
-    canvas, where the program that only reads the state copies them all (a while
-    loop cannot update an input it does not own). Only small values that are both an output and part of the
-    handed-back state are copied."""
+    """With DONATE_STATE the loop runs in the start's buffers: no entry copy of the KV caches, the residual or the
+    canvas, where the program that only reads the state copies them all (a while loop cannot update an input it does
+    not own). Only small values that are both an output and part of the handed-back state are copied."""
     found = _loop_program_copies(*dg_model, monkeypatch, blocks=2)
     copied, donated = _entry_state_copies(found["finish"]), _entry_state_copies(found["in_place"])
     assert {b for b in BIG for c in copied if c.startswith(b)} == set(BIG), copied
